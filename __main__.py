@@ -1,0 +1,3 @@
+from lowbit.cli.main import main
+
+main()
