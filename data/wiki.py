@@ -120,6 +120,7 @@ _DROPPED_ELEMENTS = re.compile(
 # Inline templates whose rendering is one of their own arguments (no nested markup inside).
 _TEXT_TEMPLATE = re.compile(r"\{\{\s*(lang|lang-[A-Za-z-]+|nowrap|nobr|convert)\s*\|([^{}\[\]]*)\}\}", re.I)
 _EXTERNAL_LINK = re.compile(r"\[(?:https?:|ftp:|mailto:|//)[^\s\]]*(?:\s+([^\]]*))?\]")
+_HIDDEN_LINK_START = re.compile(r"\[\[\s*(?:" + "|".join(HIDDEN_LINK_NAMESPACES) + r")\s*:", re.I)
 _INNER_LINK = re.compile(r"\[\[([^\[\]]*)\]\]")
 _LINE_BREAK_TAG = re.compile(r"<br\s*/?>", re.I)
 _HTML_TAG = re.compile(r"</?[A-Za-z][A-Za-z0-9]*\b[^<>]*>")
@@ -142,6 +143,7 @@ def clean_wikitext(markup: str) -> str:
     text = _TEXT_TEMPLATE.sub(_template_text, text)
     text = _remove_nested(text, "{{", "}}")
     text = _remove_nested(text, "{|", "|}")
+    text = _remove_hidden_links(text)
     text = _EXTERNAL_LINK.sub(lambda m: m.group(1) or "", text)
     text = _replace_internal_links(text)
     text = _LINE_BREAK_TAG.sub(" ", text)
@@ -193,6 +195,29 @@ def _remove_nested(text: str, open_mark: str, close_mark: str) -> str:
         out.append(open_mark + _remove_nested(rest, open_mark, close_mark))
     else:
         out.append(text[kept_from:])
+    return "".join(out)
+
+
+def _remove_hidden_links(text: str) -> str:
+    """Drop [[File:…]], [[Category:…]] links whole: captions hold nested links and stray brackets."""
+    out: list[str] = []
+    pos = 0
+    while (match := _HIDDEN_LINK_START.search(text, pos)) is not None:
+        out.append(text[pos : match.start()])
+        depth, i = 1, match.end()
+        while i < len(text) and depth:
+            if text.startswith("[[", i):
+                depth, i = depth + 1, i + 2
+            elif text.startswith("]]", i):
+                depth, i = depth - 1, i + 2
+            else:
+                i += 1
+        if depth:
+            # Never closed: MediaWiki would show it as text, so keep it rather than lose the rest.
+            out.append(text[match.start() :])
+            return "".join(out)
+        pos = i
+    out.append(text[pos:])
     return "".join(out)
 
 
