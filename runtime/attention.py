@@ -1,0 +1,138 @@
+"""Causal self-attention: the projection module, the KV cache, and `attend`, the one attention call.
+
+`attend` is the only place that turns (q, k, v) into attention output, so a paged-cache engine can
+replace it (and `KVCache`) without touching the model files. Masks are built at most once per
+forward and per window size, and only when SDPA's own `is_causal` cannot express them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lowbit.errors import LowbitError
+from lowbit.runtime.config import ModelConfig
+from lowbit.runtime.layers import RMSNorm, apply_rotary
+from lowbit.runtime.linear import make_linear
+
+
+class KVCache:
+    """Contiguous per-layer key/value buffers [B, kv_heads, max_len, head_dim] for incremental decoding.
+
+    Layers write at `length`; the model calls `advance` once after all layers saw the new tokens.
+    """
+
+    def __init__(self, config: ModelConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device):
+        shape = (batch, config.num_key_value_heads, max_len, config.head_dim)
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.batch = batch
+        self.max_len = max_len
+        self.length = 0
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new keys/values of `layer` and return all of them so far."""
+        end = self.length + k.shape[2]
+        self.keys[layer][:, :, self.length : end] = k
+        self.values[layer][:, :, self.length : end] = v
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def check_room(self, new_tokens: int) -> None:
+        if self.length + new_tokens > self.max_len:
+            raise LowbitError(
+                f"KV cache full: {self.length} + {new_tokens} tokens exceed its {self.max_len} positions"
+            )
+
+    def advance(self, new_tokens: int) -> None:
+        self.length += new_tokens
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+class AttentionContext:
+    """What every layer's attention shares within one forward: how many tokens came before, how
+    many are new, and the masks for each window size (built lazily, once)."""
+
+    __slots__ = ("past", "length", "device", "_masks")
+
+    def __init__(self, past: int, length: int, device: torch.device):
+        self.past = past
+        self.length = length
+        self.device = device
+        self._masks: dict[int | None, torch.Tensor] = {}
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """Boolean [T, past + T]: query i (at past + i) sees key j when j <= past + i, within the window."""
+        if window not in self._masks:
+            q_pos = torch.arange(self.past, self.past + self.length, device=self.device)[:, None]
+            k_pos = torch.arange(self.past + self.length, device=self.device)[None, :]
+            allowed = k_pos <= q_pos
+            if window is not None:
+                allowed &= k_pos > q_pos - window
+            self._masks[window] = allowed
+        return self._masks[window]
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    ctx: AttentionContext,
+    cache: KVCache | None,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of q [B, H, T, D] over the cached and new k, v [B, kv_heads, T, D]."""
+    if cache is not None:
+        k, v = cache.update(layer, k, v)
+    total = k.shape[2]
+    mask = None
+    is_causal = False
+    if ctx.length == 1:
+        # One new token sees every cached key, or the last `window` of them.
+        if window is not None and total > window:
+            k, v = k[:, :, total - window :], v[:, :, total - window :]
+    elif ctx.past == 0 and (window is None or window >= ctx.length):
+        is_causal = True
+    else:
+        mask = ctx.mask(window)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
+class SelfAttention(nn.Module):
+    """q/k/v/o projections (HF names), optional per-head q/k RMSNorm, RoPE, then `attend`."""
+
+    def __init__(self, config: ModelConfig, layer: int, norm_unit_offset: bool = False):
+        super().__init__()
+        d = config.head_dim
+        self.layer = layer
+        self.head_dim = d
+        self.scale = config.query_scale
+        self.window = config.window(layer)
+        self.q_proj = make_linear(config.hidden_size, config.num_attention_heads * d, config.attention_bias)
+        self.k_proj = make_linear(config.hidden_size, config.num_key_value_heads * d, config.attention_bias)
+        self.v_proj = make_linear(config.hidden_size, config.num_key_value_heads * d, config.attention_bias)
+        self.o_proj = make_linear(config.num_attention_heads * d, config.hidden_size, config.o_proj_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps, norm_unit_offset)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps, norm_unit_offset)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, ctx: AttentionContext, cache: KVCache | None) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        out = attend(q, k, v, self.layer, ctx, cache, self.scale, self.window)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))

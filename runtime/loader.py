@@ -1,0 +1,126 @@
+"""load_model: a Hugging Face-style directory (config.json + safetensors) -> a ready CausalLM.
+
+The model is built on the meta device and its parameters are assigned straight from the files,
+so no memory is spent on a random initialisation that would be overwritten. Loading is strict:
+every parameter must come from the checkpoint and every checkpoint tensor must be used.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from lowbit.errors import LowbitError
+from lowbit.runtime.config import ModelConfig
+from lowbit.runtime.models import CausalLM, build_model
+
+# Tensors some exporters save that carry no learned state.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise LowbitError(f"cannot read {path}: {_one_line(exc)}") from None
+    if not isinstance(data, dict):
+        raise LowbitError(f"{path} does not hold a JSON object")
+    return data
+
+
+def model_dir(path: str | Path) -> Path:
+    """The path as a model directory, or a clear error saying why it is not one."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise LowbitError(f"model not found: {path}")
+    if not path.is_dir():
+        raise LowbitError(f"{path} is not a model directory (expected a folder with config.json and *.safetensors)")
+    if not (path / "config.json").is_file():
+        raise LowbitError(f"{path} is not a model directory: it has no config.json")
+    return path
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    return ModelConfig.from_dict(read_json(model_dir(path) / "config.json"))
+
+
+def weight_files(path: Path) -> list[Path]:
+    """model.safetensors, or the shards named by model.safetensors.index.json."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise LowbitError(f"{index} has no weight_map")
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        for file in files:
+            if not file.is_file():
+                raise LowbitError(f"shard {file.name} named by {index.name} is missing from {path}")
+        return files
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    shards = sorted(path.glob("*.safetensors"))
+    if shards:
+        return shards
+    raise LowbitError(f"{path} has no *.safetensors weights")
+
+
+def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of the files, with any read failure as one LowbitError line."""
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except LowbitError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - safetensors raises several unrelated types for bad files
+            raise LowbitError(f"corrupt or unreadable safetensors file {file}: {_one_line(exc)}") from None
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> CausalLM:
+    path = model_dir(path)
+    config = read_config(path)
+    files = weight_files(path)
+    with torch.device("meta"):
+        model = build_model(config)
+    expected = dict(model.state_dict(keep_vars=True))
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+
+    state: dict[str, torch.Tensor] = {}
+    unexpected: list[str] = []
+    for name, tensor in iter_tensors(files):
+        if name.endswith(_IGNORED_SUFFIXES) or (config.tie_word_embeddings and name == "lm_head.weight"):
+            continue
+        if name not in expected:
+            unexpected.append(name)
+            continue
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise LowbitError(
+                f"weight {name} in {path} has shape {tuple(tensor.shape)}, config.json implies {tuple(expected[name].shape)}"
+            )
+        state[name] = tensor.to(device=device, dtype=dtype)
+
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise LowbitError(f"checkpoint {path} lacks {len(missing)} weight(s) the model needs, e.g. {missing[0]}")
+    if unexpected:
+        raise LowbitError(
+            f"checkpoint {path} has {len(unexpected)} weight(s) that {config.architecture} does not use, "
+            f"e.g. {sorted(unexpected)[0]}"
+        )
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")

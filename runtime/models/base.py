@@ -1,0 +1,96 @@
+"""CausalLM: the decoder-only skeleton every family shares (embed, layers, final norm, lm_head).
+
+A family supplies its decoder layer class and a few switches (Gemma's norm offset and embedding
+scale). Module names are Hugging Face's, so `state_dict()` keys equal a safetensors checkpoint's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lowbit.runtime.attention import AttentionContext, KVCache
+from lowbit.runtime.config import ModelConfig
+from lowbit.runtime.layers import RMSNorm, Rotary
+from lowbit.runtime.linear import make_linear
+
+
+class DecoderModel(nn.Module):
+    """`model.*` of a HF checkpoint: embed_tokens, layers, norm."""
+
+    def __init__(self, config: ModelConfig, layer_cls: type[nn.Module], norm_unit_offset: bool, scale_embeddings: bool):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layer_cls(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, norm_unit_offset)
+        self.scale_embeddings = scale_embeddings
+        self.hidden_size = config.hidden_size
+        # One Rotary per distinct RoPE setting; layers index into it.
+        ropes = [config.layer_rope(i) for i in range(config.num_hidden_layers)]
+        distinct = []
+        for rope in ropes:
+            if rope not in distinct:
+                distinct.append(rope)
+        self.rotaries = [Rotary(rope, config.head_dim) for rope in distinct]
+        self.layer_rotary = [distinct.index(rope) for rope in ropes]
+
+    def forward(self, input_ids, positions, max_position: int, cache: KVCache | None) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        if self.scale_embeddings:
+            # Gemma scales by sqrt(hidden) rounded to the model dtype, as its checkpoints were trained.
+            h = h * torch.tensor(self.hidden_size**0.5, dtype=h.dtype).item()
+        ctx = AttentionContext(cache.length if cache is not None else 0, input_ids.shape[1], h.device)
+        rotations = [r.cos_sin(positions, max_position, h.dtype) for r in self.rotaries]
+        for layer, which in zip(self.layers, self.layer_rotary):
+            cos, sin = rotations[which]
+            h = layer(h, cos, sin, ctx, cache)
+        return self.norm(h)
+
+
+class CausalLM(nn.Module):
+    """forward(input_ids[B, T], positions=None, cache=None, logits_start=0) -> logits[B, T - logits_start, V]."""
+
+    layer_cls: type[nn.Module]
+    norm_unit_offset = False
+    scale_embeddings = False
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, self.layer_cls, self.norm_unit_offset, self.scale_embeddings)
+        self.lm_head = make_linear(config.hidden_size, config.vocab_size, False)
+
+    def tie_weights(self) -> None:
+        self.lm_head.weight = self.model.embed_tokens.weight
+
+    def new_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
+        weight = self.model.embed_tokens.weight
+        return KVCache(self.config, batch, max_len or self.config.max_position_embeddings, weight.dtype, weight.device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        logits_start: int = 0,
+    ) -> torch.Tensor:
+        t = input_ids.shape[1]
+        past = 0
+        if cache is not None:
+            cache.check_room(t)
+            past = cache.length
+        if positions is None:
+            positions = torch.arange(past, past + t, device=input_ids.device)
+            max_position = past + t - 1
+        else:
+            max_position = int(positions.max())
+        h = self.model(input_ids, positions, max_position, cache)
+        if cache is not None:
+            cache.advance(t)
+        if logits_start:
+            h = h[:, logits_start:]
+        logits = self.lm_head(h)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -1,0 +1,31 @@
+"""The Llama family: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norm), SmolLM2.
+
+Pre-norm blocks: x + attn(norm(x)), then x + SwiGLU(norm(x)). Differences between members are
+flags on ModelConfig (biases, q/k norm, windows, RoPE scaling), not separate classes.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from lowbit.runtime.attention import SelfAttention
+from lowbit.runtime.config import ModelConfig
+from lowbit.runtime.layers import GatedMLP, RMSNorm
+from lowbit.runtime.models.base import CausalLM
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.self_attn = SelfAttention(config, layer)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, ctx, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(CausalLM):
+    layer_cls = LlamaDecoderLayer
