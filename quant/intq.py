@@ -1,0 +1,142 @@
+"""Integer formats: int2, int3, int4 and int8, symmetric or asymmetric, per group or per row.
+
+Element codes are unsigned u in [0, 2^b - 1] and dequantize as (u - z) * scale:
+  symmetric   z = 2^(b-1) fixed (int4: u - 8 in -8..7), no zero tensor stored
+  asymmetric  z = the group's zero point, an integer in [0, 2^b - 1], stored uint8
+Scales may be negative in symmetric formats: the Q4_0-style rule puts a group's
+largest-magnitude weight m exactly on code -2^(b-1) (scale = -m / 2^(b-1)), using the extra
+negative level for whichever sign m has.
+
+Stored parts for W[N, K], group size g (g = K for per-row scales), G = ceil(K / g):
+  qweight  b < 8: uint8 [N, ceil(K*b/8)], codes u packed along K as a little-endian bit stream
+           (4 bits: byte i = element 2i in the LOW nibble, element 2i+1 in the high nibble;
+           see quant/packing.py);  b = 8: int8 [N, K] holding u - 128 (the signed code) so
+           torch's int8 matmul can read it directly
+  scales   [N, G] in the spec's scale dtype (float16 by default)
+  zeros    asymmetric only: uint8 [N, G]
+Bits per weight = b + (scale bits [+ 8 zero bits]) / g.
+
+Scale choice (spec.scale_rule):
+  absmax  symmetric: extreme → -2^(b-1) (llama.cpp Q4_0's rule); asymmetric: the group's min/max
+  mse     (default) the absmax candidate plus a grid of clipped/stretched candidates in both
+          sign orientations (asymmetric: min and max shrunk together, like AWQ's clip search);
+          per group the one with the least squared error, weighted per input channel by `stats`
+          when given. Rounding of elements is round-half-to-even (torch.round).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowbit.quant import codec
+from lowbit.quant.groups import (
+    GroupScales,
+    check_weight,
+    column_weights,
+    grouped,
+    num_groups,
+    round_scale,
+    safe_divisor,
+    scale_torch_dtype,
+    search_best,
+)
+from lowbit.quant.packing import pack_bits, packed_width, unpack_bits
+from lowbit.quant.qtensor import QTensor
+from lowbit.quant.spec import FormatSpec
+from lowbit.errors import UsageError
+
+_SYM_GRID = torch.linspace(0.75, 1.25, 17).tolist()
+_ASYM_SHRINK = torch.linspace(1.0, 0.5, 21).tolist()[1:]
+
+
+def group_size_of(spec: FormatSpec, in_features: int) -> int:
+    return spec.group_size if spec.granularity == "group" else in_features
+
+
+def part_layout(spec: FormatSpec, shape: tuple[int, int]) -> dict:
+    n, k = shape
+    g = num_groups(k, group_size_of(spec, k))
+    if spec.bits == 8:
+        layout = {"qweight": ((n, k), torch.int8)}
+    else:
+        layout = {"qweight": ((n, packed_width(k, spec.bits)), torch.uint8)}
+    layout["scales"] = ((n, g), scale_torch_dtype(spec.scale_dtype))
+    if not spec.symmetric:
+        layout["zeros"] = ((n, g), torch.uint8)
+    return layout
+
+
+def quantize_group_values(x, scale, zero, spec: FormatSpec):
+    """Codes u = clamp(round(x / scale) + z) and their values (u - z) * scale (float32)."""
+    top = (1 << spec.bits) - 1
+    mid = zero if zero is not None else float(1 << (spec.bits - 1))
+    codes = (torch.round(x / safe_divisor(scale)) + mid).clamp(0, top)
+    return codes.to(torch.uint8), (codes - mid) * scale
+
+
+def dequantize_codes(codes, scale, zero, spec: FormatSpec):
+    mid = zero if zero is not None else float(1 << (spec.bits - 1))
+    return (codes.float() - mid) * scale
+
+
+def compute_scales(w, spec: FormatSpec, *, stats=None, global_scale=None) -> GroupScales:
+    if global_scale is not None:
+        raise UsageError(f"{spec.label} has no global scale")
+    w = check_weight(w)
+    k = w.shape[1]
+    g = group_size_of(spec, k)
+    wg = grouped(w, g)
+    weight = grouped(column_weights(stats, k).unsqueeze(0), g)
+    candidates = _symmetric_candidates(wg, spec) if spec.symmetric else _asymmetric_candidates(wg, spec)
+    best = search_best(wg, weight, candidates, lambda x, s, z=None: quantize_group_values(x, s, z, spec)[1])
+    scale = best[0].squeeze(-1)
+    stored = {"scales": scale.to(scale_torch_dtype(spec.scale_dtype))}
+    zero = None
+    if not spec.symmetric:
+        zero = best[1].squeeze(-1)
+        stored["zeros"] = zero.to(torch.uint8)
+    return GroupScales(scale=scale, zero=zero, group_size=g, stored=stored)
+
+
+def _symmetric_candidates(wg, spec: FormatSpec):
+    neg = float(1 << (spec.bits - 1))
+    pos = neg - 1
+    extreme = wg.gather(-1, wg.abs().argmax(-1, keepdim=True))  # signed largest-magnitude value
+    yield (round_scale(-extreme / neg, spec.scale_dtype),)
+    if spec.scale_rule == "mse":
+        for r in _SYM_GRID:
+            yield (round_scale(-extreme / (neg * r), spec.scale_dtype),)
+            yield (round_scale(extreme / (pos * r), spec.scale_dtype),)
+
+
+def _asymmetric_candidates(wg, spec: FormatSpec):
+    top = float((1 << spec.bits) - 1)
+    lo = wg.amin(-1, keepdim=True).clamp(max=0)
+    hi = wg.amax(-1, keepdim=True).clamp(min=0)
+    shrinks = [1.0] + (_ASYM_SHRINK if spec.scale_rule == "mse" else [])
+    for p in shrinks:
+        scale = round_scale((hi - lo) * p / top, spec.scale_dtype)
+        zero = torch.round(-lo * p / safe_divisor(scale)).clamp(0, top)
+        yield scale, zero
+
+
+def scales_from_parts(qt: QTensor) -> GroupScales:
+    zero = None if qt.zeros is None else qt.zeros.float()
+    g = group_size_of(qt.spec, qt.shape[1])
+    return GroupScales(scale=qt.scales.float(), zero=zero, group_size=g, stored={})
+
+
+def pack(codes: torch.Tensor, spec: FormatSpec) -> torch.Tensor:
+    if spec.bits == 8:
+        return (codes.to(torch.int16) - 128).to(torch.int8).contiguous()
+    return pack_bits(codes, spec.bits)
+
+
+def unpack(packed: torch.Tensor, spec: FormatSpec, in_features: int) -> torch.Tensor:
+    if spec.bits == 8:
+        return (packed.to(torch.int16) + 128).to(torch.uint8)
+    return unpack_bits(packed, spec.bits, in_features)
+
+
+# The whole-matrix functions are the same for every format (quant/codec.py).
+quantize, dequantize, fake_quantize_column, bits_per_weight = codec.public_functions(__name__)
