@@ -150,9 +150,15 @@ class Scheduler:
         return out
 
     def postprocess(self, out: SchedulerOutput, token_ids: list[list[int]]) -> list[Sequence]:
-        """Record a finished step: token_ids[i] are the tokens sampled for out.items[i] (empty
-        when the item was a prefill chunk that did not reach the end). Returns the sequences
-        that finished; their blocks are already freed."""
+        """Record a finished step: token_ids[i] are the tokens emitted for out.items[i] (empty
+        for a prefill chunk that did not reach the end, one token for a normal sample, the
+        accepted drafts + one for a speculative verify). Returns the sequences that finished;
+        their blocks are already freed.
+
+        The KV of every emitted token except the last is in the cache afterwards, so a verify
+        step that ran the last token + k drafts (item.num_new_tokens = 1 + k) and accepted a of
+        them leaves num_computed_tokens = start + 1 + a; rejected drafts' KV is ignored.
+        """
         if len(token_ids) != len(out.items):
             raise ValueError(f"{len(token_ids)} token lists for {len(out.items)} scheduled sequences")
         finished = []
@@ -160,15 +166,17 @@ class Scheduler:
             seq = item.seq
             if item.samples != bool(new_tokens):
                 raise ValueError(f"{seq.request_id}: expected {'a' if item.samples else 'no'} sampled token")
-            seq.num_computed_tokens = item.start + item.num_new_tokens
-            self.block_manager.register_computed(seq)
+            reason = None
             for token in new_tokens:
                 seq.append_token(token)
                 reason = self._finish_reason(seq, token)
                 if reason is not None:
-                    self._finish(seq, reason)
-                    finished.append(seq)
-                    break
+                    break  # tokens after a stop are dropped
+            seq.num_computed_tokens = min(item.start + item.num_new_tokens, seq.num_tokens - 1)
+            self.block_manager.register_computed(seq)  # before _finish frees: keep them cached
+            if reason is not None:
+                self._finish(seq, reason)
+                finished.append(seq)
         return finished
 
     # -- internals ----------------------------------------------------------------------------

@@ -232,3 +232,31 @@ def test_randomized_load_matches_reference():
         assert s.output_token_ids == reference_output(s.prompt_token_ids, s.params.max_tokens), s.request_id
     assert sched.num_preemptions > 0 and sched.block_manager.num_hit_tokens > 0
     assert sched.block_manager.num_used_blocks == 0
+
+
+def test_speculative_verify_step_bookkeeping():
+    from lowbit.runtime.engine.scheduler import ScheduledSeq, SchedulerOutput
+
+    sched = make(num_blocks=8)
+    s = request("a", [1, 2, 3], max_tokens=10)
+    sched.add(s)
+    runner = FakeRunner(sched)
+    runner.step()  # prefill; s now has 4 tokens, 3 computed
+    bm = sched.block_manager
+    k = 3
+    assert bm.can_append(s, num_lookahead=k)
+    bm.append_slot(s, num_lookahead=k)
+    assert len(s.block_table) * bm.block_size >= s.num_tokens + k
+    # The target ran the last token + 3 drafts; 2 drafts were accepted, plus its own token.
+    verify = SchedulerOutput(items=[ScheduledSeq(s, s.num_computed_tokens, 1 + k, True)])
+    sched.postprocess(verify, [[11, 12, 13]])
+    assert s.num_tokens == 7 and s.num_computed_tokens == 6  # the last emitted token is not computed
+    assert s.num_hashed_blocks == 1  # block 0 (tokens 0..3) is full and computed
+    # A stop token among the accepted ones ends the sequence and drops what follows.
+    s.params.stop_token_ids = (21,)
+    verify = SchedulerOutput(items=[ScheduledSeq(s, s.num_computed_tokens, 1 + k, True)])
+    sched.postprocess(verify, [[20, 21, 22]])
+    assert s.output_token_ids[-2:] == [20, 21] and s.finish_reason == "stop"
+    # 9 tokens, 8 computed: both full blocks were registered before the blocks were freed.
+    assert s.num_computed_tokens == 8 and bm.num_used_blocks == 0
+    assert len(bm.match_prefix(request("b", s.token_ids[:8] + [99]))) == 2
