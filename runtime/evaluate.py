@@ -336,6 +336,17 @@ def tokenize_for_eval(tokenizer, text: str) -> tuple[list[int], int | None]:
     return tokens, bos_id
 
 
+def plan_windows(
+    n_tokens: int, ctx: int, chunks: int | None = None, stride: int | None = None
+) -> list[Window]:
+    """Chunk windows (llama-perplexity), or sliding windows when `stride` is given."""
+    if chunks is not None and chunks < 1:
+        raise UsageError(f"--chunks must be at least 1, got {chunks}")
+    if stride is None:
+        return chunk_windows(n_tokens, ctx, chunks)
+    return stride_windows(n_tokens, ctx, stride, chunks)
+
+
 def evaluate_text(
     model,
     tokenizer,
@@ -347,19 +358,131 @@ def evaluate_text(
     on_window: ProgressCallback | None = None,
 ) -> EvalResult:
     """Perplexity (and KLD against base_model) of `model` on `text`; see the module docstring."""
+    _check_models(model, base_model, ctx)
+    tokens, bos_id = tokenize_for_eval(tokenizer, text)
+    windows = plan_windows(len(tokens), ctx, chunks, stride)
+    return _evaluate_planned(model, tokens, windows, bos_id, base_model, ctx, stride, on_window)
+
+
+def _check_models(model, base_model, ctx: int) -> None:
     check_ctx(ctx, _max_positions(model))
     if base_model is not None:
         check_ctx(ctx, _max_positions(base_model))
         _check_same_vocab(model, base_model)
-    if chunks is not None and chunks < 1:
-        raise UsageError(f"--chunks must be at least 1, got {chunks}")
-    tokens, bos_id = tokenize_for_eval(tokenizer, text)
-    if stride is None:
-        windows = chunk_windows(len(tokens), ctx, chunks)
-    else:
-        windows = stride_windows(len(tokens), ctx, stride, chunks)
+
+
+def _evaluate_planned(model, tokens, windows, bos_id, base_model, ctx, stride, on_window) -> EvalResult:
     result = evaluate_tokens(model, tokens, windows, bos_id=bos_id, base_model=base_model, on_window=on_window)
     if stride is not None:
         result.mode, result.stride = "stride", stride
     result.ctx = ctx
     return result
+
+
+# ---------------------------------------------------------------------------------------------
+# paths → report (what `lowbit eval` and Python users call)
+
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+# Text long enough to tell two tokenizers apart, short enough to encode twice for free.
+TOKENIZER_PROBE_CHARS = 4000
+
+
+@dataclass(slots=True)
+class EvalReport:
+    model: str
+    data: str
+    base: str | None
+    dtype: str
+    result: EvalResult
+    load_s: float
+
+
+@dataclass(slots=True)
+class EvalJob:
+    """Everything loaded and checked, ready to run: the slow part left is the forward passes."""
+
+    model_name: str
+    data_name: str
+    base_name: str | None
+    dtype: str
+    ctx: int
+    stride: int | None
+    model: object
+    base_model: object | None
+    tokens: list[int]
+    bos_id: int | None
+    windows: list[Window]
+    load_s: float
+
+
+def prepare(
+    model: str,
+    data: str,
+    ctx: int = 2048,
+    chunks: int | None = None,
+    stride: int | None = None,
+    base: str | None = None,
+    dtype: str = "f32",
+) -> EvalJob:
+    """Resolve and load `model` (demo name, path or hub id) and `data` (demo name or UTF-8 file),
+    tokenize, and plan the windows; every bad input fails here, before any window runs.
+
+    The cheap checks (options, paths, the text) come before loading weights.
+    """
+    from lowbit.data.text import load_text
+    from lowbit.formats.resolve import resolve_model
+    from lowbit.runtime.loader import load_model
+    from lowbit.runtime.tokenizer import load_tokenizer
+
+    if dtype not in DTYPES:
+        raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype}")
+    check_ctx(ctx)
+    if chunks is not None and chunks < 1:
+        raise UsageError(f"--chunks must be at least 1, got {chunks}")
+    if stride is not None and not 1 <= stride <= ctx:
+        raise UsageError(f"--stride must be between 1 and --ctx ({ctx}), got {stride}")
+    model_path = resolve_model(model)
+    base_path = resolve_model(base) if base is not None else None
+    text = load_text(data)
+
+    started = time.perf_counter()
+    tokenizer = load_tokenizer(model_path)
+    lm = load_model(model_path, dtype=DTYPES[dtype])
+    base_lm = None
+    if base_path is not None:
+        base_lm = load_model(base_path, dtype=DTYPES[dtype])
+        _check_same_vocab(lm, base_lm)
+        _check_same_tokenizer(tokenizer, load_tokenizer(base_path), text)
+    _check_models(lm, base_lm, ctx)
+    tokens, bos_id = tokenize_for_eval(tokenizer, text)
+    windows = plan_windows(len(tokens), ctx, chunks, stride)
+    return EvalJob(
+        model_name=str(model), data_name=str(data), base_name=base, dtype=dtype, ctx=ctx, stride=stride,
+        model=lm, base_model=base_lm, tokens=tokens, bos_id=bos_id, windows=windows,
+        load_s=time.perf_counter() - started,
+    )
+
+
+def run(job: EvalJob, on_window: ProgressCallback | None = None) -> EvalReport:
+    result = _evaluate_planned(job.model, job.tokens, job.windows, job.bos_id, job.base_model, job.ctx, job.stride, on_window)
+    return EvalReport(model=job.model_name, data=job.data_name, base=job.base_name, dtype=job.dtype, result=result, load_s=job.load_s)
+
+
+def evaluate(
+    model: str,
+    data: str,
+    ctx: int = 2048,
+    chunks: int | None = None,
+    stride: int | None = None,
+    base: str | None = None,
+    dtype: str = "f32",
+    on_window: ProgressCallback | None = None,
+) -> EvalReport:
+    """`lowbit eval` as a function: prepare() then run()."""
+    return run(prepare(model, data, ctx, chunks, stride, base, dtype), on_window)
+
+
+def _check_same_tokenizer(tokenizer, base_tokenizer, text: str) -> None:
+    probe = text[:TOKENIZER_PROBE_CHARS]
+    if tokenizer.encode(probe) != base_tokenizer.encode(probe):
+        raise LowbitError("the base model's tokenizer splits the text differently from the model's: KLD needs the same tokens")

@@ -1,0 +1,97 @@
+"""`lowbit eval`: perplexity (llama-perplexity's method) and KL divergence against a base model."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from lowbit.cli.common import console, print_json, progress
+from lowbit.cli.main import app
+
+
+@app.command("eval")
+def eval_command(
+    model: str = typer.Argument(..., help="Model to evaluate: demo name (smollm2-135m), local directory, or hub id."),
+    data: str = typer.Option(..., "--data", help="Text: demo name (wiki-eval, wiki-calib, shakespeare) or a UTF-8 file."),
+    ctx: int = typer.Option(2048, "--ctx", help="Tokens per chunk (even). Only the second half of each chunk is scored."),
+    chunks: Optional[int] = typer.Option(None, "--chunks", help="Evaluate at most this many chunks (windows with --stride)."),
+    stride: Optional[int] = typer.Option(
+        None, "--stride", help="Sliding-window mode: windows of --ctx tokens every S tokens, each scoring only new tokens."
+    ),
+    base: Optional[str] = typer.Option(
+        None, "--base", help="Base model to compare against on the same chunks: adds KL divergence, same-top %, RMS Δp."
+    ),
+    dtype: str = typer.Option("f32", "--dtype", help="Compute dtype: f32 (default, needed for small KLDs) or bf16."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+) -> None:
+    """Perplexity of MODEL on a text, comparable with llama.cpp's llama-perplexity; KLD with --base."""
+    from lowbit.runtime.evaluate import prepare, run
+
+    with console.status("loading model and text"):
+        job = prepare(model, data, ctx=ctx, chunks=chunks, stride=stride, base=base, dtype=dtype)
+    with progress() as bar:
+        task = bar.add_task("eval", total=len(job.windows), info="")
+
+        def on_window(done: int, total: int, running_ppl: float) -> None:
+            bar.update(task, completed=done, info=f"PPL {running_ppl:.4f}")
+
+        report = run(job, on_window)
+
+    if as_json:
+        print_json(_as_json(report))
+    else:
+        _print_summary(report)
+
+
+def _as_json(report) -> dict:
+    result = report.result
+    out = {
+        "model": report.model,
+        "data": report.data,
+        "dtype": report.dtype,
+        "mode": result.mode,
+        "ctx": result.ctx,
+        "stride": result.stride,
+        "chunks": result.windows,
+        "tokens_total": result.tokens_total,
+        "tokens_scored": result.tokens_scored,
+        "ppl": result.ppl,
+        "ppl_err": result.ppl_err,
+    }
+    if result.kld is not None:
+        k = result.kld
+        out["base"] = report.base
+        out["kld"] = {
+            "mean": k.mean,
+            "err": k.err,
+            "p99": k.p99,
+            "p999": k.p999,
+            "median": k.median,
+            "max": k.max,
+            "same_top_pct": k.same_top_pct,
+            "same_top_err_pct": k.same_top_err_pct,
+            "rms_dp_pct": k.rms_dp_pct,
+            "rms_dp_err_pct": k.rms_dp_err_pct,
+            "base_ppl": k.base_ppl,
+            "base_ppl_err": k.base_ppl_err,
+            "ppl_ratio": k.ppl_ratio,
+        }
+    out["timings"] = {"load_s": report.load_s, "eval_s": result.eval_s, "tokens_per_s": result.tokens_per_s}
+    return out
+
+
+def _print_summary(report) -> None:
+    r = report.result
+    windows = f"{r.windows} windows, stride {r.stride}" if r.mode == "stride" else f"{r.windows} chunks"
+    console.print(f"[bold]{report.model}[/] on [bold]{report.data}[/]: ctx {r.ctx}, {windows}, {r.tokens_scored} tokens scored ({report.dtype})")
+    console.print(f"PPL = [bold]{r.ppl:.4f}[/] ± {r.ppl_err:.4f}")
+    if r.kld is not None:
+        k = r.kld
+        console.print(f"vs base [bold]{report.base}[/]: base PPL {k.base_ppl:.4f} ± {k.base_ppl_err:.4f}, PPL ratio {k.ppl_ratio:.5f}")
+        console.print(f"  mean KLD     {k.mean:.6f} ± {k.err:.6f}")
+        console.print(f"  99.0% KLD    {k.p99:.6f}")
+        console.print(f"  99.9% KLD    {k.p999:.6f}")
+        console.print(f"  same top     {k.same_top_pct:.3f} ± {k.same_top_err_pct:.3f} %")
+        console.print(f"  RMS Δp       {k.rms_dp_pct:.3f} ± {k.rms_dp_err_pct:.3f} %")
+    console.print(f"load {report.load_s:.1f} s, eval {r.eval_s:.1f} s ({r.tokens_per_s:.0f} tokens/s)")
