@@ -1,0 +1,263 @@
+"""What each supported GGUF architecture means in Hugging Face terms: tensor names and config.json.
+
+llama.cpp renames tensors (`blk.3.attn_q.weight`) and keeps hyper-parameters under
+`<arch>.<key>`; this module maps both back to the names and config keys transformers uses.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lowbit.errors import LowbitError
+from lowbit.formats.gguf_reader import GGUFFile
+
+_LLAMA_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+# Gemma-3 has four norms per block; llama.cpp's `ffn_norm` is the one *before* the MLP.
+_GEMMA3_BLOCK = {
+    **_LLAMA_BLOCK,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+_GLOBAL = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+# Tensors llama.cpp derives from the config; they carry no weights of their own.
+_DERIVED = {"rope_freqs.weight"}
+
+
+@dataclass(slots=True)
+class ArchSpec:
+    gguf_name: str
+    model_type: str
+    hf_class: str
+    block_map: dict[str, str]
+    build_config: Callable[[GGUFFile], dict[str, Any]]
+    # llama.cpp interleaves q/k rows for its rotary kernel only in its Llama converter.
+    permute_qk: bool = False
+    # Gemma stores norm weights as (1 + w) because its RMSNorm multiplies by (1 + w).
+    norm_offset: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def hf_tensor_name(spec: ArchSpec, gguf_name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor, or None for tensors derived from the config."""
+    if gguf_name in _DERIVED:
+        return None
+    base, _, suffix = gguf_name.rpartition(".")
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in spec.block_map:
+        return f"model.layers.{parts[1]}.{spec.block_map[parts[2]]}.{suffix}"
+    if base in _GLOBAL:
+        return f"{_GLOBAL[base]}.{suffix}"
+    raise LowbitError(f"GGUF tensor {gguf_name} has no known counterpart in a {spec.gguf_name} checkpoint")
+
+
+def unpermute_qk(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's row permutation of q/k weights (and biases) for one projection.
+
+    llama.cpp reorders each head's rows from [first half | second half] to interleaved
+    pairs so its rotary kernel can rotate adjacent elements; HF rotates halves.
+    """
+    rows = weight.shape[0]
+    rest = weight.shape[1:]
+    return weight.reshape(n_heads, rows // n_heads // 2, 2, *rest).transpose(1, 2).reshape(weight.shape)
+
+
+def permute_qk(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp's permutation (the inverse of `unpermute_qk`), used to check the round trip."""
+    rows = weight.shape[0]
+    rest = weight.shape[1:]
+    return weight.reshape(n_heads, 2, rows // n_heads // 2, *rest).transpose(1, 2).reshape(weight.shape)
+
+
+def _require(gguf: GGUFFile, suffix: str) -> Any:
+    value = gguf.arch_get(suffix)
+    if value is None:
+        raise LowbitError(f"{gguf.path.name} lacks the metadata key {gguf.architecture}.{suffix}")
+    return value
+
+
+def _vocab_size(gguf: GGUFFile) -> int:
+    value = gguf.arch_get("vocab_size")
+    if value is not None:
+        return int(value)
+    return int(gguf.info("token_embd.weight").shape[0])
+
+
+def _common_config(gguf: GGUFFile) -> dict[str, Any]:
+    hidden = int(_require(gguf, "embedding_length"))
+    heads = int(_require(gguf, "attention.head_count"))
+    kv_heads = gguf.arch_get("attention.head_count_kv", heads)
+    head_dim = int(gguf.arch_get("attention.key_length", hidden // heads))
+    config: dict[str, Any] = {
+        "vocab_size": _vocab_size(gguf),
+        "hidden_size": hidden,
+        "intermediate_size": int(_require(gguf, "feed_forward_length")),
+        "num_hidden_layers": int(_require(gguf, "block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(kv_heads),
+        "head_dim": head_dim,
+        "max_position_embeddings": int(gguf.arch_get("context_length", 2048)),
+        "rms_norm_eps": float(gguf.arch_get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(gguf.arch_get("rope.freq_base", 10000.0)),
+        "tie_word_embeddings": True,  # settled by the importer once it has looked at output.weight
+    }
+    for key, gguf_key in (
+        ("bos_token_id", "tokenizer.ggml.bos_token_id"),
+        ("eos_token_id", "tokenizer.ggml.eos_token_id"),
+        ("pad_token_id", "tokenizer.ggml.padding_token_id"),
+    ):
+        if gguf.has(gguf_key):
+            config[key] = int(gguf.get(gguf_key))
+    rope_scaling = _rope_scaling(gguf, head_dim)
+    if rope_scaling is not None:
+        config["rope_scaling"] = rope_scaling
+    return config
+
+
+def _rope_scaling(gguf: GGUFFile, head_dim: int) -> dict[str, Any] | None:
+    kind = gguf.arch_get("rope.scaling.type")
+    factor = gguf.arch_get("rope.scaling.factor")
+    if gguf.has_tensor("rope_freqs.weight"):
+        return _llama3_rope_scaling(gguf, head_dim)
+    if kind in (None, "none") or factor in (None, 0.0, 1.0):
+        return None
+    original = gguf.arch_get("rope.scaling.original_context_length")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind == "yarn":
+        scaling: dict[str, Any] = {"rope_type": "yarn", "factor": float(factor)}
+        if original is not None:
+            scaling["original_max_position_embeddings"] = int(original)
+        return scaling
+    raise LowbitError(f"{gguf.path.name} uses rope scaling '{kind}', which lowbit cannot import")
+
+
+def _llama3_rope_scaling(gguf: GGUFFile, head_dim: int) -> dict[str, Any]:
+    """Recover Llama-3's rope_scaling from llama.cpp's precomputed per-frequency factors.
+
+    llama.cpp stores only the divisors (1 for high frequencies, `factor` for low ones);
+    HF wants the parameters, so try the published Llama 3.x values and insist they reproduce
+    the stored divisors exactly.
+    """
+    stored = gguf.tensor("rope_freqs.weight").double().flatten()
+    theta = float(gguf.arch_get("rope.freq_base", 10000.0))
+    rot_dim = int(gguf.arch_get("rope.dimension_count", head_dim))
+    factor = float(stored.max())
+    for low, high, original in ((1.0, 4.0, 8192), (1.0, 4.0, 4096), (1.0, 4.0, 16384)):
+        expected = llama3_rope_divisors(theta, rot_dim, factor, low, high, original)
+        if expected.shape == stored.shape and torch.allclose(expected, stored, rtol=1e-4, atol=1e-4):
+            return {
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low,
+                "high_freq_factor": high,
+                "original_max_position_embeddings": original,
+            }
+    raise LowbitError(f"{gguf.path.name} has rope_freqs that match no Llama-3 rope scaling lowbit knows")
+
+
+def llama3_rope_divisors(theta: float, rot_dim: int, factor: float, low: float, high: float, original: int) -> torch.Tensor:
+    """Per-frequency divisors of Llama-3 rope scaling, as llama.cpp stores them in rope_freqs."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim)
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((original / wavelen) - low) / (high - low)
+    scaled = (1 - smooth) / factor + smooth  # the frequency multiplier in the blended band
+    divisors = 1.0 / scaled
+    divisors = torch.where(wavelen < original / high, torch.ones_like(divisors), divisors)
+    return torch.where(wavelen > original / low, torch.full_like(divisors, factor), divisors)
+
+
+def _llama_config(gguf: GGUFFile) -> dict[str, Any]:
+    config = _common_config(gguf)
+    config.update(
+        hidden_act="silu",
+        attention_bias=gguf.has_tensor("blk.0.attn_q.bias"),
+        mlp_bias=gguf.has_tensor("blk.0.ffn_up.bias"),
+    )
+    return config
+
+
+def _qwen2_config(gguf: GGUFFile) -> dict[str, Any]:
+    config = _common_config(gguf)
+    config.update(hidden_act="silu", use_sliding_window=False)
+    return config
+
+
+def _qwen3_config(gguf: GGUFFile) -> dict[str, Any]:
+    config = _common_config(gguf)
+    config.update(hidden_act="silu", attention_bias=gguf.has_tensor("blk.0.attn_q.bias"))
+    return config
+
+
+def _gemma3_config(gguf: GGUFFile) -> dict[str, Any]:
+    config = _common_config(gguf)
+    n_layers = config["num_hidden_layers"]
+    window = gguf.arch_get("attention.sliding_window")
+    pattern = gguf.arch_get("attention.sliding_window_pattern", 6)  # llama.cpp's default for Gemma-3
+    if not window:
+        sliding = [False] * n_layers
+    elif isinstance(pattern, list):
+        sliding = [bool(p) for p in pattern][:n_layers]
+    else:
+        pattern = int(pattern)
+        # llama.cpp: every `pattern`-th layer (the last of each group) attends globally.
+        sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(n_layers)]
+    # Gemma-3 27B scales queries by 1/sqrt(hidden/heads); the other sizes by 1/sqrt(head_dim).
+    pre_attn_scalar = config["head_dim"]
+    if n_layers == 62:
+        pre_attn_scalar = config["hidden_size"] // config["num_attention_heads"]
+    config.update(
+        hidden_activation="gelu_pytorch_tanh",
+        sliding_window=int(window) if window else None,
+        sliding_window_pattern=int(pattern) if not isinstance(pattern, list) else None,
+        layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+        rope_local_base_freq=float(gguf.arch_get("rope.freq_base_swa", 10000.0)),
+        query_pre_attn_scalar=pre_attn_scalar,
+        final_logit_softcapping=gguf.arch_get("final_logit_softcapping"),
+        attn_logit_softcapping=None,
+        attention_bias=False,
+    )
+    config.setdefault("rope_scaling", None)
+    return config
+
+
+ARCHITECTURES: dict[str, ArchSpec] = {
+    "llama": ArchSpec("llama", "llama", "LlamaForCausalLM", _LLAMA_BLOCK, _llama_config, permute_qk=True),
+    "qwen2": ArchSpec("qwen2", "qwen2", "Qwen2ForCausalLM", _LLAMA_BLOCK, _qwen2_config),
+    "qwen3": ArchSpec("qwen3", "qwen3", "Qwen3ForCausalLM", _LLAMA_BLOCK, _qwen3_config),
+    "gemma3": ArchSpec("gemma3", "gemma3_text", "Gemma3ForCausalLM", _GEMMA3_BLOCK, _gemma3_config, norm_offset=1.0),
+}
+
+
+def arch_spec(gguf: GGUFFile) -> ArchSpec:
+    arch = gguf.architecture
+    try:
+        return ARCHITECTURES[arch]
+    except KeyError:
+        raise LowbitError(
+            f"GGUF architecture '{arch}' is not supported by lowbit convert (supported: {', '.join(ARCHITECTURES)})"
+        ) from None

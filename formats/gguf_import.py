@@ -1,0 +1,162 @@
+"""GGUF → Hugging Face directory: config.json, generation_config.json, safetensors, tokenizer.
+
+Weights are dequantized one tensor at a time by lowbit's reader, renamed and un-permuted
+here, cast to the requested dtype and written in shards of at most 2 GB.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from lowbit.errors import LowbitError, UsageError
+from lowbit.formats.atomic import atomic_dir, check_output_path
+from lowbit.formats.gguf_arch import ArchSpec, arch_spec, hf_tensor_name, unpermute_qk
+from lowbit.formats.gguf_reader import GGUFFile, open_gguf
+from lowbit.formats.gguf_tokenizer import end_of_generation_ids, write_tokenizer_files
+
+DTYPES = {
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "f16": torch.float16, "fp16": torch.float16,
+    "float32": torch.float32, "f32": torch.float32, "fp32": torch.float32,
+}
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+SHARD_BYTES = 2 * 1024**3
+
+# progress(done, total, tensor_name) after each tensor is written
+ProgressFn = Callable[[int, int, str], None]
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise UsageError(f"unknown dtype '{name}' (choose bf16, f16 or f32)") from None
+
+
+def convert_gguf(
+    gguf_path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    dtype: str = "bfloat16",
+    overwrite: bool = False,
+    progress: ProgressFn | None = None,
+) -> Path:
+    """Convert a GGUF file into a Hugging Face-style checkpoint directory and return its path."""
+    torch_dtype = parse_dtype(dtype)
+    out_dir = Path(out_dir)
+    check_output_path(out_dir, overwrite)  # fail before spending minutes on the weights
+    gguf = open_gguf(gguf_path)
+    spec = arch_spec(gguf)
+    config = spec.build_config(gguf)
+    tied = _embeddings_tied(gguf)
+    config["tie_word_embeddings"] = tied
+    names = _plan_tensors(gguf, spec, tied)
+    with atomic_dir(out_dir, overwrite=overwrite) as tmp:
+        _write_weights(gguf, spec, config, names, torch_dtype, tmp, progress)
+        _write_config(spec, config, torch_dtype, tmp)
+        write_tokenizer_files(gguf, tmp)
+        _write_generation_config(gguf, config, tmp)
+    return out_dir
+
+
+def _embeddings_tied(gguf: GGUFFile) -> bool:
+    """Tied when the GGUF has no separate output matrix, or stores the embedding twice."""
+    if not gguf.has_tensor("output.weight"):
+        return True
+    out, emb = gguf.info("output.weight"), gguf.info("token_embd.weight")
+    if out.type_name != emb.type_name or out.shape != emb.shape:
+        return False
+    return gguf.raw_bytes("output.weight") == gguf.raw_bytes("token_embd.weight")
+
+
+def _plan_tensors(gguf: GGUFFile, spec: ArchSpec, tied: bool) -> list[tuple[str, str]]:
+    """(gguf name, HF name) for every tensor to write, checked up front so a bad file fails fast."""
+    plan = []
+    for name in gguf.tensor_names():
+        hf_name = hf_tensor_name(spec, name)
+        if hf_name is None or (tied and name == "output.weight"):
+            continue
+        plan.append((name, hf_name))
+    if not any(hf == "model.embed_tokens.weight" for _, hf in plan):
+        raise LowbitError(f"{gguf.path.name} has no token_embd.weight tensor")
+    return plan
+
+
+def _hf_tensor(gguf: GGUFFile, spec: ArchSpec, config: dict[str, Any], name: str) -> torch.Tensor:
+    weight = gguf.tensor(name)
+    part = name.split(".")[-2] if name.startswith("blk.") else ""
+    if spec.permute_qk and part == "attn_q":
+        weight = unpermute_qk(weight, config["num_attention_heads"])
+    elif spec.permute_qk and part == "attn_k":
+        weight = unpermute_qk(weight, config["num_key_value_heads"])
+    if spec.norm_offset and name.endswith("norm.weight"):
+        weight = weight - spec.norm_offset
+    return weight
+
+
+def _write_weights(
+    gguf: GGUFFile,
+    spec: ArchSpec,
+    config: dict[str, Any],
+    plan: list[tuple[str, str]],
+    dtype: torch.dtype,
+    out: Path,
+    progress: ProgressFn | None,
+) -> None:
+    # Shards are written as they fill (memory stays at one shard) and named once their count is known.
+    written: list[tuple[Path, list[str]]] = []
+    current: dict[str, torch.Tensor] = {}
+    current_bytes = total_bytes = 0
+
+    def flush() -> None:
+        path = out / f"shard-{len(written) + 1}.partial"
+        save_file(current, str(path), metadata={"format": "pt"})
+        written.append((path, list(current)))
+
+    for done, (name, hf_name) in enumerate(plan, start=1):
+        tensor = _hf_tensor(gguf, spec, config, name).to(dtype).contiguous()
+        size = tensor.numel() * tensor.element_size()
+        if current and current_bytes + size > SHARD_BYTES:
+            flush()
+            current, current_bytes = {}, 0
+        current[hf_name] = tensor
+        current_bytes += size
+        total_bytes += size
+        if progress is not None:
+            progress(done, len(plan), name)
+    flush()
+    if len(written) == 1:
+        written[0][0].rename(out / "model.safetensors")
+        return
+    weight_map = {}
+    for i, (path, keys) in enumerate(written, start=1):
+        filename = f"model-{i:05d}-of-{len(written):05d}.safetensors"
+        path.rename(out / filename)
+        weight_map.update({key: filename for key in keys})
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _write_config(spec: ArchSpec, config: dict[str, Any], dtype: torch.dtype, out: Path) -> None:
+    full = {"architectures": [spec.hf_class], "model_type": spec.model_type, **config}
+    full["torch_dtype"] = _DTYPE_NAMES[dtype]
+    (out / "config.json").write_text(json.dumps(full, indent=2) + "\n")
+
+
+def _write_generation_config(gguf: GGUFFile, config: dict[str, Any], out: Path) -> None:
+    generation: dict[str, Any] = {}
+    if "bos_token_id" in config:
+        generation["bos_token_id"] = config["bos_token_id"]
+    eos = end_of_generation_ids(gguf)
+    if eos:
+        generation["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    if "pad_token_id" in config:
+        generation["pad_token_id"] = config["pad_token_id"]
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
