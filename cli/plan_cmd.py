@@ -10,6 +10,7 @@ from rich.table import Table
 
 from lowbit.cli.common import console, print_json
 from lowbit.cli.main import app
+from lowbit.plan.advice import gib
 
 
 @app.command("plan")
@@ -138,9 +139,9 @@ def _format_table(plan) -> Table:
         cells = [
             f"{mark}{r.format}",
             f"{r.bits_per_weight:.2f}",
-            f"{r.weight_gib:.2f}",
+            gib(r.weight_gib),
             "[green]yes[/green]" if r.fits else "[red]no[/red]",
-            f"{r.kv_gib_per_sequence:.3f}",
+            gib(r.kv_gib_per_sequence),
             f"{r.max_sequences_paged}/{r.max_sequences_reserved}",
             _num(r.decode_tok_s_per_sequence, ",.1f"),
             _num(r.decode_tok_s_aggregate, ",.0f") + (f" ({r.sequences})" if r.fits and r.sequences < sc.concurrency else ""),

@@ -20,6 +20,11 @@ class Trick:
     numbers: dict = field(default_factory=dict)
 
 
+def gib(value: float) -> str:
+    """Three significant figures, enough to tell 0.0107 GiB from 0.0054 GiB and 131 from 132."""
+    return f"{value:.3g}" if value < 100 else f"{value:,.0f}"
+
+
 def choose(rows: list[FormatEstimate], scenario: Scenario) -> FormatEstimate | None:
     """The format to recommend: serves the whole concurrency, fastest, more bits when nearly tied."""
     serving = [r for r in rows if r.fits and r.sequences >= scenario.concurrency]
@@ -39,12 +44,12 @@ def recommendation(rows: list[FormatEstimate], chosen: FormatEstimate | None, sc
         smallest = min(rows, key=lambda r: r.weight_bytes)
         usable = hw.memory_gib * scenario.memory_utilization
         return (
-            f"nothing fits on {hw.name}: the smallest, {smallest.format}, needs {smallest.weight_gib:.1f} GiB of weights "
-            f"and {smallest.kv_gib_per_sequence:.2f} GiB per sequence in {usable:.1f} GiB usable; "
+            f"nothing fits on {hw.name}: the smallest, {smallest.format}, needs {gib(smallest.weight_gib)} GiB of weights "
+            f"and {gib(smallest.kv_gib_per_sequence)} GiB per sequence in {usable:.1f} GiB usable; "
             "split the model over more GPUs, shorten --context, or pick a smaller model"
         )
     text = (
-        f"recommend {chosen.format}: {chosen.weight_gib:.1f} GiB of weights, "
+        f"recommend {chosen.format}: {gib(chosen.weight_gib)} GiB of weights, "
         f"{chosen.max_sequences_paged} sequences of {scenario.context} tokens fit (paged), "
         f"{chosen.decode_tok_s_per_sequence:,.1f} tok/s per sequence and {chosen.decode_tok_s_aggregate:,.0f} tok/s "
         f"at {chosen.sequences} sequence{'s' if chosen.sequences != 1 else ''}; {chosen.bottleneck}-bound"
@@ -95,7 +100,7 @@ def _quantized_weights(row: FormatEstimate, bf16: FormatEstimate) -> Trick:
     speed_text = f"decode {_times(speed)} alone" if speed else ("bf16 does not fit, this does" if row.fits else "neither fits")
     return Trick(
         f"quantized weights ({row.format})",
-        f"weights {bf16.weight_gib:.1f} → {row.weight_gib:.1f} GiB; {speed_text}; "
+        f"weights {gib(bf16.weight_gib)} → {gib(row.weight_gib)} GiB; {speed_text}; "
         f"sequences {bf16.max_sequences_paged} → {row.max_sequences_paged}",
         f"{row.bits_per_weight:.2f} bits/weight with scales; accuracy loss: measure with `lowbit eval --kld`",
         {
@@ -113,7 +118,7 @@ def _fp8_kv(bf16: FormatEstimate, fp8: FormatEstimate) -> Trick:
     speed = _ratio(fp8.decode_tok_s_aggregate, bf16.decode_tok_s_aggregate)
     return Trick(
         "fp8 KV cache",
-        f"KV {bf16.kv_gib_per_sequence:.3f} → {fp8.kv_gib_per_sequence:.3f} GiB per sequence; "
+        f"KV {gib(bf16.kv_gib_per_sequence)} → {gib(fp8.kv_gib_per_sequence)} GiB per sequence; "
         f"sequences {bf16.max_sequences_paged} → {fp8.max_sequences_paged}; aggregate decode {_times(speed)}",
         "keys and values rounded to e4m3 (a small KLD; measure with `lowbit eval`); a convert in the attention kernel",
         {
@@ -144,7 +149,7 @@ def _speculation(row: FormatEstimate, scenario: Scenario) -> Trick:
         f"speculative decoding ({spec.draft}, k={spec.draft_tokens}, A={spec.acceptance:g})",
         f"{spec.tokens_per_pass:.2f} tokens per target pass; decode {_times(spec.speedup_per_sequence)} per sequence "
         f"at {spec.sequences} (best k={spec.best_draft_tokens}: {_times(spec.best_speedup_per_sequence)})",
-        f"draft weights {spec.draft_weight_bytes / GIB:.2f} GiB + {spec.draft_kv_bytes_per_sequence / GIB:.3f} GiB KV per sequence "
+        f"draft weights {gib(spec.draft_weight_bytes / GIB)} GiB + {gib(spec.draft_kv_bytes_per_sequence / GIB)} GiB KV per sequence "
         f"(sequences {row.max_sequences_paged} → {spec.max_sequences_paged}); {spec.draft_tokens} draft steps per pass; "
         f"aggregate {_times(spec.speedup_aggregate)} at the concurrency",
         {
