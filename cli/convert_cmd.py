@@ -43,7 +43,8 @@ def convert_command(
     kind = _input_kind(source)
     started = time.perf_counter()
     if kind == "gguf":
-        with progress(transient=True, disable=as_json) as bar:
+        # no bar for --json or when stderr is not a terminal (logs, pipes): it would only add blank lines
+        with progress(transient=True, disable=as_json or not console.is_terminal) as bar:
             task = bar.add_task("converting", total=None, info="")
 
             def on_tensor(done: int, total: int, name: str) -> None:
