@@ -239,3 +239,35 @@ def test_empty_text_and_vocab_mismatch():
         evaluate_text(model, TinyTokenizer(False), "  \n", ctx=32)
     with pytest.raises(LowbitError, match="vocabulary"):
         evaluate_text(model, TinyTokenizer(False), "x" * 100, ctx=32, base_model=TinyCausalLM(seed=1, vocab=40))
+
+
+@pytest.mark.demo
+@pytest.mark.slow
+def test_smollm2_wiki_eval_ppl_matches_transformers(smollm2_dir, wiki_eval_path):
+    """lowbit's PPL on the real model equals transformers' fp32 PPL on the same tokens within 0.5%."""
+    from transformers import AutoModelForCausalLM
+
+    from lowbit.data.text import load_text
+    from lowbit.runtime.loader import load_model
+    from lowbit.runtime.tokenizer import load_tokenizer
+
+    ctx, n_chunks = 2048, 2
+    tokenizer = load_tokenizer(smollm2_dir)
+    text = load_text(wiki_eval_path)
+    result = evaluate_text(load_model(smollm2_dir, dtype=torch.float32), tokenizer, text, ctx=ctx, chunks=n_chunks)
+
+    tokens, bos = tokenizer.encode(text), (tokenizer.bos_id if tokenizer.add_bos else None)
+    reference = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
+    nlls = []
+    with torch.no_grad():
+        for c in range(n_chunks):
+            chunk = tokens[c * ctx : (c + 1) * ctx]
+            if bos is not None:
+                chunk[0] = bos
+            logits = reference(torch.tensor([chunk])).logits[0, ctx // 2 : ctx - 1].to(torch.float64)
+            targets = torch.tensor(tokens[c * ctx + ctx // 2 + 1 : (c + 1) * ctx])
+            nlls.append(torch.logsumexp(logits, -1) - logits.gather(1, targets[:, None]).squeeze(1))
+    expected = math.exp(float(torch.cat(nlls).mean()))
+    assert result.tokens_scored == n_chunks * (ctx // 2 - 1)
+    assert 5 < expected < 60  # a real language model on English text
+    assert result.ppl == pytest.approx(expected, rel=5e-3)
