@@ -80,10 +80,11 @@ def expand_groups(t: torch.Tensor, group_size: int, in_features: int) -> torch.T
     return t.repeat_interleave(group_size, dim=1)[:, :in_features]
 
 
-def column_weights(stats: torch.Tensor | None, in_features: int) -> torch.Tensor:
-    """Per-input-channel error weights (1 when no statistics are given), float32 [K]."""
+def column_weights(stats: torch.Tensor | None, in_features: int) -> torch.Tensor | None:
+    """Per-input-channel error weights float32 [K] from calibration statistics; None (equal
+    weights) when no statistics are given."""
     if stats is None:
-        return torch.ones(in_features)
+        return None
     stats = stats.detach().float().reshape(-1)
     if stats.numel() != in_features:
         raise UsageError(f"statistics have {stats.numel()} channels but the weight has {in_features} input features")
@@ -92,22 +93,32 @@ def column_weights(stats: torch.Tensor | None, in_features: int) -> torch.Tensor
     return stats
 
 
+def grouped_weights(stats: torch.Tensor | None, in_features: int, group_size: int) -> torch.Tensor | None:
+    """Column weights laid out like `grouped(w, group_size)`: [1, G, g], or None."""
+    weights = column_weights(stats, in_features)
+    return None if weights is None else grouped(weights.unsqueeze(0), group_size)
+
+
 def search_best(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     candidates: Iterable[tuple[torch.Tensor, ...]],
     fake_quant: Callable[..., torch.Tensor],
 ) -> tuple[torch.Tensor, ...]:
     """Per group, the candidate parameters with the least weighted squared error.
 
-    x: values [R, G, g]; weight: error weights broadcastable to x; each candidate is a tuple
-    of tensors [R, G, 1] (e.g. scale, zero) that `fake_quant(x, *candidate)` turns into
-    dequantized values. Ties keep the earlier candidate, so list the plain rule first.
+    x: values [R, G, g]; weight: error weights broadcastable to x, or None for equal weights;
+    each candidate is a tuple of tensors [R, G, 1] (e.g. scale, zero) that
+    `fake_quant(x, *candidate)` turns into dequantized values (a new tensor it may hand over).
+    Ties keep the earlier candidate, so list the plain rule first.
     """
     best: tuple[torch.Tensor, ...] | None = None
     best_err = None
     for cand in candidates:
-        err = ((fake_quant(x, *cand) - x).square() * weight).sum(-1, keepdim=True)
+        diff = fake_quant(x, *cand).sub_(x).square_()
+        if weight is not None:
+            diff.mul_(weight)
+        err = diff.sum(-1, keepdim=True)
         if best is None:
             best, best_err = cand, err
             continue

@@ -32,7 +32,7 @@ from lowbit.quant import codec
 from lowbit.quant.groups import (
     GroupScales,
     check_weight,
-    column_weights,
+    grouped_weights,
     grouped,
     num_groups,
     round_scale,
@@ -74,6 +74,14 @@ def quantize_group_values(x, scale, zero, spec: FormatSpec):
     return codes.to(torch.uint8), (codes - mid) * scale
 
 
+def _fake_quantize(x, scale, zero, spec: FormatSpec):
+    """The values of quantize_group_values without the codes, in place (the scale search's hot loop)."""
+    top = (1 << spec.bits) - 1
+    mid = zero if zero is not None else float(1 << (spec.bits - 1))
+    q = torch.round(x / safe_divisor(scale)).add_(mid).clamp_(0, top)
+    return q.sub_(mid).mul_(scale)
+
+
 def dequantize_codes(codes, scale, zero, spec: FormatSpec):
     mid = zero if zero is not None else float(1 << (spec.bits - 1))
     return (codes.float() - mid) * scale
@@ -86,9 +94,9 @@ def compute_scales(w, spec: FormatSpec, *, stats=None, global_scale=None) -> Gro
     k = w.shape[1]
     g = group_size_of(spec, k)
     wg = grouped(w, g)
-    weight = grouped(column_weights(stats, k).unsqueeze(0), g)
+    weight = grouped_weights(stats, k, g)
     candidates = _symmetric_candidates(wg, spec) if spec.symmetric else _asymmetric_candidates(wg, spec)
-    best = search_best(wg, weight, candidates, lambda x, s, z=None: quantize_group_values(x, s, z, spec)[1])
+    best = search_best(wg, weight, candidates, lambda x, s, z=None: _fake_quantize(x, s, z, spec))
     scale = best[0].squeeze(-1)
     stored = {"scales": scale.to(scale_torch_dtype(spec.scale_dtype))}
     zero = None

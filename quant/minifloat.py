@@ -95,9 +95,29 @@ def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
     return e2m1_values().to(codes.device)[codes.long() & 0xF]
 
 
+# E2M1 magnitude code by twice its value (0, 0.5, 1, 1.5, 2, 3, 4, 6 → 0..7).
+_E2M1_CODE_OF_TWICE = torch.tensor([0, 1, 2, 3, 4, 0, 5, 0, 6, 0, 0, 0, 7], dtype=torch.uint8)
+
+
+def _e2m1_magnitude(x: torch.Tensor) -> torch.Tensor:
+    """|x| rounded onto the E2M1 grid. In each binade the grid is uniform and its even codes
+    are the even multiples of the step, so round-half-even of |x| / step is ties-to-even-code."""
+    mag = x.abs().clamp_(max=E2M1_MAX)
+    step = torch.where(mag < 2, 0.5, torch.where(mag < 4, 1.0, 2.0))
+    return torch.round(mag / step).mul_(step)
+
+
+def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """Fast E2M1 encoder (float32 arithmetic); the same codes as encode_minifloat(x, "e2m1")."""
+    mag = _e2m1_magnitude(x.float())
+    code = _E2M1_CODE_OF_TWICE.to(x.device)[(mag * 2).long()]
+    return code | (torch.signbit(x).to(torch.uint8) << 3)
+
+
 def round_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """x rounded onto the E2M1 grid (saturating at ±6), as float32."""
-    return decode_e2m1(encode_minifloat(x, "e2m1"))
+    """x rounded onto the E2M1 grid (saturating at ±6), as float32, sign kept (-0 for small negatives)."""
+    x = x.float()
+    return _e2m1_magnitude(x).copysign_(x)
 
 
 _TORCH_FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}

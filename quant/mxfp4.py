@@ -16,10 +16,12 @@ Scale rule (spec.scale_rule), with amax the block's largest magnitude:
   roundup  the smallest power of two with amax/scale <= 6: nothing is clipped, but small
            values lose resolution (floor's exponent, plus one when amax/2^floor > 6).
   mse      (default) per block the better of floor-1, floor and floor+1 (which covers both
-           rules) by (stats-weighted) squared error. On Gaussian and Student-t weights it
-           beats floor by ~10-25% and roundup by ~5-10% in relative error (tests/quant/
-           test_mxfp4.py measures it); both fixed rules lose to it, because which is better
-           depends on where a block's amax falls inside its binade.
+           rules) by (stats-weighted) squared error. Measured relative error ||W-Q||/||W|| on
+           random 1024x1024 weights (Gaussian / Student-t nu=5 / nu=3):
+             floor 0.1141 / 0.1268 / 0.1303, roundup 0.1185 / 0.1324 / 0.1378, mse 0.1114 / 0.1227 / 0.1260.
+           floor beats roundup (clipping one value costs less than coarser steps for all 31
+           others), and choosing per block beats both by 2-3%, so mse is the default and
+           floor (the OCP rule) is the better fixed rule.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ import torch
 
 from lowbit.errors import UsageError
 from lowbit.quant import codec
-from lowbit.quant.groups import GroupScales, check_weight, column_weights, grouped, num_groups, safe_divisor, search_best
-from lowbit.quant.minifloat import E2M1_MAX, decode_e2m1, e8m0_to_float, encode_minifloat, float_to_e8m0
+from lowbit.quant.groups import GroupScales, check_weight, grouped_weights, grouped, num_groups, safe_divisor, search_best
+from lowbit.quant.minifloat import E2M1_MAX, decode_e2m1, e8m0_to_float, encode_e2m1, round_e2m1, float_to_e8m0
 from lowbit.quant.packing import pack_bits, packed_width, unpack_bits
 from lowbit.quant.qtensor import QTensor
 from lowbit.quant.spec import FormatSpec
@@ -46,8 +48,13 @@ def part_layout(spec: FormatSpec, shape: tuple[int, int]) -> dict:
 
 
 def quantize_group_values(x, scale, zero, spec: FormatSpec):
-    codes = encode_minifloat(x / safe_divisor(scale), "e2m1")
+    codes = encode_e2m1(x / safe_divisor(scale))
     return codes, decode_e2m1(codes) * scale
+
+
+def _fake_quantize(x, scale):
+    """The values of quantize_group_values without the codes (the scale search's hot loop)."""
+    return round_e2m1(x / safe_divisor(scale)).mul_(scale)
 
 
 def dequantize_codes(codes, scale, zero, spec: FormatSpec):
@@ -75,7 +82,7 @@ def compute_scales(w, spec: FormatSpec, *, stats=None, global_scale=None) -> Gro
     w = check_weight(w)
     k = w.shape[1]
     wg = grouped(w, BLOCK)
-    weight = grouped(column_weights(stats, k).unsqueeze(0), BLOCK)
+    weight = grouped_weights(stats, k, BLOCK)
     amax = wg.abs().amax(-1, keepdim=True)
     e_floor = floor_exponent(amax)
     if spec.scale_rule == "floor":
@@ -85,7 +92,7 @@ def compute_scales(w, spec: FormatSpec, *, stats=None, global_scale=None) -> Gro
     else:
         exps = [e_floor, e_floor + 1, e_floor - 1]
     candidates = ((_pow2(e), e) for e in exps)
-    scale, e = search_best(wg, weight, candidates, lambda x, s, _e: quantize_group_values(x, s, None, spec)[1])
+    scale, e = search_best(wg, weight, candidates, lambda x, s, _e: _fake_quantize(x, s))
     codes = float_to_e8m0(e.squeeze(-1))
     return GroupScales(scale=e8m0_to_float(codes), zero=None, group_size=BLOCK, stored={"scales": codes})
 

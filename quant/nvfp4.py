@@ -28,8 +28,8 @@ import torch
 
 from lowbit.errors import UsageError
 from lowbit.quant import codec
-from lowbit.quant.groups import GroupScales, check_weight, column_weights, grouped, num_groups, safe_divisor, search_best
-from lowbit.quant.minifloat import E2M1_MAX, E4M3_MAX, decode_e2m1, encode_minifloat, to_fp8
+from lowbit.quant.groups import GroupScales, check_weight, grouped_weights, grouped, num_groups, safe_divisor, search_best
+from lowbit.quant.minifloat import E2M1_MAX, E4M3_MAX, decode_e2m1, encode_e2m1, round_e2m1, to_fp8
 from lowbit.quant.packing import pack_bits, packed_width, unpack_bits
 from lowbit.quant.qtensor import QTensor
 from lowbit.quant.spec import FormatSpec
@@ -49,8 +49,13 @@ def part_layout(spec: FormatSpec, shape: tuple[int, int]) -> dict:
 
 
 def quantize_group_values(x, scale, zero, spec: FormatSpec):
-    codes = encode_minifloat(x / safe_divisor(scale), "e2m1")
+    codes = encode_e2m1(x / safe_divisor(scale))
     return codes, decode_e2m1(codes) * scale
+
+
+def _fake_quantize(x, scale):
+    """The values of quantize_group_values without the codes (the scale search's hot loop)."""
+    return round_e2m1(x / safe_divisor(scale)).mul_(scale)
 
 
 def dequantize_codes(codes, scale, zero, spec: FormatSpec):
@@ -74,7 +79,7 @@ def compute_scales(w, spec: FormatSpec, *, stats=None, global_scale=None) -> Gro
     if not (torch.isfinite(global_scale).all() and global_scale.item() > 0):
         raise UsageError(f"nvfp4 global scale must be a positive finite number, got {global_scale.item()}")
     wg = grouped(w, BLOCK)
-    weight = grouped(column_weights(stats, k).unsqueeze(0), BLOCK)
+    weight = grouped_weights(stats, k, BLOCK)
     amax = wg.abs().amax(-1, keepdim=True)
     base = to_fp8(amax / E2M1_MAX / global_scale).view(torch.uint8).to(torch.int32)
     steps = _CODE_STEPS if spec.scale_rule == "mse" else (0,)
@@ -84,7 +89,7 @@ def compute_scales(w, spec: FormatSpec, *, stats=None, global_scale=None) -> Gro
             code = (base + d).clamp(0, _MAX_CODE)
             yield _decode_scale(code, global_scale), code
 
-    _, code = search_best(wg, weight, candidates(), lambda x, s, _c: quantize_group_values(x, s, None, spec)[1])
+    _, code = search_best(wg, weight, candidates(), lambda x, s, _c: _fake_quantize(x, s))
     block = code.squeeze(-1).to(torch.uint8).view(torch.float8_e4m3fn)
     stored = {"scales": block, "global_scale": global_scale.clone()}
     return GroupScales(scale=block.float() * global_scale, zero=None, group_size=BLOCK, stored=stored)

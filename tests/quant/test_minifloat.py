@@ -7,6 +7,7 @@ from lowbit.quant.minifloat import (
     e4m3_values,
     e5m2_values,
     e8m0_to_float,
+    encode_e2m1,
     encode_minifloat,
     float_to_e8m0,
     round_e2m1,
@@ -31,6 +32,13 @@ def test_e2m1_ties_go_to_the_even_code():
 def test_e2m1_nearest_and_saturation():
     x = torch.tensor([0.26, 0.74, 1.26, 5.01, 6.0, 7.0, 1e9, -100.0])
     assert round_e2m1(x).tolist() == [0.5, 0.5, 1.5, 6.0, 6.0, 6.0, 6.0, -6.0]
+
+
+def test_fast_e2m1_encoder_agrees_with_the_table_encoder():
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    x = torch.cat([ties, -ties, e2m1_values(), torch.randn(50000) * 3, torch.tensor([1e30, -7.0, -0.0, 0.0])])
+    assert torch.equal(encode_e2m1(x), encode_minifloat(x, "e2m1"))
+    assert torch.equal(round_e2m1(x), e2m1_values()[encode_minifloat(x, "e2m1").long()])
 
 
 def test_every_e4m3_code_matches_torch():
