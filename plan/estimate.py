@@ -49,7 +49,7 @@ class Scenario:
         if self.max_context is not None and self.max_context < 1:
             raise UsageError(f"--max-context must be at least 1, not {self.max_context}")
         if not 0 < self.memory_utilization <= 1:
-            raise UsageError(f"memory utilization must be in (0, 1], not {self.memory_utilization}")
+            raise UsageError(f"--memory-utilization must be in (0, 1], not {self.memory_utilization}")
         if not 0 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
             raise UsageError(f"--draft-tokens must be between 0 and {MAX_DRAFT_TOKENS}, not {self.draft_tokens}")
         if self.acceptance is not None:
