@@ -29,6 +29,8 @@ def quantize_with(fmt: ModuleType, w: torch.Tensor, spec: FormatSpec, scales: Gr
     expected = (n, num_groups(k, scales.group_size))
     if tuple(scales.scale.shape) != expected:
         raise UsageError(f"{spec.label}: scales of shape {tuple(scales.scale.shape)} do not fit a weight {n}x{k} (need {expected})")
+    if "scales" not in scales.stored:
+        raise UsageError(f"{spec.label}: GroupScales carry no stored scale tensors; build them with compute_scales or scales_from_parts")
     zero = None if scales.zero is None else scales.zero.unsqueeze(-1)
     codes, _ = fmt.quantize_group_values(grouped(w, scales.group_size), scales.scale.unsqueeze(-1), zero, spec)
     qweight = fmt.pack(ungrouped(codes, k), spec)

@@ -108,7 +108,7 @@ def _per_row(scales: torch.Tensor, spec: FormatSpec, shape: tuple[int, int], sto
 
 
 def scales_from_parts(qt: QTensor) -> GroupScales:
-    return _per_row(qt.scales.float(), qt.spec, qt.shape, {})
+    return _per_row(qt.scales.float(), qt.spec, qt.shape, qt.scale_parts())
 
 
 def pack(codes: torch.Tensor, spec: FormatSpec) -> torch.Tensor:

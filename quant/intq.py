@@ -131,7 +131,7 @@ def _asymmetric_candidates(wg, spec: FormatSpec):
 def scales_from_parts(qt: QTensor) -> GroupScales:
     zero = None if qt.zeros is None else qt.zeros.float()
     g = group_size_of(qt.spec, qt.shape[1])
-    return GroupScales(scale=qt.scales.float(), zero=zero, group_size=g, stored={})
+    return GroupScales(scale=qt.scales.float(), zero=zero, group_size=g, stored=qt.scale_parts())
 
 
 def pack(codes: torch.Tensor, spec: FormatSpec) -> torch.Tensor:

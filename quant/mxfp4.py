@@ -19,6 +19,7 @@ Scale rule (spec.scale_rule), with amax the block's largest magnitude:
            rules) by (stats-weighted) squared error. Measured relative error ||W-Q||/||W|| on
            random 1024x1024 weights (Gaussian / Student-t nu=5 / nu=3):
              floor 0.1141 / 0.1268 / 0.1303, roundup 0.1185 / 0.1324 / 0.1378, mse 0.1114 / 0.1227 / 0.1260.
+           On SmolLM2-135M's 210 Linear weights (pooled): floor 0.1177, roundup 0.1187, mse 0.1132.
            floor beats roundup (clipping one value costs less than coarser steps for all 31
            others), and choosing per block beats both by 2-3%, so mse is the default and
            floor (the OCP rule) is the better fixed rule.
@@ -98,7 +99,7 @@ def compute_scales(w, spec: FormatSpec, *, stats=None, global_scale=None) -> Gro
 
 
 def scales_from_parts(qt: QTensor) -> GroupScales:
-    return GroupScales(scale=e8m0_to_float(qt.scales), zero=None, group_size=BLOCK, stored={})
+    return GroupScales(scale=e8m0_to_float(qt.scales), zero=None, group_size=BLOCK, stored=qt.scale_parts())
 
 
 def pack(codes: torch.Tensor, spec: FormatSpec) -> torch.Tensor:

@@ -136,7 +136,7 @@ def scales_from_parts(qt: QTensor) -> GroupScales:
         scale = _double_dequantize(qt.scales, qt.scales_scale, qt.scales_offset)
     else:
         scale = qt.scales.float()
-    return GroupScales(scale=scale, zero=None, group_size=qt.spec.group_size, stored={})
+    return GroupScales(scale=scale, zero=None, group_size=qt.spec.group_size, stored=qt.scale_parts())
 
 
 def pack(codes: torch.Tensor, spec: FormatSpec) -> torch.Tensor:

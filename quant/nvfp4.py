@@ -100,7 +100,7 @@ def _decode_scale(code: torch.Tensor, global_scale: torch.Tensor) -> torch.Tenso
 
 
 def scales_from_parts(qt: QTensor) -> GroupScales:
-    return GroupScales(scale=qt.scales.float() * qt.global_scale.float(), zero=None, group_size=BLOCK, stored={})
+    return GroupScales(scale=qt.scales.float() * qt.global_scale.float(), zero=None, group_size=BLOCK, stored=qt.scale_parts())
 
 
 def pack(codes: torch.Tensor, spec: FormatSpec) -> torch.Tensor:

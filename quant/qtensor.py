@@ -45,6 +45,10 @@ class QTensor:
                 out[name] = value
         return out
 
+    def scale_parts(self) -> dict[str, torch.Tensor]:
+        """Every part except qweight: what GroupScales.stored holds for these scales."""
+        return {name: t for name, t in self.parts().items() if name != "qweight"}
+
     def to_tensors(self) -> dict[str, torch.Tensor]:
         """Contiguous CPU copies of the parts, ready for safetensors."""
         return {name: t.detach().contiguous().cpu() for name, t in self.parts().items()}

@@ -161,6 +161,18 @@ def test_column_quantizer_matches_whole_matrix(label):
     assert torch.equal(values, qt.dequantize())
 
 
+@pytest.mark.parametrize("label", SPECS)
+def test_requantizing_with_a_checkpoints_scales_reproduces_it(label):
+    """GPTQ-style reuse: scales decoded from a QTensor quantize the same weight to the same bytes."""
+    w = weights("student", n=24, k=100)
+    spec = parse_spec(label)
+    fmt = get_format(spec)
+    qt = fmt.quantize(w, spec)
+    again = fmt.quantize(w, spec, scales=fmt.scales_from_parts(qt))
+    for name, t in qt.parts().items():
+        assert torch.equal(t.view(torch.uint8), again.parts()[name].view(torch.uint8)), name
+
+
 @pytest.mark.parametrize("label", ["int4", "nf4", "mxfp4", "nvfp4", "fp8"])
 def test_channel_statistics_steer_the_error(label):
     w = weights("student", n=64, k=256)
