@@ -84,7 +84,7 @@ def compute_scales(w, spec: FormatSpec, *, stats=None, global_scale=None) -> Gro
     n, k = w.shape
     x = _tiles(w, spec)
     columns = column_weights(stats, k)
-    weight = None if columns is None else _tiles(columns.unsqueeze(0).expand(n, k), spec)
+    weight = None if columns is None else _tiles(columns.to(w.device).unsqueeze(0).expand(n, k), spec)
     amax = x.abs().amax(-1, keepdim=True)
     limit = _MAX[spec.element]
     clips = [1.0] + (_CLIP_GRID if spec.scale_rule == "mse" else [])

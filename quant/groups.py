@@ -93,10 +93,12 @@ def column_weights(stats: torch.Tensor | None, in_features: int) -> torch.Tensor
     return stats
 
 
-def grouped_weights(stats: torch.Tensor | None, in_features: int, group_size: int) -> torch.Tensor | None:
-    """Column weights laid out like `grouped(w, group_size)`: [1, G, g], or None."""
+def grouped_weights(
+    stats: torch.Tensor | None, in_features: int, group_size: int, device: torch.device | None = None
+) -> torch.Tensor | None:
+    """Column weights laid out like `grouped(w, group_size)`: [1, G, g] on `device`, or None."""
     weights = column_weights(stats, in_features)
-    return None if weights is None else grouped(weights.unsqueeze(0), group_size)
+    return None if weights is None else grouped(weights.unsqueeze(0).to(device), group_size)
 
 
 def search_best(

@@ -94,7 +94,7 @@ def compute_scales(w, spec: FormatSpec, *, stats=None, global_scale=None) -> Gro
     k = w.shape[1]
     g = group_size_of(spec, k)
     wg = grouped(w, g)
-    weight = grouped_weights(stats, k, g)
+    weight = grouped_weights(stats, k, g, w.device)
     candidates = _symmetric_candidates(wg, spec) if spec.symmetric else _asymmetric_candidates(wg, spec)
     best = search_best(wg, weight, candidates, lambda x, s, z=None: _fake_quantize(x, s, z, spec))
     scale = best[0].squeeze(-1)

@@ -83,7 +83,7 @@ def compute_scales(w, spec: FormatSpec, *, stats=None, global_scale=None) -> Gro
     w = check_weight(w)
     k = w.shape[1]
     wg = grouped(w, BLOCK)
-    weight = grouped_weights(stats, k, BLOCK)
+    weight = grouped_weights(stats, k, BLOCK, w.device)
     amax = wg.abs().amax(-1, keepdim=True)
     e_floor = floor_exponent(amax)
     if spec.scale_rule == "floor":

@@ -99,7 +99,7 @@ def compute_scales(w, spec: FormatSpec, *, stats=None, global_scale=None) -> Gro
     w = check_weight(w)
     k = w.shape[1]
     wg = grouped(w, spec.group_size)
-    weight = grouped_weights(stats, k, spec.group_size)
+    weight = grouped_weights(stats, k, spec.group_size, w.device)
     amax = wg.abs().amax(-1, keepdim=True)
     clips = [1.0] + (_CLIP_GRID if spec.scale_rule == "mse" else [])
     candidates = ((round_scale(amax * c, spec.scale_dtype),) for c in clips)

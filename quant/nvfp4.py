@@ -75,11 +75,11 @@ def compute_scales(w, spec: FormatSpec, *, stats=None, global_scale=None) -> Gro
     k = w.shape[1]
     if global_scale is None:
         global_scale = global_scale_for(w)
-    global_scale = torch.as_tensor(global_scale, dtype=torch.float32).reshape(1)
+    global_scale = torch.as_tensor(global_scale, dtype=torch.float32).reshape(1).to(w.device)
     if not (torch.isfinite(global_scale).all() and global_scale.item() > 0):
         raise UsageError(f"nvfp4 global scale must be a positive finite number, got {global_scale.item()}")
     wg = grouped(w, BLOCK)
-    weight = grouped_weights(stats, k, BLOCK)
+    weight = grouped_weights(stats, k, BLOCK, w.device)
     amax = wg.abs().amax(-1, keepdim=True)
     base = to_fp8(amax / E2M1_MAX / global_scale).view(torch.uint8).to(torch.int32)
     steps = _CODE_STEPS if spec.scale_rule == "mse" else (0,)
