@@ -84,7 +84,7 @@ def write_tiny(path: Path, arch: str = "llama", *, tied: bool = True, rope_freqs
     w.add_head_count_kv(KV_HEADS)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(10000.0)
-    if arch == "gemma3":
+    if arch in ("gemma3", "qwen3"):
         w.add_key_length(HEAD_DIM)
         w.add_value_length(HEAD_DIM)
         w.add_sliding_window(8)
@@ -141,6 +141,12 @@ def write_tiny(path: Path, arch: str = "llama", *, tied: bool = True, rope_freqs
                 value = normal(HEAD_DIM)
                 add(p + f"{g}.weight", h + f"{hf}.weight", value, stored=value + norm_shift)
         else:
+            if arch == "qwen2":
+                for g, hf, rows in (("attn_q", "q_proj", HEADS), ("attn_k", "k_proj", KV_HEADS), ("attn_v", "v_proj", KV_HEADS)):
+                    add(p + f"{g}.bias", h + f"self_attn.{hf}.bias", normal(rows * HEAD_DIM))
+            if arch == "qwen3":
+                add(p + "attn_q_norm.weight", h + "self_attn.q_norm.weight", 1 + normal(HEAD_DIM))
+                add(p + "attn_k_norm.weight", h + "self_attn.k_norm.weight", 1 + normal(HEAD_DIM))
             add(p + "attn_norm.weight", h + "input_layernorm.weight", 1 + normal(HIDDEN))
             add(p + "ffn_norm.weight", h + "post_attention_layernorm.weight", 1 + normal(HIDDEN))
     if rope_freqs is not None:
@@ -208,6 +214,25 @@ def test_converted_tiny_llama_matches_transformers_gguf_loading(tiny_llama):
     with torch.no_grad():
         diff = (ref(ids).logits - ours(ids).logits).abs().max().item()
     assert diff < 1e-5
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_converted_tiny_qwen_matches_transformers_gguf_loading(tmp_path, arch):
+    transformers = pytest.importorskip("transformers")
+    record = write_tiny(tmp_path / "q.gguf", arch=arch, tied=False)
+    out = convert_gguf(tmp_path / "q.gguf", tmp_path / "hf", dtype="f32")
+    assert set(load_file(str(out / "model.safetensors"))) == set(record["expected"])
+    # transformers' GGUF loader ignores qwen3.attention.key_length (it keeps head_dim=128); tell it
+    ref_config = transformers.AutoConfig.from_pretrained(str(tmp_path), gguf_file="q.gguf")
+    ref_config.head_dim = HEAD_DIM
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file="q.gguf", config=ref_config, dtype=torch.float32
+    )
+    ours = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    assert type(ours).__name__ == {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
+    ids = torch.tensor([[5, 17, 200, 256, 258, 3, 99]])
+    with torch.no_grad():
+        assert (ref(ids).logits - ours(ids).logits).abs().max().item() < 1e-5
 
 
 def test_untied_output_becomes_lm_head(tmp_path):
