@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -59,7 +59,6 @@ class ArchSpec:
     permute_qk: bool = False
     # Gemma stores norm weights as (1 + w) because its RMSNorm multiplies by (1 + w).
     norm_offset: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def hf_tensor_name(spec: ArchSpec, gguf_name: str) -> str | None:
