@@ -1,0 +1,115 @@
+"""The one entry point for quantized matmul: `prepare` at load time, `qmatmul` in forward.
+
+Path choice (first that applies):
+  CUDA device                                  triton      (kernels/triton_qmm.py)
+  CPU, int4 with a group torch's op accepts    cpu-int4    (kernels/cpu.py, torch's int4 op)
+  CPU, per-channel int8                        cpu-int8    (kernels/cpu.py, torch's int8 op)
+  CPU, any 4-bit or 8-bit format               cpu-lut     (kernels/cpu_lut.py, compiled C kernel)
+  anything else (int2/int3 on CPU, no compiler) reference   (kernels/reference.py)
+`LOWBIT_KERNEL` (or the `path` argument) forces one: reference | cpu | cpu-int4 | cpu-int8 |
+cpu-lut | triton ("cpu" means the best CPU path); a forced path that cannot run this weight
+raises a one-line LowbitError instead of silently running another.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from lowbit.errors import LowbitError, UsageError
+from lowbit.kernels import cpu, cpu_lut
+from lowbit.kernels.prepared import PreparedWeight
+from lowbit.kernels.reference import reference_matmul
+from lowbit.quant.qtensor import QTensor
+
+PATHS = ("reference", "cpu", "cpu-int4", "cpu-int8", "cpu-lut", "triton")
+ENV = "LOWBIT_KERNEL"
+
+
+def _requested(path: str | None) -> str | None:
+    path = path or os.environ.get(ENV) or None
+    if path is not None and path not in PATHS:
+        raise UsageError(f"unknown kernel path '{path}' (choose from {', '.join(PATHS)}; set by {ENV} or argument)")
+    return path
+
+
+def _cpu_candidates(qt: QTensor) -> list[str]:
+    out = []
+    if cpu.int4_group(qt) is not None:
+        out.append("cpu-int4")
+    if cpu.int8_channel(qt):
+        out.append("cpu-int8")
+    if cpu_lut.supports(qt):
+        out.append("cpu-lut")
+    return out
+
+
+def choose_path(qt: QTensor, device: torch.device | str, path: str | None = None) -> str:
+    """Which path `prepare` will use for this weight on this device."""
+    device = torch.device(device)
+    want = _requested(path)
+    if want == "reference":
+        return "reference"
+    if device.type == "cuda":
+        if want not in (None, "triton"):
+            raise LowbitError(f"kernel path '{want}' runs on CPU, but the weight is on {device}")
+        return "triton"
+    if want == "triton":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise LowbitError("kernel path 'triton' needs a CUDA device (or TRITON_INTERPRET=1 for tests)")
+        return "triton"
+    candidates = _cpu_candidates(qt)
+    if want in (None, "cpu"):
+        return candidates[0] if candidates else "reference"
+    if want not in candidates:
+        raise LowbitError(f"kernel path '{want}' cannot run {qt.spec.label} {qt.shape[0]}x{qt.shape[1]} on this machine")
+    return want
+
+
+def prepare(qt: QTensor, device: torch.device | str = "cpu", path: str | None = None) -> PreparedWeight:
+    """Repack a loaded QTensor once for the matmul path chosen on `device` (never saved to disk)."""
+    device = torch.device(device)
+    chosen = choose_path(qt, device, path)
+    if chosen == "triton":
+        from lowbit.kernels import triton_qmm  # imported late: TRITON_INTERPRET is read at import
+
+        return triton_qmm.prepare(qt, device)
+    if chosen == "cpu-int4":
+        return cpu.prepare_int4(qt)
+    if chosen == "cpu-int8":
+        return cpu.prepare_int8(qt)
+    if chosen == "cpu-lut":
+        return cpu_lut.prepare(qt)
+    return PreparedWeight(path="reference", shape=qt.shape, label=qt.spec.label, device=device, qt=qt.to(device))
+
+
+_MATMULS = {
+    "cpu-int4": cpu.matmul_int4,
+    "cpu-int8": cpu.matmul_int8,
+    "cpu-lut": cpu_lut.matmul,
+}
+
+
+def qmatmul(x: torch.Tensor, prepared: PreparedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ dequant(W)^T (+ bias) for x [..., K] in bf16/fp16/fp32; y has x's dtype."""
+    n, k = prepared.shape
+    if x.shape[-1] != k:
+        raise LowbitError(f"matmul input has {x.shape[-1]} features but the {prepared.label} weight expects {k}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise LowbitError(f"quantized matmul takes bf16, fp16 or fp32 inputs, not {x.dtype}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if prepared.path == "reference":
+        y = reference_matmul(x2, prepared.qt)
+    elif prepared.path == "triton":
+        from lowbit.kernels import triton_qmm
+
+        y = triton_qmm.matmul(x2, prepared)
+    elif x2.shape[0] == 0:
+        y = x2.new_zeros(0, n)
+    else:
+        y = _MATMULS[prepared.path](x2, prepared)
+    if bias is not None:
+        y = y.float() + bias.float()
+    return y.to(x.dtype).reshape(*lead, n)
