@@ -18,8 +18,9 @@ Bits per weight = b + (scale bits [+ 8 zero bits]) / g.
 
 Scale choice (spec.scale_rule):
   absmax  symmetric: extreme → -2^(b-1) (llama.cpp Q4_0's rule); asymmetric: the group's min/max
-  mse     (default) the absmax candidate plus a grid of clipped/stretched candidates in both
-          sign orientations (asymmetric: min and max shrunk together, like AWQ's clip search);
+  mse     (default) the absmax candidate plus 17 clipped/stretched ones (the extreme mapped to
+          -2^(b-1) * r, r in 0.75..1.25; asymmetric: min and max shrunk together by 1..0.5, like
+          AWQ's clip search);
           per group the one with the least squared error, weighted per input channel by `stats`
           when given. Rounding of elements is round-half-to-even (torch.round).
 """
@@ -108,13 +109,13 @@ def compute_scales(w, spec: FormatSpec, *, stats=None, global_scale=None) -> Gro
 
 def _symmetric_candidates(wg, spec: FormatSpec):
     neg = float(1 << (spec.bits - 1))
-    pos = neg - 1
     extreme = wg.gather(-1, wg.abs().argmax(-1, keepdim=True))  # signed largest-magnitude value
     yield (round_scale(-extreme / neg, spec.scale_dtype),)
     if spec.scale_rule == "mse":
+        # Only the orientation that gives the extreme the wider (negative) side: on SmolLM2 adding
+        # the other orientation halves the speed for 0.1% less error.
         for r in _SYM_GRID:
             yield (round_scale(-extreme / (neg * r), spec.scale_dtype),)
-            yield (round_scale(extreme / (pos * r), spec.scale_dtype),)
 
 
 def _asymmetric_candidates(wg, spec: FormatSpec):
