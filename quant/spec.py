@@ -179,10 +179,15 @@ def parse_spec(
 
 
 def _split_name(tokens: list[str], text: str) -> tuple[str, list[str]]:
-    # Longest known prefix wins, so "int4-asym-g64" is the name "int4-asym" plus "g64".
+    # Longest known prefix wins, so "int4-asym-g64" is the name "int4-asym" plus "g64";
+    # "sym"/"asym" may also come later ("int4-g64-asym").
+    asym = "asym" in tokens[1:]
+    tokens = [tokens[0]] + [t for t in tokens[1:] if t not in ("sym", "asym")]
     for n in range(len(tokens), 0, -1):
         candidate = "-".join(tokens[:n])
         candidate = _ALIASES.get(candidate, candidate)
+        if asym:
+            candidate = f"{candidate}-asym"
         if candidate in _FORMATS:
             return candidate, tokens[n:]
     raise UsageError(f"unknown format '{text}' (known: {', '.join(_FORMATS)})")

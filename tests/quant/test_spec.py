@@ -30,6 +30,8 @@ def test_defaults_and_overrides():
     assert parse_spec("nf4").group_size == 64
     assert parse_spec("fp8-block").group_size == 128
     assert parse_spec("fp8-e4m3") == parse_spec("fp8")
+    assert parse_spec("int4-g64-asym") == parse_spec("int4-asym-g64")
+    assert parse_spec("int4-sym") == parse_spec("int4")
     assert parse_spec("nf4", double_quant=True).label == "nf4-dq"
     assert parse_spec("mxfp4", scale_rule="round-up").label == "mxfp4-roundup"
     assert set(list_formats()) >= {"int4", "int4-asym", "int8", "nf4", "fp8", "mxfp4", "nvfp4"}
@@ -40,6 +42,7 @@ def test_defaults_and_overrides():
     "text, kwargs, message",
     [
         ("int5", {}, "unknown format"),
+        ("nf4-asym", {}, "unknown format"),
         ("int4-foo", {}, "unknown option"),
         ("mxfp4", {"group_size": 64}, "exactly 32"),
         ("nvfp4-g32", {}, "exactly 16"),
