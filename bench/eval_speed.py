@@ -42,6 +42,9 @@ class TransformersCausalLM(torch.nn.Module):
 def load_transformers(path) -> TransformersCausalLM:
     from transformers import AutoModelForCausalLM
 
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager")
     return TransformersCausalLM(hf.eval())
 
@@ -97,8 +100,9 @@ def main(argv: list[str] | None = None) -> None:
             f"{row['hf_ppl']:.4f}" if row["hf_ppl"] else "n/a",
             row["note"],
         )
-    Console().print(table)
-    Console().print(f"total {time.perf_counter() - started:.0f} s")
+    console = Console(width=160)
+    console.print(table)
+    console.print(f"total {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":
