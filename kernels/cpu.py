@@ -66,7 +66,10 @@ def matmul_int4(x: torch.Tensor, pw: PreparedWeight) -> torch.Tensor:
 
 def int8_channel(qt: QTensor) -> bool:
     spec = qt.spec
-    return spec.bits == 8 and spec.element == "int" and spec.granularity == "channel" and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+    # torch 2.13's op returns wrong numbers or crashes when K is not a multiple of 16 (K=200
+    # segfaults at M=3); 32 keeps a margin.
+    ok_k = qt.shape[1] % 32 == 0
+    return spec.bits == 8 and spec.element == "int" and spec.granularity == "channel" and ok_k and hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
 
 def prepare_int8(qt: QTensor) -> PreparedWeight:
