@@ -1,0 +1,151 @@
+"""Quantized matmul speed per format and layer shape, against bf16 F.linear and the memory roofline.
+
+    python bench/kernels.py              # every format x shape x M (minutes on a 2-core CPU)
+    python bench/kernels.py --quick      # a subset
+    python bench/kernels.py --json       # one JSON object on stdout as well
+
+For each (format, N x K, M): the path dispatch picked, the median time of qmatmul, the effective
+weight bandwidth (bytes the path reads / time), its ratio to the machine's streaming-read
+bandwidth (measured here: a sum over a buffer far larger than the last-level cache), and the
+speed-up over bf16 F.linear of the same shape timed in the same run. Weights are rotated through
+enough copies to exceed the cache, so every call streams its weight from memory as decode does.
+On a CUDA machine the same script times the Triton path against cuBLAS bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.table import Table
+
+from lowbit.kernels import prepare, qmatmul
+from lowbit.quant.registry import get_format, parse_spec
+
+FORMATS = ["int4", "int4-asym", "int8", "nf4", "fp8", "fp8-block128", "mxfp4", "nvfp4"]
+SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (4096, 4096), (11008, 4096)]  # (N out, K in)
+ROWS = [1, 8, 64, 512]
+QUICK = {"formats": ["int4", "int8", "nf4", "fp8", "mxfp4", "nvfp4"], "shapes": [(576, 576), (1536, 576), (4096, 4096)], "rows": [1, 8]}
+ROTATE_BYTES = 96 << 20  # > 3x a 32 MiB L3
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_time(calls, device, budget_s=0.4, min_reps=5, max_reps=200) -> float:
+    """Median seconds per call, cycling through `calls` (one per weight copy)."""
+    for c in calls[:2]:
+        c()
+    sync(device)
+    times = []
+    start = time.perf_counter()
+    i = 0
+    while (i < min_reps or time.perf_counter() - start < budget_s) and i < max_reps:
+        t = time.perf_counter()
+        calls[i % len(calls)]()
+        sync(device)
+        times.append(time.perf_counter() - t)
+        i += 1
+    return statistics.median(times)
+
+
+def stream_bandwidth(device) -> float:
+    """Bytes/s of a sum over a 512 MiB buffer (a read-only stream)."""
+    buf = torch.ones(128 << 20, dtype=torch.float32, device=device)
+    t = median_time([lambda: buf.sum()], device, budget_s=1.0, min_reps=5)
+    return buf.numel() * 4 / t
+
+
+def copies_for(nbytes: int) -> int:
+    return max(2, min(64, -(-ROTATE_BYTES // max(nbytes, 1))))
+
+
+def quantize(label: str, w: torch.Tensor):
+    # Scale search does not change kernel speed; the plain rules quantize large shapes quickly.
+    text = label + ("-floor" if label.startswith("mxfp4") else "-absmax")
+    spec = parse_spec(text)
+    return get_format(spec).quantize(w, spec)
+
+
+def run(formats, shapes, rows, device) -> dict:
+    bw = stream_bandwidth(device)
+    results = []
+    for n, k in shapes:
+        w = torch.randn(n, k) * 0.02
+        dense = [w.to(device=device, dtype=torch.bfloat16) for _ in range(copies_for(n * k * 2))]
+        bf16_time = {}
+        for m in rows:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            bf16_time[m] = median_time([lambda d=d: F.linear(x, d) for d in dense], device)
+        del dense
+        for label in formats:
+            qt = quantize(label, w)
+            first = prepare(qt, device)
+            prepared = [first] + [prepare(qt, device) for _ in range(copies_for(first.nbytes) - 1)]
+            for m in rows:
+                x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+                t = median_time([lambda p=p: qmatmul(x, p) for p in prepared], device)
+                gbs = first.nbytes / t
+                results.append({
+                    "format": label, "path": first.path, "n": n, "k": k, "m": m, "us": t * 1e6,
+                    "gb_s": gbs / 1e9, "of_stream": gbs / bw, "vs_bf16": bf16_time[m] / t, "bf16_us": bf16_time[m] * 1e6,
+                })
+            del prepared
+    return {"device": describe(device), "threads": torch.get_num_threads(), "stream_gb_s": bw / 1e9, "results": results}
+
+
+def describe(device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = "cpu"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}"
+
+
+def show(report: dict, console: Console) -> None:
+    table = Table(title=f"{report['device']} · streaming read {report['stream_gb_s']:.1f} GB/s")
+    for col in ("format", "path", "N x K", "M", "time µs", "GB/s", "of stream", "bf16 µs", "× bf16"):
+        table.add_column(col, justify="right")
+    for r in report["results"]:
+        table.add_row(
+            r["format"], r["path"], f"{r['n']}x{r['k']}", str(r["m"]), f"{r['us']:.0f}", f"{r['gb_s']:.1f}",
+            f"{r['of_stream']:.0%}", f"{r['bf16_us']:.0f}", f"{r['vs_bf16']:.2f}",
+        )
+    console.print(table)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a subset of formats, shapes and batch sizes")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+    ap.add_argument("--formats", nargs="*", help="format names (default: all)")
+    ap.add_argument("--json", action="store_true", help="also print one JSON object on stdout")
+    ap.add_argument("--threads", type=int, help="CPU threads (default: torch's); 1 is steadier on a busy machine")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    pick = QUICK if args.quick else {"formats": FORMATS, "shapes": SHAPES, "rows": ROWS}
+    formats = args.formats or pick["formats"]
+    report = run(formats, pick["shapes"], pick["rows"], torch.device(args.device))
+    show(report, Console(stderr=True, width=140))
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
