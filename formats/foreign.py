@@ -1,0 +1,116 @@
+"""What kind of checkpoint a path is, and reading any supported kind into lowbit's representation.
+
+`detect_checkpoint_kind(path)` → "native" | "gptq" | "awq" | "compressed-tensors" | "gguf" | "hf".
+`load_foreign(path)` → (config dict, tensors): the model's config.json without its
+quantization_config, and HF parameter names → dense tensors or QTensors (`<module>.weight`
+for every quantized projection). Layers a foreign format stores in a way lowbit cannot hold
+as a QTensor (GPTQ act-order, GGUF K-quants) arrive as float32 tensors with the exact values.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from lowbit.errors import LowbitError
+from lowbit.formats.checkpoint import Checkpoint, read_hf, read_native
+from lowbit.quant.qtensor import QTensor
+
+KINDS = ("native", "gptq", "awq", "compressed-tensors", "gguf", "hf")
+
+
+def detect_checkpoint_kind(path: str | os.PathLike) -> str:
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise LowbitError(f"checkpoint not found: {path}")
+    if path.is_file():
+        with path.open("rb") as fh:
+            if fh.read(4) == b"GGUF":
+                return "gguf"
+        raise LowbitError(f"{path} is a file but not GGUF; lowbit reads checkpoint directories or *.gguf files")
+    config_path = path / "config.json"
+    qc = None
+    if config_path.is_file():
+        try:
+            qc = json.loads(config_path.read_text()).get("quantization_config")
+        except (json.JSONDecodeError, AttributeError):
+            raise LowbitError(f"{config_path} is not a valid JSON object") from None
+    method = str(qc.get("quant_method", "")).lower() if isinstance(qc, dict) else ""
+    if method == "lowbit":
+        return "native"
+    if method in ("compressed-tensors", "gptq", "awq"):
+        return method
+    if method:
+        raise LowbitError(f"{path}: quantization method '{method}' is not one lowbit reads (native, gptq, awq, compressed-tensors)")
+    if (path / "quantize_config.json").is_file():
+        return "gptq"
+    if (path / "quant_config.json").is_file():
+        return "awq"
+    if not config_path.is_file():
+        raise LowbitError(f"{path} is not a model directory: it has no config.json")
+    return "hf"
+
+
+def read_checkpoint(path: str | os.PathLike, kind: str | None = None) -> Checkpoint:
+    """Any supported checkpoint as a `Checkpoint` (config, QTensors, dense tensors)."""
+    path = Path(path).expanduser()
+    kind = kind or detect_checkpoint_kind(path)
+    if kind == "native":
+        return read_native(path)
+    if kind == "hf":
+        return read_hf(path)
+    if kind == "compressed-tensors":
+        from lowbit.formats.compressed_tensors import read_compressed_tensors
+
+        return read_compressed_tensors(path)
+    if kind == "gptq":
+        from lowbit.formats.gptq import read_gptq
+
+        return read_gptq(path)
+    if kind == "awq":
+        from lowbit.formats.awq import read_awq
+
+        return read_awq(path)
+    if kind == "gguf":
+        return read_gguf(path)
+    raise LowbitError(f"unknown checkpoint kind '{kind}' (known: {', '.join(KINDS)})")
+
+
+def load_foreign(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor | QTensor]]:
+    """(config dict, HF parameter name → Tensor or QTensor) for any supported checkpoint."""
+    ckpt = read_checkpoint(path)
+    return ckpt.config, ckpt.tensors()
+
+
+def read_gguf(path: Path) -> Checkpoint:
+    """A GGUF file: Q4_0 / Q8_0 / MXFP4 projections become QTensors, everything else float32."""
+    from lowbit.formats.gguf_arch import arch_spec, unpermute_qk
+    from lowbit.formats.gguf_blocks import BLOCK, from_gguf_bytes, permute_rows
+    from lowbit.formats.gguf_import import _embeddings_tied, _hf_tensor, _plan_tensors
+    from lowbit.formats.gguf_reader import open_gguf
+
+    gguf = open_gguf(path)
+    spec = arch_spec(gguf)
+    config = spec.build_config(gguf)
+    tied = _embeddings_tied(gguf)
+    config["tie_word_embeddings"] = tied
+    config = {"architectures": [spec.hf_class], "model_type": spec.model_type, **config}
+    ckpt = Checkpoint(config=config, gguf=gguf, kind="gguf")
+    for name, hf_name in _plan_tensors(gguf, spec, tied):
+        info = gguf.info(name)
+        part = name.split(".")[-2] if name.startswith("blk.") else ""
+        is_projection = hf_name.endswith("_proj.weight") and len(info.shape) == 2
+        if is_projection and info.type_name in ("Q4_0", "Q8_0", "MXFP4") and info.shape[1] % BLOCK == 0:
+            qt = from_gguf_bytes(gguf.raw_bytes(name), info.type_name, info.shape)
+            if spec.permute_qk and part in ("attn_q", "attn_k"):
+                heads = config["num_attention_heads"] if part == "attn_q" else config["num_key_value_heads"]
+                qt = permute_rows(qt, unpermute_qk(torch.arange(info.shape[0]), heads))
+            ckpt.qtensors[hf_name[: -len(".weight")]] = qt
+            continue
+        ckpt.dense[hf_name] = _hf_tensor(gguf, spec, config, name)
+        if is_projection and info.type_name not in ("F32", "F16", "BF16", "F64"):
+            ckpt.unexpressed[hf_name[: -len(".weight")]] = (info.type_name, f"GGUF {info.type_name} blocks have no lowbit format")
+    return ckpt

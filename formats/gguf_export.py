@@ -1,0 +1,361 @@
+"""lowbit checkpoint → one GGUF file llama.cpp runs: weights, hyper-parameters, tokenizer, chat template.
+
+Per projection weight the GGUF type is `--gguf-type` when given, else the type that holds the
+source exactly (int4-g32 → Q4_0, int8-g32 → Q8_0, mxfp4 → MXFP4, dense bf16 → BF16), else
+Q4_K (Q8_0 for 8-bit sources). Exact writes copy codes and scales; everything else is
+requantized from the dequantized weight (llama.cpp's Q4_K reference algorithm, lowbit's RTN for
+Q4_0/Q8_0/MXFP4) and only with `allow_requant`. Q4_K needs rows of 256: like llama-quantize,
+narrower rows fall back (to Q4_0 here). Norms are F32, embeddings keep their dense dtype.
+Llama's q/k rows are permuted into llama.cpp's interleaved rotary order (Qwen's are not).
+Architectures: llama (incl. Mistral-style), qwen2, qwen3.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lowbit.errors import LowbitError, UsageError
+from lowbit.formats.checkpoint import Checkpoint
+from lowbit.formats.gguf_arch import _GLOBAL, _LLAMA_BLOCK, llama3_rope_divisors, permute_qk
+from lowbit.formats.gguf_blocks import exact_gguf_type, gguf_spec, permute_rows, to_gguf_bytes
+from lowbit.formats.gguf_q4k import QK_K, quantize_q4_k
+from lowbit.formats.requant import LayerChange, dequantized, refuse_unless_allowed, relative_error, source_label
+from lowbit.quant.qtensor import QTensor
+from lowbit.quant.rtn import quantize_rtn
+
+GGUF_TYPES = ("bf16", "q8_0", "q4_0", "q4_k", "mxfp4")
+_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_FILE_TYPE = {"BF16": 32, "Q8_0": 7, "Q4_0": 2, "Q4_K": 15, "MXFP4": 38}  # llama_ftype (MOSTLY_*)
+
+
+def parse_gguf_type(name: str | None) -> str | None:
+    if name is None:
+        return None
+    key = name.lower().replace("-", "_")
+    if key not in GGUF_TYPES:
+        raise UsageError(f"unknown GGUF type '{name}' (choose {', '.join(GGUF_TYPES)})")
+    return key.upper()
+
+
+def gguf_name(hf_name: str) -> str | None:
+    """llama.cpp's name for a Hugging Face tensor (None: not part of a GGUF, e.g. rotary buffers)."""
+    parts = hf_name.split(".")
+    suffix = parts[-1]
+    base = ".".join(parts[:-1])
+    if base.startswith("model.layers."):
+        layer, rest = parts[2], ".".join(parts[3:-1])
+        for gguf_part, hf_part in _LLAMA_BLOCK.items():
+            if hf_part == rest:
+                return f"blk.{layer}.{gguf_part}.{suffix}"
+    for gguf_part, hf_part in _GLOBAL.items():
+        if hf_part == base:
+            return f"{gguf_part}.{suffix}"
+    if hf_name.endswith("rotary_emb.inv_freq"):
+        return None
+    raise LowbitError(f"tensor {hf_name} has no GGUF counterpart in llama.cpp's llama/qwen layout")
+
+
+def _choose(value: torch.Tensor | QTensor, forced: str | None) -> tuple[str, str | None]:
+    """(GGUF type to write, reason it is not exact or None) for one projection weight."""
+    k = value.shape[1]
+    exact = exact_gguf_type(value.spec, k) if isinstance(value, QTensor) else None
+    if forced is None:
+        if exact:
+            return exact, None
+        if not isinstance(value, QTensor):
+            forced = "BF16"
+        else:
+            forced = "Q8_0" if value.spec.bits == 8 else "Q4_K"
+    if forced == exact:
+        return forced, None
+    if forced == "BF16":
+        w = dequantized(value)
+        if torch.equal(w.bfloat16().float(), w):
+            return "BF16", None
+        return "BF16", f"{source_label(value)} values are not all representable in bf16"
+    target = forced
+    if forced == "Q4_K" and k % QK_K:
+        target = "Q4_0"
+    if forced in ("Q4_0", "Q8_0", "MXFP4") and k % 32:
+        raise LowbitError(f"in_features {k} is not a multiple of 32, which every GGUF block type here needs")
+    reason = f"{source_label(value)} is not {forced}" + (f" (rows of {k} are not a multiple of 256: written as Q4_0, as llama-quantize falls back)" if target != forced else "")
+    return target, reason
+
+
+def _encode(value: torch.Tensor | QTensor, gtype: str, exact: bool) -> tuple[np.ndarray, torch.Tensor]:
+    """(uint8 rows of GGUF blocks, the float32 weights they decode to)."""
+    if gtype == "BF16":
+        w = dequantized(value).bfloat16()
+        return w.view(torch.uint8).numpy(), w.float()
+    if gtype == "Q4_K":
+        from lowbit.formats.gguf_q4k import dequantize_q4_k
+
+        raw = quantize_q4_k(dequantized(value))
+        return raw, dequantize_q4_k(raw, tuple(value.shape))
+    qt = value if exact else quantize_rtn(dequantized(value), gguf_spec(gtype))
+    return to_gguf_bytes(qt, gtype), qt.dequantize()
+
+
+def write_gguf(
+    ckpt: Checkpoint,
+    out_path: Path,
+    gguf_type: str | None = None,
+    allow_requant: bool = False,
+    progress=None,
+) -> tuple[list[LayerChange], list[str]]:
+    """Write `ckpt` as a GGUF file at `out_path` (a temporary path: the caller renames it)."""
+    import gguf
+
+    config = ckpt.config
+    model_type = config.get("model_type")
+    arch = _ARCH.get(model_type)
+    if arch is None:
+        raise LowbitError(f"GGUF export supports llama, mistral, qwen2 and qwen3 models, not '{model_type}'")
+    forced = parse_gguf_type(gguf_type)
+    tensors = ckpt.tensors()
+    projections = set(ckpt.linear_weights())
+    plan: dict[str, tuple[str, str | None]] = {}
+    problems = []
+    for module in sorted(projections):
+        value = tensors[f"{module}.weight"]
+        gtype, reason = _choose(value, forced)
+        if module in ckpt.unexpressed:
+            reason = reason or ckpt.unexpressed[module][1]
+        plan[module] = (gtype, reason)
+        if reason:
+            problems.append((module, reason))
+    refuse_unless_allowed(f"GGUF {forced or 'blocks'}", problems, allow_requant)
+
+    writer = gguf.GGUFWriter(str(out_path), arch)
+    notes = _write_metadata(writer, ckpt, arch, plan)
+    heads, kv_heads = int(config["num_attention_heads"]), int(config.get("num_key_value_heads", config["num_attention_heads"]))
+    tied = _tied(ckpt)
+    changes: list[LayerChange] = []
+    names = [n for n in tensors if not (tied and n == "lm_head.weight")]
+    for done, hf_name in enumerate(sorted(names, key=_order), start=1):
+        target = gguf_name(hf_name)
+        if target is None:
+            continue
+        value = tensors[hf_name]
+        module = hf_name[: -len(".weight")] if hf_name.endswith(".weight") else None
+        n_rows = heads if ".q_proj." in hf_name else kv_heads
+        permute = arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name)
+        if module in plan:
+            gtype, reason = plan[module]
+            raw, decoded = _encode(value, gtype, reason is None)
+            if reason:
+                changes.append(LayerChange(module, source_label(value), gtype, reason, relative_error(dequantized(value), decoded)))
+            if permute:
+                order = permute_qk(torch.arange(value.shape[0]), n_rows)
+                raw = raw[order.numpy()]
+            writer.add_tensor(target, np.ascontiguousarray(raw), raw_dtype=getattr(gguf.GGMLQuantizationType, gtype))
+        else:
+            dense = dequantized(value) if isinstance(value, QTensor) else value
+            if permute:
+                dense = permute_qk(dense, n_rows)
+            _add_dense(writer, target, dense, gguf)
+        if progress is not None:
+            progress(done, len(names), hf_name)
+    rope = _rope_freqs(config)
+    if rope is not None:
+        writer.add_tensor("rope_freqs.weight", rope.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return changes, notes
+
+
+def _order(name: str):
+    # token_embd first, blocks by index, then the output norm and head: the order llama.cpp writes
+    parts = name.split(".")
+    if name.startswith("model.embed_tokens"):
+        return (0, 0, name)
+    if name.startswith("model.layers."):
+        return (1, int(parts[2]), name)
+    return (2, 0, name)
+
+
+def _add_dense(writer, name: str, tensor: torch.Tensor, gguf) -> None:
+    if tensor.dim() == 1 or name.endswith("norm.weight") or tensor.dtype == torch.float32:
+        writer.add_tensor(name, tensor.float().contiguous().numpy())
+    elif tensor.dtype == torch.float16:
+        writer.add_tensor(name, tensor.contiguous().numpy())
+    else:
+        raw = tensor.to(torch.bfloat16).contiguous().view(torch.uint8).numpy()
+        writer.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType.BF16)
+
+
+def _tied(ckpt: Checkpoint) -> bool:
+    if "lm_head.weight" not in ckpt.dense and "lm_head" not in ckpt.qtensors:
+        return True
+    return bool(ckpt.config.get("tie_word_embeddings", False))
+
+
+def _rope_theta(config: dict) -> float:
+    params = config.get("rope_parameters") or {}
+    return float(config.get("rope_theta") or params.get("rope_theta") or 10000.0)
+
+
+def _rope_scaling(config: dict) -> dict | None:
+    scaling = config.get("rope_scaling") or config.get("rope_parameters")
+    if not isinstance(scaling, dict):
+        return None
+    kind = scaling.get("rope_type") or scaling.get("type")
+    return None if kind in (None, "default") else scaling
+
+
+def _rope_freqs(config: dict) -> torch.Tensor | None:
+    scaling = _rope_scaling(config)
+    if not scaling or (scaling.get("rope_type") or scaling.get("type")) != "llama3":
+        return None
+    head_dim = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+    return llama3_rope_divisors(
+        _rope_theta(config), head_dim, float(scaling["factor"]), float(scaling.get("low_freq_factor", 1.0)),
+        float(scaling.get("high_freq_factor", 4.0)), int(scaling.get("original_max_position_embeddings", 8192)),
+    ).float()
+
+
+def _write_metadata(writer, ckpt: Checkpoint, arch: str, plan: dict) -> list[str]:
+    config = ckpt.config
+    heads = int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
+    default_name = ckpt.source_dir.name if ckpt.source_dir is not None else "lowbit export"
+    writer.add_name(str(config.get("_name_or_path") or default_name))
+    writer.add_context_length(int(config.get("max_position_embeddings", 2048)))
+    writer.add_embedding_length(int(config["hidden_size"]))
+    writer.add_block_count(int(config["num_hidden_layers"]))
+    writer.add_feed_forward_length(int(config["intermediate_size"]))
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(int(config.get("num_key_value_heads", heads)))
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
+    writer.add_rope_freq_base(_rope_theta(config))
+    if head_dim != int(config["hidden_size"]) // heads or arch == "qwen3":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    scaling = _rope_scaling(config)
+    if scaling and (scaling.get("rope_type") or scaling.get("type")) == "linear":
+        import gguf
+
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(scaling["factor"]))
+    elif scaling and (scaling.get("rope_type") or scaling.get("type")) != "llama3":
+        raise LowbitError(f"rope scaling {scaling.get('rope_type') or scaling.get('type')} cannot be exported to GGUF by lowbit")
+    types = Counter(t for t, _ in plan.values())
+    if types:
+        writer.add_file_type(_FILE_TYPE[types.most_common(1)[0][0]])
+    writer.add_quantization_version(2)
+    vocab_size = int(config["vocab_size"])
+    writer.add_vocab_size(vocab_size)
+    if ckpt.gguf is not None:
+        return _copy_gguf_tokenizer(writer, ckpt.gguf)
+    return _write_tokenizer(writer, ckpt, vocab_size)
+
+
+def _copy_gguf_tokenizer(writer, source) -> list[str]:
+    reader = source._reader
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer."):
+            value = field.contents()
+            vtype = field.types[0]
+            sub = field.types[-1] if len(field.types) > 1 else None
+            writer.add_key_value(key, value, vtype, sub_type=sub)
+    return []
+
+
+# llama.cpp pre-tokenizer names lowbit can recognise from a tokenizer.json, in preference order
+_PRE_ORDER = ("smollm", "gpt2", "llama-bpe", "qwen2", "default")
+
+
+def _detect_pre(tokenizer: dict) -> tuple[str, str | None]:
+    from lowbit.formats.gguf_tokenizer import _PRE_TOKENIZERS
+
+    pre = tokenizer.get("pre_tokenizer") or {}
+    items = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    regexes = [p["pattern"]["Regex"] for p in items if p.get("type") == "Split" and "Regex" in p.get("pattern", {})]
+    byte_level = [p for p in items if p.get("type") == "ByteLevel"]
+    digits = [p for p in items if p.get("type") == "Digits"]
+    if byte_level and byte_level[0].get("use_regex", True) and not regexes:
+        regexes = ([r"\p{N}"] if digits and digits[0].get("individual_digits") else []) + [_PRE_TOKENIZERS["gpt2"][0][0]]
+    for name in _PRE_ORDER:
+        if _PRE_TOKENIZERS[name][0] == regexes:
+            return name, None
+    return "default", "the tokenizer's pre-tokenizer matches none llama.cpp names; wrote 'default'"
+
+
+def _write_tokenizer(writer, ckpt: Checkpoint, vocab_size: int) -> list[str]:
+    import gguf
+
+    notes: list[str] = []
+    src = ckpt.source_dir
+    path = src / "tokenizer.json" if src else None
+    if path is None or not path.is_file():
+        return ["no tokenizer.json next to the weights: the GGUF has no vocabulary (llama.cpp will refuse it)"]
+    tok = json.loads(path.read_text())
+    model = tok.get("model", {})
+    if model.get("type") != "BPE" or not any(p.get("type") == "ByteLevel" for p in _flat_pre(tok)):
+        raise LowbitError(f"{path}: GGUF export writes byte-level BPE vocabularies only (found {model.get('type')})")
+    tokens: dict[int, str] = {i: t for t, i in model["vocab"].items()}
+    types: dict[int, int] = dict.fromkeys(tokens, gguf.TokenType.NORMAL)
+    for added in tok.get("added_tokens", []):
+        tokens[added["id"]] = added["content"]
+        types[added["id"]] = gguf.TokenType.CONTROL if added.get("special") else gguf.TokenType.USER_DEFINED
+    size = max(vocab_size, max(tokens) + 1)
+    token_list = [tokens.get(i, f"[PAD{i}]") for i in range(size)]
+    type_list = [int(types.get(i, gguf.TokenType.UNUSED)) for i in range(size)]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    pre, note = _detect_pre(tok)
+    if note:
+        notes.append(note)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(token_list)
+    writer.add_token_types(type_list)
+    writer.add_token_merges(merges)
+    tconf = _read_json(src / "tokenizer_config.json")
+    gen = _read_json(src / "generation_config.json")
+    ids = {t: i for i, t in tokens.items()}
+    for key, adder in (("bos_token", writer.add_bos_token_id), ("eos_token", writer.add_eos_token_id),
+                       ("unk_token", writer.add_unk_token_id), ("pad_token", writer.add_pad_token_id)):
+        text = tconf.get(key)
+        if isinstance(text, dict):
+            text = text.get("content")
+        token_id = ids.get(text) if text is not None else None
+        if token_id is None and key == "bos_token":
+            token_id = ckpt.config.get("bos_token_id", gen.get("bos_token_id"))
+        if token_id is None and key == "eos_token":
+            eos = ckpt.config.get("eos_token_id", gen.get("eos_token_id"))
+            token_id = eos[0] if isinstance(eos, list) else eos
+        if token_id is not None:
+            adder(int(token_id))
+    writer.add_add_bos_token(bool(tconf.get("add_bos_token", False)))
+    writer.add_add_eos_token(bool(tconf.get("add_eos_token", False)))
+    template = tconf.get("chat_template")
+    if template is None and src is not None and (src / "chat_template.jinja").is_file():
+        template = (src / "chat_template.jinja").read_text()
+    if template:
+        writer.add_chat_template(template)
+    else:
+        notes.append("no chat template found: the GGUF has none")
+    return notes
+
+
+def _flat_pre(tok: dict) -> list[dict]:
+    pre = tok.get("pre_tokenizer") or {}
+    return pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
