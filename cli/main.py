@@ -14,6 +14,12 @@ import sys
 import click
 import typer
 
+try:  # typer >= 0.29 ships its own copy of click; its commands raise that copy's exceptions
+    from typer import exceptions as _typer_exc
+    from typer._click import exceptions as _typer_click_exc
+except ImportError:  # pragma: no cover - older typer uses click itself
+    _typer_exc = _typer_click_exc = click.exceptions
+
 from lowbit.errors import LowbitError
 
 app = typer.Typer(
@@ -50,6 +56,12 @@ def _register_commands() -> None:
                 raise
 
 
+_EXIT = (click.exceptions.Exit, _typer_exc.Exit)
+_ABORT = (click.exceptions.Abort, _typer_exc.Abort)
+_USAGE = (click.exceptions.UsageError, _typer_click_exc.UsageError)
+_CLICK = (click.exceptions.ClickException, _typer_click_exc.ClickException)
+
+
 def _fail(message: str, code: int) -> None:
     message = " ".join(str(message).split()) or "failed"
     print(f"lowbit: error: {message}", file=sys.stderr)
@@ -66,13 +78,13 @@ def main(argv: list[str] | None = None) -> None:
     command = typer.main.get_command(app)
     try:
         command.main(args=args, prog_name="lowbit", standalone_mode=False)
-    except click.exceptions.Exit as exc:
+    except _EXIT as exc:
         sys.exit(exc.exit_code)
-    except click.exceptions.Abort:
+    except _ABORT:
         _fail("interrupted", 130)
-    except click.exceptions.UsageError as exc:
+    except _USAGE as exc:
         _fail(exc.format_message(), 2)
-    except click.exceptions.ClickException as exc:
+    except _CLICK as exc:
         _fail(exc.format_message(), exc.exit_code)
     except LowbitError as exc:
         if debug:

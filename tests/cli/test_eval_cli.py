@@ -173,10 +173,6 @@ def test_eval_bad_model_and_data(tiny, capsys, tmp_path):
         assert len(err.strip().splitlines()) == 1 and needle in err, err
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cli/main.py catches click.exceptions but typer raises typer._click's; remove this mark once main.py is fixed",
-)
 def test_eval_missing_data_option_is_usage_error(tiny, capsys):
     code, _, err = _run(["eval", str(tiny["a"])], capsys)
     assert code == 2 and "--data" in err
