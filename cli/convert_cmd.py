@@ -1,63 +1,80 @@
-"""`lowbit convert IN -o OUT`: turn a checkpoint of one format into another.
+"""`lowbit convert IN -o OUT [--to FORMAT]`: turn a checkpoint of one format into another.
 
-The command looks at what IN is and dispatches; today the one supported input is a GGUF
-file, which becomes a Hugging Face-style directory.
+IN is a lowbit native checkpoint, a GPTQ / AWQ / compressed-tensors / Hugging Face directory,
+or a GGUF file; the work happens in lowbit.formats.convert.
 """
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import typer
 
 from lowbit.cli.common import console, print_json, progress
 from lowbit.cli.main import app
-from lowbit.errors import LowbitError, UsageError
-
-
-def _input_kind(path: Path) -> str:
-    if not path.exists():
-        raise LowbitError(f"input not found: {path}")
-    if path.is_file():
-        with path.open("rb") as fh:
-            if fh.read(4) == b"GGUF" or path.suffix.lower() == ".gguf":
-                return "gguf"
-    raise UsageError(f"cannot convert {path}: lowbit convert reads only GGUF files (*.gguf) so far")
+from lowbit.errors import UsageError
 
 
 @app.command("convert")
 def convert_command(
-    source: Path = typer.Argument(..., metavar="IN", help="Checkpoint to convert: a GGUF file (*.gguf)."),
-    output: Path = typer.Option(..., "-o", "--output", help="Output directory (a Hugging Face-style checkpoint)."),
-    dtype: str = typer.Option(
-        "bf16", "--dtype", help="Weight dtype written to model.safetensors: bf16, f16 or f32 (GGUF blocks are dequantized)."
+    source: Path = typer.Argument(
+        ..., metavar="IN",
+        help="Checkpoint to convert: a lowbit native, GPTQ, AWQ, compressed-tensors or Hugging Face directory, or a GGUF file.",
     ),
+    output: Path = typer.Option(..., "-o", "--output", help="Output directory (a .gguf file for --to gguf)."),
+    to: str = typer.Option(
+        None, "--to",
+        help="Target format: native, compressed-tensors, gptq, awq, gguf or hf (dequantized). "
+        "Default: hf for a GGUF input; required otherwise.",
+    ),
+    allow_requant: bool = typer.Option(
+        False, "--allow-requant",
+        help="Requantize weights the target cannot hold exactly (and report the error per layer) instead of refusing.",
+    ),
+    gguf_type: str = typer.Option(
+        None, "--gguf-type",
+        help="GGUF block type for projection weights: bf16, q8_0, q4_0, q4_k or mxfp4. Default: the type that holds "
+        "each weight exactly, else q4_k (q8_0 for 8-bit weights).",
+    ),
+    dtype: str = typer.Option("bf16", "--dtype", help="Dense dtype for --to hf: bf16, f16 or f32."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it already exists."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout instead of a summary on stderr."),
 ) -> None:
-    """Convert a GGUF file into a Hugging Face directory: config.json, safetensors, tokenizer, chat template."""
-    from lowbit.formats.gguf_import import convert_gguf, parse_dtype
+    """Convert between lowbit's checkpoint and GGUF, GPTQ, AWQ, compressed-tensors and Hugging Face layouts."""
+    from lowbit.formats.convert import convert, parse_target
+    from lowbit.formats.foreign import detect_checkpoint_kind
+    from lowbit.formats.gguf_import import parse_dtype
 
     parse_dtype(dtype)  # a bad --dtype is a usage error before any work
-    kind = _input_kind(source)
-    started = time.perf_counter()
-    if kind == "gguf":
-        # no bar for --json or when stderr is not a terminal (logs, pipes): it would only add blank lines
-        with progress(transient=True, disable=as_json or not console.is_terminal) as bar:
-            task = bar.add_task("converting", total=None, info="")
+    if to is None:
+        if source.is_dir() or (source.exists() and detect_checkpoint_kind(source) != "gguf"):
+            raise UsageError("--to FORMAT is required unless IN is a GGUF file (native, compressed-tensors, gptq, awq, gguf, hf)")
+        to = "hf"
+    parse_target(to)
+    # no bar for --json or when stderr is not a terminal (logs, pipes): it would only add blank lines
+    with progress(transient=True, disable=as_json or not console.is_terminal) as bar:
+        task = bar.add_task("converting", total=None, info="")
 
-            def on_tensor(done: int, total: int, name: str) -> None:
-                bar.update(task, completed=done, total=total, info=name)
+        def on_tensor(done: int, total: int, name: str) -> None:
+            bar.update(task, completed=done, total=total, info=name)
 
-            out = convert_gguf(source, output, dtype=dtype, overwrite=overwrite, progress=on_tensor)
-    seconds = time.perf_counter() - started
-    files = sorted(p.name for p in out.iterdir())
-    size = sum(p.stat().st_size for p in out.iterdir())
+        result = convert(source, output, to, allow_requant=allow_requant, overwrite=overwrite,
+                         gguf_type=gguf_type, dtype=dtype, progress=on_tensor)
+    summary = result.to_dict()
+    if result.target == "hf":
+        summary["dtype"] = str(parse_dtype(dtype)).removeprefix("torch.")
     if as_json:
-        print_json(
-            {"input": str(source), "input_format": kind, "output": str(out), "dtype": str(parse_dtype(dtype)).removeprefix("torch."),
-             "files": files, "bytes": size, "seconds": round(seconds, 3)}
-        )
+        print_json(summary)
         return
-    console.print(f"wrote {out} ({size / 1e6:.1f} MB, {len(files)} files) in {seconds:.1f} s")
+    for change in result.changes:
+        console.print(
+            f"requantized {change.module}: {change.source} → {change.target} ({change.reason}); "
+            f"relative error {change.rel_error:.3e}"
+        )
+    for note in result.notes:
+        console.print(f"note: {note}")
+    exactness = "exact" if result.exact else f"{len(result.changes)} weight(s) requantized"
+    console.print(
+        f"wrote {result.output} ({result.target}, {exactness}; {summary['bytes'] / 1e6:.1f} MB) "
+        f"from {result.input_format} in {result.seconds:.1f} s"
+    )

@@ -23,7 +23,7 @@ import torch
 
 from lowbit.errors import LowbitError
 from lowbit.formats.checkpoint import Checkpoint, read_config, read_safetensors
-from lowbit.formats.gptq import codes_of, zeros_of
+from lowbit.formats.gptq import codes_of, fits_float16, zeros_of
 from lowbit.formats.int32pack import AWQ_ORDER, pack_last, unpack_last
 from lowbit.quant.packing import pack_bits
 from lowbit.quant.qtensor import QTensor
@@ -45,8 +45,8 @@ def why_not_exact(qt: QTensor, group: int) -> str | None:
         return f"in_features {k} is not a multiple of group size {group}"
     if n % 8:
         return f"out_features {n} is not a multiple of 8"
-    if spec.scale_dtype != "float16":
-        return f"AWQ scales are float16, this layer's are {spec.scale_dtype}"
+    if spec.scale_dtype != "float16" and not fits_float16(qt.scales):
+        return f"AWQ scales are float16 and this layer's {spec.scale_dtype} scales do not all fit it"
     return None
 
 

@@ -101,10 +101,12 @@ def convert(
                 writer(ckpt, tmp, allow_requant, result, dtype)
                 if ckpt.source_dir is not None:
                     copy_side_files(ckpt.source_dir, tmp)
-                elif ckpt.gguf is not None:
+                elif ckpt.gguf is not None and ckpt.gguf.has("tokenizer.ggml.tokens"):
                     from lowbit.formats.gguf_tokenizer import write_tokenizer_files
 
                     write_tokenizer_files(ckpt.gguf, tmp)
+                else:
+                    result.notes.append("the input has no tokenizer; none was written")
     result.seconds = time.perf_counter() - started
     return result
 

@@ -28,8 +28,8 @@ def detect_checkpoint_kind(path: str | os.PathLike) -> str:
         raise LowbitError(f"checkpoint not found: {path}")
     if path.is_file():
         with path.open("rb") as fh:
-            if fh.read(4) == b"GGUF":
-                return "gguf"
+            if fh.read(4) == b"GGUF" or path.suffix.lower() == ".gguf":
+                return "gguf"  # a damaged *.gguf gets the GGUF reader's precise error
         raise LowbitError(f"{path} is a file but not GGUF; lowbit reads checkpoint directories or *.gguf files")
     config_path = path / "config.json"
     qc = None

@@ -55,11 +55,17 @@ def why_not_exact(qt: QTensor, scheme: tuple[int, int, bool]) -> str | None:
         return f"shape {n}x{k} does not pack into int32 words of {per} codes"
     if g > 0 and k % g:
         return f"in_features {k} is not a multiple of group size {g} (vLLM's GPTQ loader requires it)"
-    if spec.scale_dtype != "float16":
-        return f"GPTQ scales are float16, this layer's are {spec.scale_dtype}"
+    if spec.scale_dtype != "float16" and not fits_float16(qt.scales):
+        return f"GPTQ scales are float16 and this layer's {spec.scale_dtype} scales do not all fit it"
     if not spec.symmetric and bool((qt.zeros == 0).any()):
         return "a zero point of 0 cannot be stored as zero − 1 in GPTQ's v1 format"
     return None
+
+
+def fits_float16(scales: torch.Tensor) -> bool:
+    """True when every scale survives a round trip through float16 unchanged."""
+    back = scales.to(torch.float16).to(scales.dtype)
+    return bool(torch.isfinite(back).all()) and torch.equal(back, scales)
 
 
 def requant_spec(scheme: tuple[int, int, bool]) -> FormatSpec:
