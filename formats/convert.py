@@ -206,8 +206,8 @@ def _write_ct(ckpt: Checkpoint, tmp: Path, allow: bool, result: ConvertResult, d
         out.update(ct.module_tensors(module, qt))
         schemes[module] = qt.spec
     out.update(_dense_rest(ckpt, set(schemes)))
-    if not ckpt.config.get("tie_word_embeddings", False) and "lm_head.weight" in ckpt.dense:
-        dense_linears.append("lm_head")
+    if "lm_head" not in schemes:
+        dense_linears.append("lm_head")  # a Linear even when tied to the embeddings: "Linear" must not match it
     _save(tmp, out)
     write_config(tmp, ckpt.config, ct.quantization_config(schemes, dense_linears) if schemes else None)
 
