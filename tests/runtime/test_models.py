@@ -150,6 +150,7 @@ def test_logits_start_and_explicit_positions(tiny_gemma3_dir):
         full = model(ids)
         tail = model(ids, logits_start=25)
         positioned = model(ids, positions=torch.arange(SEQ))
+        per_row = model(ids, positions=torch.stack([torch.arange(SEQ), torch.arange(SEQ) * 2]))
         shifted = model(ids, positions=torch.arange(SEQ) + 3)  # RoPE is relative: same logits
         spread = model(ids, positions=torch.arange(SEQ) * 2)
     assert tail.shape == (2, SEQ - 25, 256)
@@ -157,6 +158,7 @@ def test_logits_start_and_explicit_positions(tiny_gemma3_dir):
     assert _max_diff(positioned, full) == 0
     assert _max_diff(shifted, full) < 1e-4
     assert _max_diff(spread, full) > 1e-3  # positions do reach RoPE
+    assert _max_diff(per_row[:1], full[:1]) == 0 and _max_diff(per_row[1:], spread[1:]) < 1e-6
 
 
 @pytest.mark.parametrize("case", ["llama-gqa-untied-bias-llama3", "gemma3"])
