@@ -86,6 +86,9 @@ def attend(
     window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of q [B, H, T, D] over the cached and new k, v [B, kv_heads, T, D]."""
+    if getattr(cache, "paged", False):
+        # The engine's paged cache (runtime/engine/paged_cache.py) runs its own varlen attention.
+        return cache.attend(q, k, v, layer, scale, window)
     if cache is not None:
         k, v = cache.update(layer, k, v)
     total = k.shape[2]

@@ -1,0 +1,124 @@
+"""The paged KV cache tensors and the varlen attention that reads them.
+
+One pool per layer holds every sequence's keys (and one its values) as `num_blocks * block_size`
+token slots of [kv_heads, head_dim]; token p of a sequence lives in slot
+`block_table[p // block_size] * block_size + p % block_size` (block_manager.py owns the tables).
+A step runs all scheduled sequences as ONE flattened batch [1, T] (model forward unchanged);
+`runtime.attention.attend` hands each layer's (q, k, v) to `PagedKVCache.attend`, which writes
+k, v into the pool at the step's slot mapping and attends per sequence:
+
+- short items (decodes, speculative verifies, draft catch-ups: <= SHORT_QUERY tokens) in one
+  padded batch: gather each sequence's context slots, one SDPA call with a [B, q, ctx] mask
+  (causal by position, context length, sliding window). On CUDA a pure-decode batch uses the
+  Triton kernel (triton_paged.py), which reads the blocks in place;
+- prefill chunks one by one, tiled over query chunks of PREFILL_TILE (attention.py's
+  `prefill_attention`), so no N x N score matrix is ever formed.
+
+Quantized KV (`kv_dtype` "int8" or "fp8"): values are stored with one float32 scale per token
+and kv head (absmax / qmax), and dequantized when gathered.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowbit.errors import UsageError
+from lowbit.runtime.config import ModelConfig
+from lowbit.runtime.engine import paged_attention as pa
+
+KV_DTYPES = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype, kv_dtype: str | None = None) -> int:
+    """Bytes one token's keys and values take over all layers (scales included)."""
+    per_head = config.head_dim * (dtype.itemsize if kv_dtype is None else 1) + (0 if kv_dtype is None else 4)
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * per_head
+
+
+class PagedKVCache:
+    paged = True  # tells runtime.attention.attend to call self.attend
+    length = 0  # CausalLM.forward reads/advances these for its contiguous cache; unused here
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str, kv_dtype: str | None = None):
+        if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+            raise UsageError(f"unknown KV cache dtype '{kv_dtype}' (choose from {', '.join(KV_DTYPES)})")
+        self.config = config
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.kv_dtype = kv_dtype
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        slots = num_blocks * block_size
+        store = dtype if kv_dtype is None else KV_DTYPES[kv_dtype][0]
+        shape = (slots, self.kv_heads, self.head_dim)
+        n = config.num_hidden_layers
+        self.keys = [torch.zeros(shape, dtype=store, device=self.device) for _ in range(n)]
+        self.values = [torch.zeros(shape, dtype=store, device=self.device) for _ in range(n)]
+        if kv_dtype is None:
+            self.key_scales = self.value_scales = None
+        else:
+            sshape = (slots, self.kv_heads, 1)
+            self.key_scales = [torch.ones(sshape, device=self.device) for _ in range(n)]
+            self.value_scales = [torch.ones(sshape, device=self.device) for _ in range(n)]
+        self.meta: pa.StepMetadata | None = None  # set by the runner before each forward
+
+    @property
+    def nbytes(self) -> int:
+        total = sum(t.numel() * t.element_size() for t in self.keys + self.values)
+        if self.key_scales is not None:
+            total += sum(t.numel() * t.element_size() for t in self.key_scales + self.value_scales)
+        return total
+
+    # CausalLM.forward's contiguous-cache calls: nothing to do for a paged cache.
+    def check_room(self, new_tokens: int) -> None:
+        pass
+
+    def advance(self, new_tokens: int) -> None:
+        pass
+
+    # -- writing and reading -----------------------------------------------------------------
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """k, v [T, kv_heads, D] into the pool at slots [T]."""
+        if self.kv_dtype is None:
+            self.keys[layer].index_copy_(0, slots, k.to(self.dtype))
+            self.values[layer].index_copy_(0, slots, v.to(self.dtype))
+            return
+        store, qmax = KV_DTYPES[self.kv_dtype]
+        for pool, scales, x in ((self.keys, self.key_scales, k), (self.values, self.value_scales, v)):
+            x = x.float()
+            scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / qmax
+            q = x / scale
+            q = q.round().clamp(-qmax, qmax).to(store) if store == torch.int8 else q.to(store)
+            pool[layer].index_copy_(0, slots, q)
+            scales[layer].index_copy_(0, slots, scale)
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at slots [...] -> [..., kv_heads, D] in the model dtype."""
+        k, v = self.keys[layer][slots], self.values[layer][slots]
+        if self.kv_dtype is None:
+            return k, v
+        return ((k.float() * self.key_scales[layer][slots]).to(self.dtype),
+                (v.float() * self.value_scales[layer][slots]).to(self.dtype))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
+               window: int | None) -> torch.Tensor:
+        """q [1, H, T, D], new k/v [1, kv_heads, T, D] of the flattened step -> out [1, H, T, D]."""
+        meta = self.meta
+        qt = q[0].transpose(0, 1)  # [T, H, D]
+        kt = k[0].transpose(0, 1)
+        vt = v[0].transpose(0, 1)
+        self._write(layer, kt, vt, meta.slot_mapping)
+        if meta.short is not None and not meta.prefills and meta.short.identity:
+            out = pa.short_attention(self, layer, qt, meta.short, scale, window)  # already [T, H, D]
+        else:
+            out = torch.empty_like(qt)
+            if meta.short is not None:
+                out[meta.short.token_index] = pa.short_attention(self, layer, qt, meta.short, scale, window)
+            for item in meta.prefills:
+                rows = slice(item.token_start, item.token_start + item.num_tokens)
+                new_kv = None if self.kv_dtype is not None else (kt[rows], vt[rows])
+                out[rows] = pa.prefill_attention(self, layer, qt[rows], item, scale, window, new_kv)
+        return out.transpose(0, 1).unsqueeze(0)
