@@ -1,0 +1,62 @@
+"""`lowbit serve`: an OpenAI-compatible HTTP server (docs/serve.md)."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import typer
+
+from lowbit.cli.common import console
+from lowbit.cli.main import app
+from lowbit.errors import UsageError
+
+
+@app.command("serve")
+def serve_command(
+    model: str = typer.Argument(..., help="Model to serve: demo name (smollm2-135m), local directory, or hub id."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind. The default is loopback only; "
+                             "use 0.0.0.0 to accept other machines (set --api-key then)."),
+    port: int = typer.Option(8000, "--port", help="TCP port to listen on."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY' on /v1/* "
+                                          "(default: $LOWBIT_API_KEY; unset = no key). Never logged.",
+                                          show_default=False),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
+                                                    help="The model id clients send (default: MODEL as given)."),
+    draft: Optional[str] = typer.Option(None, "--draft", help="Speculative decoding draft: another model, "
+                                        "self:FORMAT (a quantized copy of MODEL) or ngram."),
+    max_running: int = typer.Option(64, "--max-running", help="Most requests decoded together in one batch."),
+    max_queue: int = typer.Option(256, "--max-queue", help="Most requests waiting beyond --max-running; "
+                                  "more get HTTP 429 at once."),
+    kv_memory: Optional[str] = typer.Option(None, "--kv-memory", help="Memory for the KV cache, e.g. 2GiB "
+                                            "(default: the engine's share of free memory)."),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Context length limit in tokens "
+                                                "(prompt + output; default: the model's)."),
+    dtype: str = typer.Option("f32", "--dtype", help="Compute dtype: f32 or bf16."),
+    max_body: int = typer.Option(4 * 1024 * 1024, "--max-body-bytes", help="Largest request body accepted (413 above)."),
+    shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout", help="Seconds in-flight requests get to "
+                                           "finish after SIGTERM before they are aborted."),
+) -> None:
+    """Serve MODEL over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models,
+    /health and /metrics. Stops cleanly on SIGTERM or Ctrl-C."""
+    from lowbit.formats.resolve import resolve_model
+    from lowbit.runtime.server.app import ServerConfig, serve
+    from lowbit.runtime.server.launch import engine_factory, parse_size
+
+    for name, value in (("--max-running", max_running), ("--port", port), ("--max-body-bytes", max_body)):
+        if value < 1:
+            raise UsageError(f"{name} must be >= 1, got {value}")
+    if max_queue < 0:
+        raise UsageError(f"--max-queue must be >= 0, got {max_queue}")
+    if max_model_len is not None and max_model_len < 2:
+        raise UsageError(f"--max-model-len must be >= 2, got {max_model_len}")
+    key = api_key if api_key is not None else os.environ.get("LOWBIT_API_KEY") or None
+    path = resolve_model(model)
+    build = engine_factory(path, dtype=dtype, kv_memory=parse_size(kv_memory) if kv_memory else None,
+                           max_running=max_running, max_model_len=max_model_len, draft=draft)
+    config = ServerConfig(model_name=served_model_name or model, host=host, port=port, api_key=key,
+                          max_running=max_running, max_queue=max_queue, max_body_bytes=max_body,
+                          shutdown_timeout=shutdown_timeout)
+    console.print(f"serving [bold]{config.model_name}[/bold] on http://{host}:{port}/v1 "
+                  f"({'API key required' if key else 'no API key'}); loading the model in the background")
+    serve(config, build)

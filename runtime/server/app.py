@@ -1,0 +1,470 @@
+"""The HTTP layer: a Starlette app speaking OpenAI's API over one EngineLoop, run by uvicorn.
+
+Request life: read the body (size-limited) -> validate (protocol.py) -> tokenize (chat template
+for chat) -> check the context and the admission limit -> submit to the engine thread -> answer
+from the request's output queue, as one JSON body or as server-sent events. Whatever ends a
+request early (client gone, error, shutdown) runs `Tracker.close()`, which aborts it in the
+engine so its KV blocks go back to the pool at the next step.
+
+Admission: at most max_running + max_queue requests are in flight; beyond that the answer is
+429 at once, so memory never grows with the offered load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from lowbit.errors import LowbitError
+from lowbit.runtime.server import protocol
+from lowbit.runtime.server.engine_loop import EngineFailure, EngineLoop, RequestRejected, RequestStream
+from lowbit.runtime.server.metrics import Metrics
+from lowbit.runtime.server.protocol import APIError, GenerationRequest, bad_request
+
+log = logging.getLogger("lowbit.serve")
+
+_DISCONNECTED = object()  # put on a request's queue by the disconnect watcher
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    model_name: str  # the id clients must send as "model"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_running: int = 64
+    max_queue: int = 256
+    max_body_bytes: int = 4 * 1024 * 1024
+    shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
+
+    @property
+    def max_in_flight(self) -> int:
+        return self.max_running + self.max_queue
+
+
+class Tracker:
+    """One admitted request: its output queue, its latency figures, and its single cleanup."""
+
+    def __init__(self, server: Server, request_id: str, loop: asyncio.AbstractEventLoop):
+        self.server = server
+        self.request_id = request_id
+        self.stream = RequestStream(loop)
+        self.arrival = time.perf_counter()
+        self.last_token_time: float | None = None
+        self.finished = False
+        self.closed = False
+
+    async def outputs(self, disconnect_aware: bool = False) -> AsyncIterator[Any]:
+        """RequestOutputs until the finished one; raises on engine failure or a vanished client."""
+        while not self.finished:
+            item = await self.stream.queue.get()
+            if item is _DISCONNECTED:
+                raise ClientDisconnect()
+            if isinstance(item, RequestRejected):
+                self.finished = True  # never entered the engine: nothing to abort
+                raise bad_request(str(item))
+            if isinstance(item, EngineFailure):
+                self.finished = True
+                raise APIError(503, str(item), type="server_error", code="engine_unavailable")
+            self._time(item)
+            yield item
+
+    def _time(self, out) -> None:
+        now = time.perf_counter()
+        metrics = self.server.metrics
+        n = len(out.new_token_ids)
+        if n:
+            if self.last_token_time is None:
+                metrics.ttft.observe(now - self.arrival)
+                if n > 1:  # several tokens at once (speculation): spread the gap over them
+                    metrics.itl.observe(0.0, n - 1)
+            else:
+                metrics.itl.observe((now - self.last_token_time) / n, n)
+            self.last_token_time = now
+        if out.finished:
+            self.finished = True
+            metrics.e2e.observe(now - self.arrival)
+            metrics.finished[out.finish_reason or "stop"] += 1
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.server.metrics.in_flight -= 1
+        if not self.finished:
+            self.server.engine_loop.abort(self.request_id)
+            self.server.metrics.finished["abort"] += 1
+
+
+class Server:
+    def __init__(self, config: ServerConfig, engine_loop: EngineLoop):
+        self.config = config
+        self.engine_loop = engine_loop
+        self.metrics = Metrics()
+        self.stopping = False
+        self.created = protocol.now()
+
+    # -- plumbing -------------------------------------------------------------------------------
+    def authorize(self, request: Request) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+            raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY'",
+                           code="invalid_api_key")
+
+    def require_ready(self) -> Any:
+        loop = self.engine_loop
+        if self.stopping:
+            raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+        if loop.state == "loading":
+            raise APIError(503, "the model is still loading; retry when /health answers 200",
+                           type="server_error", code="model_loading")
+        if loop.state != "ready":
+            raise APIError(503, f"the engine is {loop.state}: {loop.error}", type="server_error",
+                           code="engine_unavailable")
+        return loop.engine
+
+    async def read_body(self, request: Request) -> bytes:
+        limit = self.config.max_body_bytes
+        too_large = APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def error_response(self, exc: APIError) -> JSONResponse:
+        self.metrics.errors[exc.status] += 1
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    # -- endpoints ------------------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        loop = self.engine_loop
+        if self.stopping:
+            return JSONResponse({"status": "stopping"}, status_code=503)
+        if loop.state == "ready":
+            return JSONResponse({"status": "ok"})
+        body = {"status": loop.state}
+        if loop.error:
+            body["error"] = loop.error
+        return JSONResponse(body, status_code=503)
+
+    async def metrics_text(self, request: Request) -> Response:
+        return PlainTextResponse(self.metrics.render(self.engine_loop.stats),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self.authorize(request)
+        except APIError as exc:
+            return self.error_response(exc)
+        card = {"id": self.config.model_name, "object": "model", "created": self.created, "owned_by": "lowbit"}
+        engine = self.engine_loop.engine
+        if engine is not None:
+            card["max_model_len"] = engine.max_model_len
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def completions(self, request: Request) -> Response:
+        return await self.generate(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.generate(request, chat=True)
+
+    async def generate(self, request: Request, chat: bool) -> Response:
+        try:
+            self.authorize(request)
+            engine = self.require_ready()
+            body = protocol.parse_json_body(await self.read_body(request))
+            req = protocol.parse_chat(body) if chat else protocol.parse_completion(body)
+            if req.model is not None and req.model != self.config.model_name:
+                raise APIError(404, f"model {req.model!r} does not exist; this server serves "
+                                    f"{self.config.model_name!r}", param="model", code="model_not_found")
+            prompt_ids, prompt_text = await asyncio.to_thread(_tokenize, engine.tokenizer, req)
+            _check_token_ids(prompt_ids, _vocab_size(engine))
+            room = engine.max_model_len - len(prompt_ids)
+            if req.max_tokens is None:
+                max_tokens = protocol.DEFAULT_COMPLETION_MAX_TOKENS if not chat else room
+                max_tokens = min(max_tokens, room)
+            else:
+                max_tokens = req.max_tokens
+            if room < 1 or max_tokens > room:
+                raise bad_request(f"the prompt has {len(prompt_ids)} tokens and max_tokens is {max_tokens}, "
+                                  f"more than the context of {engine.max_model_len} tokens allows",
+                                  "max_tokens" if room >= 1 else ("messages" if chat else "prompt"),
+                                  "context_length_exceeded")
+            params = req.sampling_params(max_tokens)
+            if self.metrics.in_flight >= self.config.max_in_flight:
+                raise APIError(429, f"the server is at its limit of {self.config.max_in_flight} requests "
+                                    f"(--max-running + --max-queue); retry later", type="rate_limit_error",
+                               code="queue_full")
+            request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+            tracker = Tracker(self, request_id, asyncio.get_running_loop())
+            self.engine_loop.submit(request_id, prompt_ids, params, tracker.stream)
+            self.metrics.in_flight += 1
+        except APIError as exc:
+            return self.error_response(exc)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        except EngineFailure as exc:
+            return self.error_response(APIError(503, str(exc), type="server_error", code="engine_unavailable"))
+        except LowbitError as exc:  # a chat template that refuses the messages, for one
+            return self.error_response(bad_request(str(exc)))
+
+        answer = Answer(self, req, tracker, engine.tokenizer, prompt_ids, prompt_text)
+        if req.stream:
+            return SSEResponse(answer.events(), tracker, media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await answer.whole(request)
+
+
+class SSEResponse(StreamingResponse):
+    """A StreamingResponse whose request is closed however the response ends, even if the
+    client left before the first event (then the body generator never starts)."""
+
+    def __init__(self, content, tracker: Tracker, **kwargs):
+        super().__init__(content, **kwargs)
+        self.tracker = tracker
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.tracker.close()
+
+
+class Answer:
+    """Turns a request's RequestOutputs into OpenAI's JSON, whole or as SSE chunks."""
+
+    def __init__(self, server: Server, req: GenerationRequest, tracker: Tracker, tokenizer,
+                 prompt_ids: list[int], prompt_text: str | None):
+        self.server = server
+        self.req = req
+        self.tracker = tracker
+        self.tokenizer = tokenizer
+        self.prompt_ids = prompt_ids
+        self.prompt_text = prompt_text
+        self.created = protocol.now()
+
+    def _entries(self, out) -> list[tuple[str, float, list[tuple[str, float]]]]:
+        if self.req.logprobs is None or not out.logprobs:
+            return []
+        decode = self.tokenizer.decode
+        return [(decode([tid]), lp, [(decode([t]), l) for t, l in top])
+                for tid, (lp, top) in zip(out.new_token_ids, out.logprobs)]
+
+    def _echo_text(self) -> str:
+        if not self.req.echo:
+            return ""
+        return self.prompt_text if self.prompt_text is not None else self.tokenizer.decode(self.prompt_ids)
+
+    def _envelope(self, kind: str) -> dict[str, Any]:
+        return {"id": self.tracker.request_id, "object": kind, "created": self.created,
+                "model": self.server.config.model_name}
+
+    # -- whole ----------------------------------------------------------------------------------
+    async def whole(self, request: Request) -> Response:
+        watcher = asyncio.ensure_future(_watch_disconnect(request, self.tracker.stream))
+        text, entries, last = [], [], None
+        try:
+            async for out in self.tracker.outputs():
+                text.append(out.text_delta)
+                entries += self._entries(out)
+                last = out
+        except APIError as exc:
+            return self.server.error_response(exc)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        finally:
+            watcher.cancel()
+            self.tracker.close()
+        body = "".join(text)
+        use = protocol.usage(last.num_prompt_tokens, last.num_generated_tokens, last.num_cached_tokens)
+        if self.req.chat:
+            logprobs = protocol.chat_logprobs(entries) if self.req.logprobs is not None else None
+            choice = {"index": 0, "message": {"role": "assistant", "content": body, "refusal": None},
+                      "logprobs": logprobs, "finish_reason": last.finish_reason}
+            return JSONResponse({**self._envelope("chat.completion"), "choices": [choice], "usage": use})
+        echo = self._echo_text()
+        logprobs = protocol.completion_logprobs(entries, len(echo)) if self.req.logprobs is not None else None
+        choice = {"index": 0, "text": echo + body, "logprobs": logprobs, "finish_reason": last.finish_reason}
+        return JSONResponse({**self._envelope("text_completion"), "choices": [choice], "usage": use})
+
+    # -- streamed -------------------------------------------------------------------------------
+    async def events(self) -> AsyncIterator[str]:
+        chat, usage_on = self.req.chat, self.req.include_usage
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        offset = 0
+
+        def chunk(delta_text: str | None, finish: str | None, entries, role: bool = False) -> str:
+            if chat:
+                delta: dict[str, Any] = {"role": "assistant"} if role else {}
+                if delta_text is not None:
+                    delta["content"] = delta_text
+                logprobs = protocol.chat_logprobs(entries) if entries else None
+                choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            else:
+                logprobs = protocol.completion_logprobs(entries, offset) if entries else None
+                choice = {"index": 0, "text": delta_text or "", "logprobs": logprobs, "finish_reason": finish}
+            payload = {**self._envelope(kind), "choices": [choice]}
+            if usage_on:
+                payload["usage"] = None
+            return _sse(payload)
+
+        try:
+            if chat:
+                yield chunk("", None, [], role=True)
+            elif self.req.echo:
+                echo = self._echo_text()
+                yield chunk(echo, None, [])
+                offset += len(echo)
+            last = None
+            async for out in self.tracker.outputs():
+                last = out
+                entries = self._entries(out)
+                if not out.text_delta and not entries and not out.finished:
+                    continue  # a prefill chunk or held-back bytes: nothing to say yet
+                yield chunk(out.text_delta, out.finish_reason if out.finished else None, entries)
+                offset += len(out.text_delta)
+            if usage_on and last is not None:
+                use = protocol.usage(last.num_prompt_tokens, last.num_generated_tokens, last.num_cached_tokens)
+                yield _sse({**self._envelope(kind), "choices": [], "usage": use})
+        except APIError as exc:
+            self.server.metrics.errors[exc.status] += 1
+            yield _sse(exc.body())
+        finally:
+            self.tracker.close()
+        yield "data: [DONE]\n\n"
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _watch_disconnect(request: Request, stream: RequestStream) -> None:
+    # The body is read already, so the next ASGI message can only be the disconnect.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            stream.queue.put_nowait(_DISCONNECTED)
+            return
+
+
+def _tokenize(tokenizer, req: GenerationRequest) -> tuple[list[int], str | None]:
+    if req.chat:
+        text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
+        # The template writes any BOS itself (as transformers' apply_chat_template(tokenize=True)).
+        return tokenizer.encode(text, add_bos=False), text
+    if req.prompt_ids is not None:
+        return list(req.prompt_ids), None
+    ids = tokenizer.encode(req.prompt_text)
+    if not ids:
+        raise bad_request("the prompt encodes to no tokens", "prompt")
+    return ids, req.prompt_text
+
+
+def _vocab_size(engine) -> int:
+    size = getattr(getattr(engine, "config", None), "vocab_size", None)
+    return size if isinstance(size, int) else engine.tokenizer.vocab_size
+
+
+def _check_token_ids(ids: list[int], vocab_size: int) -> None:
+    if not ids:
+        raise bad_request("the prompt is empty", "prompt")
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab_size})", "prompt")
+
+
+def create_app(config: ServerConfig, engine_loop: EngineLoop) -> Starlette:
+    server = Server(config, engine_loop)
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        code = "not_found" if exc.status_code == 404 else None
+        return server.error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                              code=code))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        engine_loop.start()  # loads the model in the background: the socket binds meanwhile
+        try:
+            yield
+        finally:
+            server.stopping = True
+            await asyncio.to_thread(engine_loop.stop)
+
+    routes = [
+        Route("/health", server.health, methods=["GET"]),
+        Route("/metrics", server.metrics_text, methods=["GET"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan)
+    app.state.server = server
+    return app
+
+
+def serve(config: ServerConfig, build_engine) -> None:
+    """Bind, load the model in the background, serve until SIGTERM/SIGINT; graceful shutdown.
+
+    Raises LowbitError if the model fails to load (after the server has stopped)."""
+    import uvicorn
+
+    holder: dict[str, uvicorn.Server] = {}
+
+    def stop_on_load_failure() -> None:
+        holder["server"].should_exit = True
+
+    engine_loop = EngineLoop(build_engine, on_load_failure=stop_on_load_failure)
+    app = create_app(config, engine_loop)
+    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="info", access_log=False,
+                               timeout_graceful_shutdown=config.shutdown_timeout, lifespan="on", http="h11",
+                               ws="none", log_config=None)
+    server = uvicorn.Server(uv_config)
+    holder["server"] = server
+    _configure_logging()
+    # uvicorn re-raises the signal that stopped it once it has shut down gracefully; a quiet
+    # SIGTERM handler turns that into a normal return, so a clean shutdown exits 0.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if engine_loop.failed_during_load:
+        raise LowbitError(f"could not load the model: {engine_loop.error}")
+    if not server.started:
+        raise LowbitError(f"could not serve on {config.host}:{config.port} (is the port in use?)")
+
+
+def _configure_logging() -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in ("lowbit.serve", "uvicorn", "uvicorn.error"):
+        logger = logging.getLogger(name)
+        if not logger.handlers:
+            logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False

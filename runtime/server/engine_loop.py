@@ -1,0 +1,191 @@
+"""The one thread that owns the Engine: it loads the model, then steps while there is work.
+
+The HTTP side never calls the engine. It sends commands (add, abort, stop) through a
+thread-safe queue, and each request's outputs come back on that request's own asyncio queue via
+`loop.call_soon_threadsafe`, so the event loop is never blocked by a model step and the engine
+is only ever touched from one thread. Commands are drained between steps, which is what makes a
+disconnect cancel its request "at the next step".
+
+States: loading -> ready -> stopped, or -> failed (load error or a crashed step; every open
+request then gets an EngineFailure and /health answers 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from lowbit.errors import LowbitError
+
+log = logging.getLogger("lowbit.serve")
+
+
+class EngineFailure(Exception):
+    """Delivered to a request's stream when the engine cannot serve it (crash or shutdown)."""
+
+
+class RequestRejected(Exception):
+    """Delivered when add_request refused the request (a bad value the server could not pre-check)."""
+
+
+class RequestStream:
+    """A request's outbox on the event loop: the engine thread puts, the handler awaits get()."""
+
+    __slots__ = ("loop", "queue")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt_ids: list[int]
+    params: Any
+    stream: RequestStream
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+class _Stop:
+    pass
+
+
+class EngineLoop:
+    def __init__(self, build_engine: Callable[[], Any], on_load_failure: Callable[[], None] | None = None):
+        self._build_engine = build_engine
+        self._on_load_failure = on_load_failure
+        self._commands: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()  # orders state changes against submissions
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._thread = threading.Thread(target=self._run, name="lowbit-engine", daemon=True)
+        self.state = "loading"
+        self.error: str | None = None
+        self.failed_during_load = False
+        self.engine = None  # read-only facts for the server (tokenizer, max_model_len) once ready
+        self.stats = None  # the latest Engine.stats(), replaced (never mutated) after each step
+
+    # -- called from the server -----------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, request_id: str, prompt_ids: list[int], params, stream: RequestStream) -> None:
+        with self._lock:
+            if self.state != "ready":
+                raise EngineFailure(f"the engine is {self.state}")
+            self._commands.put(_Add(request_id, prompt_ids, params, stream))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort what is left, end the thread and wait for it (bounded)."""
+        self._commands.put(_Stop())
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # -- the engine thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            engine = self._build_engine()
+        except BaseException as exc:  # noqa: BLE001 - any load failure must reach /health and the CLI
+            log.error("could not load the model: %s", _one_line(exc))
+            self.failed_during_load = True
+            self._fail(exc)
+            if self._on_load_failure is not None:
+                self._on_load_failure()
+            return
+        self.engine = engine
+        self.stats = engine.stats()
+        with self._lock:
+            self.state = "ready"
+        log.info("model loaded; ready")
+        try:
+            self._serve(engine)
+        except BaseException as exc:  # noqa: BLE001 - a crashed step must not kill the server silently
+            log.error("the engine failed: %s\n%s", _one_line(exc), traceback.format_exc())
+            self._fail(exc)
+
+    def _serve(self, engine) -> None:
+        while True:
+            busy = engine.has_unfinished_requests()
+            commands = []
+            try:
+                # Idle: sleep until a command arrives. Busy: take whatever is queued, then step.
+                commands.append(self._commands.get(block=not busy))
+                while True:
+                    commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                pass
+            for command in commands:
+                if isinstance(command, _Stop):
+                    self._shutdown(engine)
+                    return
+                self._apply(engine, command)
+            if engine.has_unfinished_requests():
+                for out in engine.step():
+                    stream = self._streams.get(out.request_id)
+                    if stream is not None:
+                        stream.put(out)
+                        if out.finished:
+                            del self._streams[out.request_id]
+            self.stats = engine.stats()
+
+    def _apply(self, engine, command) -> None:
+        if isinstance(command, _Add):
+            try:
+                engine.add_request(command.request_id, command.prompt_ids, command.params)
+            except LowbitError as exc:  # UsageError included: the request's fault, not the engine's
+                command.stream.put(RequestRejected(_one_line(exc)))
+                return
+            self._streams[command.request_id] = command.stream
+        elif isinstance(command, _Abort):
+            # Only requests still running: aborting a finished id would be an unknown-id error.
+            if self._streams.pop(command.request_id, None) is not None:
+                engine.abort_request(command.request_id)
+
+    def _shutdown(self, engine) -> None:
+        for request_id, stream in list(self._streams.items()):
+            engine.abort_request(request_id)
+            stream.put(EngineFailure("the server is shutting down"))
+        self._streams.clear()
+        with self._lock:
+            self.state = "stopped"
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._lock:
+            self.state = "failed"
+            self.error = _one_line(exc)
+            failure = EngineFailure(f"the engine failed: {self.error}")
+            for stream in self._streams.values():
+                stream.put(failure)
+            self._streams.clear()
+            while True:  # requests submitted but never added
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(command, _Add):
+                    command.stream.put(failure)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if isinstance(exc, LowbitError) else f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+

@@ -1,0 +1,275 @@
+"""OpenAI's request and response shapes for /v1/completions and /v1/chat/completions.
+
+Requests are validated by hand rather than by a schema library so that every refusal names the
+offending parameter in OpenAI's error object ({"error": {"message", "type", "param", "code"}})
+with one clear sentence. Numeric ranges are SamplingParams' own checks (one source of truth);
+this module checks types, shapes and the parameters SamplingParams does not know.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from lowbit.errors import UsageError
+from lowbit.runtime.engine.sequence import MAX_LOGPROBS, SamplingParams
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_STOP_STRINGS = 16
+
+
+class APIError(Exception):
+    """An HTTP error answered with OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """A validated request, before tokenization: exactly one of prompt_text / prompt_ids / messages."""
+
+    chat: bool
+    model: str | None
+    prompt_text: str | None = None
+    prompt_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    max_tokens: int | None = None  # None: the rest of the context (chat) / 16 (completions)
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams keyword arguments
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    logprobs: int | None = None  # top-n alternatives per token; None = no logprobs
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        try:
+            return SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs, **self.sampling)
+        except UsageError as exc:
+            message = str(exc)
+            first = message.split()[0] if message else None
+            raise bad_request(message, param=first if first in _SAMPLING_FIELDS else None) from None
+
+
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "max_tokens",
+                    "stop", "stop_token_ids", "logprobs", "ignore_eos")
+
+
+# -- parsing ----------------------------------------------------------------------------------
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    return body
+
+
+def parse_completion(body: dict[str, Any]) -> GenerationRequest:
+    req = GenerationRequest(chat=False, model=_model(body))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        req.prompt_text = prompt
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        req.prompt_ids = list(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1:
+        raise bad_request("only one prompt per request is supported; send one request per prompt", "prompt")
+    else:
+        raise bad_request("prompt must be a non-empty string or a non-empty list of token ids", "prompt")
+    req.echo = _bool(body, "echo")
+    logprobs = body.get("logprobs")
+    if logprobs is not None:
+        if not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"logprobs must be an integer in [0, {MAX_LOGPROBS}]", "logprobs")
+        req.logprobs = logprobs
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
+    if body.get("suffix") is not None:
+        raise bad_request("suffix is not supported", "suffix")
+    _check_best_of(body)
+    req.max_tokens = _max_tokens(body, "max_tokens")
+    _common(body, req)
+    return req
+
+
+def parse_chat(body: dict[str, Any]) -> GenerationRequest:
+    req = GenerationRequest(chat=True, model=_model(body))
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty list of {role, content} objects", "messages")
+    req.messages = [_message(m, i) for i, m in enumerate(messages)]
+    if _bool(body, "logprobs"):
+        top = body.get("top_logprobs", 0)
+        if top is None:
+            top = 0
+        if not _is_int(top) or not 0 <= top <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}]", "top_logprobs")
+        req.logprobs = top
+    elif body.get("top_logprobs") is not None:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    req.max_tokens = _max_tokens(body, name)
+    _common(body, req)
+    return req
+
+
+def _common(body: dict[str, Any], req: GenerationRequest) -> None:
+    n = body.get("n", 1)
+    if n is not None and n != 1:
+        raise bad_request("n > 1 is not supported: send n separate requests (with different seeds)", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = body.get(name)
+        if value not in (None, 0, 0.0):
+            raise bad_request(f"{name} is not supported (use repetition_penalty)", name)
+    if body.get("logit_bias"):
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    req.stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise bad_request("stream_options must be an object", "stream_options")
+        if not req.stream:
+            raise bad_request("stream_options needs stream: true", "stream_options")
+        req.include_usage = bool(options.get("include_usage", False))
+    sampling: dict[str, Any] = {}
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        value = body.get(name)
+        if value is not None:
+            if not _is_number(value):
+                raise bad_request(f"{name} must be a number", name)
+            sampling[name] = float(value)
+    for name in ("top_k", "seed"):
+        value = body.get(name)
+        if value is not None:
+            if not _is_int(value):
+                raise bad_request(f"{name} must be an integer", name)
+            if name == "top_k" and value == -1:  # vLLM's spelling of "off"
+                value = 0
+            sampling[name] = value
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise bad_request("stop must be a non-empty string or a list of non-empty strings", "stop")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings", "stop")
+        sampling["stop"] = tuple(stops)
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
+            raise bad_request("stop_token_ids must be a list of token ids", "stop_token_ids")
+        sampling["stop_token_ids"] = tuple(stop_ids)
+    if body.get("ignore_eos") is not None:
+        sampling["ignore_eos"] = _bool(body, "ignore_eos")
+    req.sampling = sampling
+
+
+def _model(body: dict[str, Any]) -> str | None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("model must be a string", "model")
+    return model
+
+
+def _message(m: Any, i: int) -> dict[str, Any]:
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise bad_request(f"messages[{i}] must be an object with a string role", "messages")
+    content = m.get("content")
+    if isinstance(content, list):  # content parts: only text can be served
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"messages[{i}].content: only text parts are supported", "messages")
+            texts.append(part["text"])
+        content = "".join(texts)
+    elif content is None:
+        content = ""
+    elif not isinstance(content, str):
+        raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
+    return {**m, "content": content}
+
+
+def _max_tokens(body: dict[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_int(value) or value < 1:
+        raise bad_request(f"{name} must be an integer >= 1, got {value!r}", name)
+    return value
+
+
+def _check_best_of(body: dict[str, Any]) -> None:
+    best_of = body.get("best_of")
+    if best_of not in (None, 1):
+        raise bad_request("best_of > 1 is not supported", "best_of")
+
+
+def _bool(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise bad_request(f"{name} must be true or false", name)
+    return value
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+# -- responses --------------------------------------------------------------------------------
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def completion_logprobs(entries: list[tuple[str, float, list[tuple[str, float]]]], text_offset: int) -> dict[str, Any]:
+    """The legacy completions shape: parallel lists. entries = (token text, logprob, top [(text, lp)])."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    offset = text_offset
+    for text, lp, top in entries:
+        tokens.append(text)
+        token_logprobs.append(lp)
+        top_logprobs.append(dict(top))
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def chat_logprobs(entries: list[tuple[str, float, list[tuple[str, float]]]]) -> dict[str, Any]:
+    def item(text: str, lp: float) -> dict[str, Any]:
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**item(text, lp), "top_logprobs": [item(t, l) for t, l in top]} for text, lp, top in entries],
+            "refusal": None}
