@@ -1,8 +1,7 @@
 """Server fixtures: a real `lowbit serve` process on a free loopback port, always killed at teardown.
 
-`serve(model_dir, *args)` starts one and waits (bounded) for /health 200. The engine is the real
-one; LOWBIT_SERVE_FAKE=1 swaps in tests/serve/fake_engine.py (same API, no model) to test the
-HTTP layer alone.
+`start_server(model_dir, *args)` starts `lowbit serve` on the real engine and waits (bounded)
+for /health 200; `module_server` is one such server over the tiny model shared by a module.
 """
 
 from __future__ import annotations
@@ -35,22 +34,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def use_fake_engine() -> bool:
-    return os.environ.get("LOWBIT_SERVE_FAKE") == "1"
-
-
 class ServerProcess:
     def __init__(self, model: str | Path, args: tuple[str, ...], log_path: Path, env: dict | None = None):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        if use_fake_engine():
-            cmd = [sys.executable, str(HERE / "fake_serve.py"), str(model)]
-            args = tuple(a for a in args if a not in TINY_ARGS)
-        else:
-            cmd = [sys.executable, "-m", "lowbit", "serve", str(model)]
-        cmd += ["--host", "127.0.0.1"] if not use_fake_engine() else []
-        cmd += ["--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", "lowbit", "serve", str(model), "--host", "127.0.0.1", "--port", str(self.port),
+               *args]
         self.log = open(log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})})

@@ -12,8 +12,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from conftest import use_fake_engine
-
 MODEL = "tiny"
 NO_EOS = {"ignore_eos": True}
 
@@ -72,7 +70,6 @@ def test_models_lists_the_served_name(client, server):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
-@pytest.mark.skipif(use_fake_engine(), reason="the fake engine has no model to compare with")
 def test_completion_is_transformers_greedy_with_right_usage(client, tokenizer, hf_greedy):
     prompt = "Hello world, the quick fox"
     ids = tokenizer.encode(prompt)
@@ -116,7 +113,6 @@ def test_chat_prompt_is_the_checkpoint_template(client, tokenizer):
     assert r.choices[0].message.content == same.choices[0].text
 
 
-@pytest.mark.skipif(use_fake_engine(), reason="the fake engine has no model to compare with")
 def test_logprobs_are_the_models(client, tokenizer, hf_greedy):
     prompt = "Numbers 0 1 2"
     ids = tokenizer.encode(prompt)
