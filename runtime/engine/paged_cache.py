@@ -52,7 +52,8 @@ class PagedKVCache:
         self.kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         slots = num_blocks * block_size
-        store = dtype if kv_dtype is None else KV_DTYPES[kv_dtype][0]
+        # fp8 is stored as its bytes: CPU index ops do not take float8 tensors
+        store = dtype if kv_dtype is None else torch.int8 if kv_dtype == "int8" else torch.uint8
         shape = (slots, self.kv_heads, self.head_dim)
         n = config.num_hidden_layers
         self.keys = [torch.zeros(shape, dtype=store, device=self.device) for _ in range(n)]
@@ -91,7 +92,7 @@ class PagedKVCache:
             x = x.float()
             scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / qmax
             q = x / scale
-            q = q.round().clamp(-qmax, qmax).to(store) if store == torch.int8 else q.to(store)
+            q = q.round().clamp(-qmax, qmax).to(store) if store == torch.int8 else q.to(store).view(torch.uint8)
             pool[layer].index_copy_(0, slots, q)
             scales[layer].index_copy_(0, slots, scale)
 
@@ -100,6 +101,8 @@ class PagedKVCache:
         k, v = self.keys[layer][slots], self.values[layer][slots]
         if self.kv_dtype is None:
             return k, v
+        if self.kv_dtype == "fp8":
+            k, v = k.view(torch.float8_e4m3fn), v.view(torch.float8_e4m3fn)
         return ((k.float() * self.key_scales[layer][slots]).to(self.dtype),
                 (v.float() * self.value_scales[layer][slots]).to(self.dtype))
 

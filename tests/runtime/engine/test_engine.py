@@ -1,0 +1,179 @@
+"""Engine exactness on tiny random models, greedy fp32: paged == contiguous == full recompute,
+batched == alone, prefix hit == miss, preempted == uninterrupted, speculative == plain."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowbit.errors import UsageError
+from lowbit.runtime.engine import paged_attention
+from lowbit.runtime.engine.engine import Engine
+from lowbit.runtime.engine.sequence import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def prompts(n=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [3, 17, 40, 9, 33, 1][:n]
+    return [torch.randint(3, 256, (length,), generator=gen).tolist() for length in lengths]
+
+
+def recompute_greedy(model, prompt, n):
+    """No cache at all: the whole sequence through the model for every token."""
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def contiguous_greedy(model, prompt, n):
+    cache = model.new_cache(1, len(prompt) + n)
+    out = []
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt]), cache=cache)[0, -1]
+        for _ in range(n):
+            out.append(int(logits.argmax()))
+            logits = model(torch.tensor([[out[-1]]]), cache=cache)[0, -1]
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama_engine(engine_llama_dir):
+    return Engine(engine_llama_dir, kv_memory=2 << 20)
+
+
+def test_paged_equals_contiguous_and_recompute_batched_and_alone(llama_engine):
+    ps = prompts()
+    batched = [c.token_ids for c in llama_engine.generate(ps, GREEDY)]
+    alone = [llama_engine.generate([p], GREEDY)[0].token_ids for p in ps]
+    model = llama_engine.model
+    for p, b, a in zip(ps, batched, alone):
+        assert b == a
+        assert b == contiguous_greedy(model, p, GREEDY.max_tokens)
+        assert b == recompute_greedy(model, p, GREEDY.max_tokens)
+
+
+def test_chunked_prefill_and_tiled_attention(engine_llama_dir, monkeypatch):
+    monkeypatch.setattr(paged_attention, "PREFILL_TILE", 8)
+    engine = Engine(engine_llama_dir, kv_memory=2 << 20, max_num_batched_tokens=12, enable_prefix_caching=False)
+    ps = prompts()
+    got = [c.token_ids for c in engine.generate(ps, GREEDY)]
+    assert got == [contiguous_greedy(engine.model, p, GREEDY.max_tokens) for p in ps]
+
+
+def test_prefix_cache_hit_equals_miss(llama_engine):
+    p = prompts(3)[2]  # 40 tokens: two full blocks can be reused
+    first = llama_engine.generate([p], GREEDY)[0]
+    before = llama_engine.stats().prefix_cache_hits
+    second = llama_engine.generate([p], GREEDY)[0]
+    assert second.num_cached_tokens == 32 and llama_engine.stats().prefix_cache_hits - before == 32
+    assert second.token_ids == first.token_ids
+
+
+def test_preempted_and_resumed_equals_uninterrupted(engine_llama_dir, llama_engine):
+    ps = prompts(4)
+    expected = [c.token_ids for c in llama_engine.generate(ps, GREEDY)]
+    # 8 blocks of 16 tokens: the four sequences need 10 at the end, so someone is preempted.
+    per_block = 2 * 2 * 2 * 16 * 4 * 16  # layers * k/v * kv_heads * head_dim * fp32 * block
+    tiny = Engine(engine_llama_dir, kv_memory=8 * per_block, max_model_len=128)
+    assert tiny.cache.num_blocks == 8
+    got = [c.token_ids for c in tiny.generate(ps, GREEDY)]
+    assert tiny.stats().preemptions_total > 0
+    assert got == expected
+
+
+def test_multi_turn_reuses_previous_turn_blocks(llama_engine):
+    turn1 = prompts(3)[1] + prompts(3)[0]  # 20 tokens
+    out1 = llama_engine.generate([turn1], GREEDY)[0]
+    history = turn1 + out1.token_ids  # 44 tokens, the first 2 blocks computed and cached
+    turn2 = history + [65, 66, 67]
+    before = llama_engine.stats().prefix_cache_hits
+    out2 = llama_engine.generate([turn2], GREEDY)[0]
+    assert llama_engine.stats().prefix_cache_hits - before == 32 == out2.num_cached_tokens
+    assert out2.token_ids == contiguous_greedy(llama_engine.model, turn2, GREEDY.max_tokens)
+
+
+@pytest.mark.parametrize("draft", ["ngram", "self:int4", "self:int8", "other"])
+def test_speculative_greedy_equals_plain(draft, engine_llama_dir, engine_llama_draft_dir, llama_engine):
+    ps = prompts()
+    # n-gram lookup needs repetition to propose anything: repeat each prompt
+    ps = [p + p for p in ps] if draft == "ngram" else ps
+    expected = [c.token_ids for c in llama_engine.generate(ps, GREEDY)]
+    spec = Engine(engine_llama_dir, kv_memory=4 << 20,
+                  draft=str(engine_llama_draft_dir) if draft == "other" else draft, num_speculative_tokens=3)
+    got = [c.token_ids for c in spec.generate(ps, GREEDY)]
+    stats = spec.stats()
+    assert got == expected
+    assert stats.spec_draft_tokens > 0
+    assert 1.0 <= stats.spec_mean_accepted_length <= 7.0
+    if draft == "self:int8":  # a near-lossless copy agrees almost always, if its own KV cache is right
+        assert stats.spec_accepted_tokens / stats.spec_draft_tokens > 0.95
+
+
+def test_gemma3_sliding_window_paged_equals_contiguous(engine_gemma3_dir, monkeypatch):
+    monkeypatch.setattr(paged_attention, "PREFILL_TILE", 8)
+    engine = Engine(engine_gemma3_dir, kv_memory=2 << 20, max_num_batched_tokens=16)
+    ps = prompts()  # window 8: most prompts and all generations pass it
+    got = [c.token_ids for c in engine.generate(ps, GREEDY)]
+    for p, g in zip(ps, got):
+        assert g == contiguous_greedy(engine.model, p, GREEDY.max_tokens)
+        assert g == recompute_greedy(engine.model, p, GREEDY.max_tokens)
+
+
+def test_same_seed_same_text_whatever_the_batch(llama_engine):
+    ps = prompts()
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llama_engine.generate([ps[0]], params)[0]
+    other = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    batched = llama_engine.generate(ps, [params, other, other, other])[0]
+    again = llama_engine.generate([ps[0]], params)[0]
+    assert alone.token_ids == batched.token_ids == again.token_ids
+    assert alone.text == again.text
+    different = llama_engine.generate([ps[0]], SamplingParams(temperature=0.8, top_p=0.9, seed=99, max_tokens=16,
+                                                               ignore_eos=True))[0]
+    assert different.token_ids != alone.token_ids
+
+
+def test_stop_strings_are_cut_and_never_streamed(llama_engine):
+    p = prompts()[1]
+    full = llama_engine.generate([p], GREEDY)[0]
+    stop = full.text[5:8]
+    assert len(stop) == 3 and stop not in full.text[:7]
+    llama_engine.add_request("s", p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=(stop,)))
+    streamed, outs = "", []
+    while llama_engine.has_unfinished_requests():
+        for out in llama_engine.step():
+            streamed += out.text_delta
+            outs.append(out)
+    assert streamed == full.text[: full.text.index(stop)]
+    assert outs[-1].finished and outs[-1].finish_reason == "stop"
+
+
+def test_logprobs_abort_and_limits(llama_engine):
+    p = prompts()[0]
+    c = llama_engine.generate([p], SamplingParams(temperature=0, max_tokens=3, logprobs=2, ignore_eos=True))[0]
+    assert len(c.logprobs) == 3
+    for token, (lp, top) in zip(c.token_ids, c.logprobs):
+        assert top[0][0] == token and abs(top[0][1] - lp) < 1e-6 and lp <= 0 and len(top) == 2
+    llama_engine.add_request("x", p, SamplingParams(max_tokens=50))
+    llama_engine.step()
+    llama_engine.abort_request("x")
+    outs = llama_engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outs if o.finished] == [("x", "abort")]
+    assert llama_engine.stats().kv_blocks_used == 0 and not llama_engine.has_unfinished_requests()
+    with pytest.raises(UsageError, match="maximum model length"):
+        llama_engine.add_request("y", p, SamplingParams(max_tokens=llama_engine.max_model_len))
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_quantized_kv_cache_is_close_and_smaller(engine_llama_dir, llama_engine, kv_dtype):
+    engine = Engine(engine_llama_dir, kv_memory=2 << 20, kv_dtype=kv_dtype)
+    assert engine.cache.num_blocks > 3 * llama_engine.cache.num_blocks  # 1 byte + a scale per 16 vs 4 bytes
+    ps = prompts()
+    got = [c.token_ids for c in engine.generate(ps, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))]
+    ref = [c.token_ids for c in llama_engine.generate(ps, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))]
+    agree = sum(a == b for g, r in zip(got, ref) for a, b in zip(g, r)) / sum(map(len, ref))
+    assert agree > 0.7
