@@ -33,6 +33,8 @@ def serve_command(
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Context length limit in tokens "
                                                 "(prompt + output; default: the model's)."),
     dtype: str = typer.Option("f32", "--dtype", help="Compute dtype: f32 or bf16."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for the model (default: torch's, "
+                                          "one per core; 1 is faster on a machine busy with other work)."),
     max_body: int = typer.Option(4 * 1024 * 1024, "--max-body-bytes", help="Largest request body accepted (413 above)."),
     shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout", help="Seconds in-flight requests get to "
                                            "finish after SIGTERM before they are aborted."),
@@ -43,7 +45,8 @@ def serve_command(
     from lowbit.runtime.server.app import ServerConfig, serve
     from lowbit.runtime.server.launch import engine_factory, parse_size
 
-    for name, value in (("--max-running", max_running), ("--port", port), ("--max-body-bytes", max_body)):
+    for name, value in (("--max-running", max_running), ("--port", port), ("--max-body-bytes", max_body),
+                        ("--threads", 1 if threads is None else threads)):
         if value < 1:
             raise UsageError(f"{name} must be >= 1, got {value}")
     if max_queue < 0:
@@ -53,7 +56,8 @@ def serve_command(
     key = api_key if api_key is not None else os.environ.get("LOWBIT_API_KEY") or None
     path = resolve_model(model)
     build = engine_factory(path, dtype=dtype, kv_memory=parse_size(kv_memory) if kv_memory else None,
-                           max_running=max_running, max_model_len=max_model_len, draft=draft)
+                           max_running=max_running, max_model_len=max_model_len, draft=draft,
+                           threads=threads)
     config = ServerConfig(model_name=served_model_name or model, host=host, port=port, api_key=key,
                           max_running=max_running, max_queue=max_queue, max_body_bytes=max_body,
                           shutdown_timeout=shutdown_timeout)

@@ -11,7 +11,7 @@ def test_demo_chat_matches_transformers_greedy(start_server, smollm2_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    server = start_server(smollm2_dir, "--kv-memory", "64MiB", "--max-model-len", "512",
+    server = start_server(smollm2_dir, "--kv-memory", "64MiB", "--max-model-len", "512", "--threads", "1",
                           "--served-model-name", "smollm2")
     client = server.client()
     r = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=12, temperature=0)
