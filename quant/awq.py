@@ -165,15 +165,22 @@ def search_clip(
 def fold_scale(layer: nn.Module, group: ScaleGroup, s: torch.Tensor) -> None:
     """Divide the producer of the group's input by s and multiply the group's weight columns by s."""
     prev = layer.get_submodule(group.prev)
-    s = s.to(torch.float32)
+    s = s.to(torch.float64)  # fold in float64 so only the final cast to the weight's dtype rounds
     if isinstance(prev, nn.Linear):
-        prev.weight.data = (prev.weight.data.float() / s[:, None]).to(prev.weight.dtype)
+        prev.weight.data = (prev.weight.data.double() / s[:, None]).to(prev.weight.dtype)
         if prev.bias is not None:
-            prev.bias.data = (prev.bias.data.float() / s).to(prev.bias.dtype)
+            prev.bias.data = (prev.bias.data.double() / s).to(prev.bias.dtype)
     elif getattr(prev, "unit_offset", False):
-        prev.weight.data = ((1.0 + prev.weight.data.float()) / s - 1.0).to(prev.weight.dtype)
+        prev.weight.data = ((1.0 + prev.weight.data.double()) / s - 1.0).to(prev.weight.dtype)
     else:
-        prev.weight.data = (prev.weight.data.float() / s).to(prev.weight.dtype)
+        prev.weight.data = (prev.weight.data.double() / s).to(prev.weight.dtype)
     for name in group.linears:
         lin = layer.get_submodule(name)
-        lin.weight.data = (lin.weight.data.float() * s[None, :]).to(lin.weight.dtype)
+        lin.weight.data = (lin.weight.data.double() * s[None, :]).to(lin.weight.dtype)
+
+
+def make_layer_method(context):
+    """quant/pipeline.py's entry for --method awq / awq+gptq: sequential calibration (quant/sequential.py)."""
+    from lowbit.quant.sequential import make_layer_method as sequential_method
+
+    return sequential_method(context)

@@ -1,0 +1,266 @@
+"""Calibrated methods (gptq, awq, awq+gptq) as quant/pipeline.py layer methods, sequentially.
+
+`make_layer_method(context)` is what `lowbit quantize --method gptq|awq|awq+gptq` reaches (via
+quant/gptq.py and quant/awq.py). Options (context.options):
+  calib     a STATS file from `lowbit calibrate` (statistics of the float model, reused as is), or
+  data      a text to calibrate on now, sequentially: layer i's statistics are measured on the
+            outputs of the already-quantized layers below it
+  samples, seqlen, seed           the calibration windows (128, 2048, 0)
+  work_dir  resume folder; each layer's result is saved there, and a rerun after a kill replays
+            the saved layers and continues, giving the same bytes
+  keep_outliers, keep_channels, outlier_salience   see quant/outliers.py (function API only: the
+            native checkpoint has no side-matrix part yet)
+  damp, act_order, block_size, awq_grid, awq_clip
+
+`quantize_layer` is the method itself for one decoder layer, on statistics alone.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from lowbit.errors import LowbitError, UsageError
+from lowbit.quant import awq as awq_mod
+from lowbit.quant.calibrate import LayerStats, LayerwiseModel, collect_stats, prepare_calibration, propagate
+from lowbit.quant.gptq import DEFAULT_BLOCK, DEFAULT_DAMP, gptq_quantize, prepare_hessian
+from lowbit.quant.outliers import outlier_mask, pack_outliers, unpack_outliers
+from lowbit.quant.qtensor import PART_NAMES, QTensor
+from lowbit.quant.registry import get_format
+from lowbit.quant.rtn import shared_global_scale
+from lowbit.quant.spec import FormatSpec
+from lowbit.quant.stats import InputStats, StatsFile
+
+METHODS = ("rtn", "gptq", "awq", "awq+gptq")
+FUSED = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
+
+
+@dataclass(slots=True)
+class QuantOptions:
+    method: str = "gptq"
+    damp: float = DEFAULT_DAMP
+    act_order: bool = True
+    block_size: int = DEFAULT_BLOCK
+    awq_grid: int = awq_mod.DEFAULT_GRID
+    awq_clip: bool = True
+    keep_outliers: float = 0.0  # percent of each matrix's weights kept in bf16
+    keep_channels: float = 0.0  # percent of input channels kept whole in bf16
+    outlier_salience: str = "act"
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise UsageError(f"unknown method '{self.method}' (known: {', '.join(METHODS)})")
+
+
+@dataclass(slots=True)
+class LayerOutcome:
+    qtensors: dict[str, QTensor]  # full module name -> QTensor
+    outliers: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # module -> packed side matrix
+    dense: dict[str, torch.Tensor] = field(default_factory=dict)  # changed dense tensors (AWQ-folded norms, biases)
+    notes: list[str] = field(default_factory=list)
+
+    def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict]:
+        tensors, meta = {}, {"modules": {}, "outliers": sorted(self.outliers), "dense": sorted(self.dense), "notes": self.notes}
+        for module, qt in self.qtensors.items():
+            for part, t in qt.to_tensors().items():
+                tensors[f"{module}.weight.{part}"] = t
+            meta["modules"][module] = qt.meta()
+        for module, parts in self.outliers.items():
+            for part, t in parts.items():
+                tensors[f"{module}.outliers.{part}"] = t
+        tensors.update({name: t for name, t in self.dense.items()})
+        return tensors, meta
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict) -> LayerOutcome:
+        qtensors = {}
+        for module, m in meta["modules"].items():
+            prefix = f"{module}.weight."
+            parts = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix) and k[len(prefix):] in PART_NAMES}
+            qtensors[module] = QTensor.from_tensors(parts, m, where=module)
+        outliers = {m: {p: tensors[f"{m}.outliers.{p}"] for p in ("indices", "values")} for m in meta["outliers"]}
+        dense = {name: tensors[name] for name in meta["dense"]}
+        return cls(qtensors=qtensors, outliers=outliers, dense=dense, notes=list(meta["notes"]))
+
+
+def _site_stats(stats: LayerStats) -> dict[str, tuple[str, InputStats]]:
+    """module -> (site, stats) for every Linear of the layer."""
+    return {m: (site, stats.sites[site]) for site, mods in stats.site_modules.items() for m in mods}
+
+
+def quantize_layer(
+    layer: nn.Module, prefix: str, stats: LayerStats, specs: dict[str, FormatSpec], options: QuantOptions
+) -> LayerOutcome:
+    """Quantize the Linears of one decoder layer named in `specs` (full names) from its input
+    statistics. AWQ changes `layer` in place (folded scales); the quantized weights are not put
+    in — `apply_outcome` does that."""
+    outcome = LayerOutcome(qtensors={})
+    by_module = _site_stats(stats)
+    for module in specs:
+        if module not in by_module:
+            raise LowbitError(f"no calibration statistics for {module}")
+    site_stats = {site: st for site, st in stats.sites.items()}
+    local = {m[len(prefix):]: m for m in specs}
+
+    if options.method.startswith("awq"):
+        for group in awq_mod.scale_groups(layer):
+            members = [local.get(name) for name in group.linears]
+            if any(m is None for m in members):
+                continue  # a member stays dense: scaling it would change nothing worth the risk
+            site, st = by_module[members[0]]
+            weights = [layer.get_submodule(name).weight.data.float() for name in group.linears]
+            s, alpha, rel = awq_mod.search_scales(weights, [specs[m] for m in members], st, grid=options.awq_grid)
+            if alpha < 0:
+                continue
+            awq_mod.fold_scale(layer, group, s)
+            site_stats[site] = st.scaled(s)
+            prev = layer.get_submodule(group.prev)
+            outcome.dense[f"{prefix}{group.prev}.weight"] = prev.weight.data.float().clone()
+            if isinstance(prev, nn.Linear) and prev.bias is not None:
+                outcome.dense[f"{prefix}{group.prev}.bias"] = prev.bias.data.float().clone()
+
+    global_scales: dict[str, torch.Tensor] = {}
+    for fused in FUSED:
+        members = [local.get(name) for name in fused]
+        if any(m is None for m in members) or len({specs[m] for m in members}) != 1:
+            continue
+        weights = [layer.get_submodule(name).weight.data.float() for name in fused]
+        scale = shared_global_scale(weights, specs[members[0]])
+        if scale is not None:
+            global_scales.update(dict.fromkeys(members, scale))
+
+    prepared: dict[str, object] = {}
+    for name, module in local.items():
+        spec = specs[module]
+        fmt = get_format(spec)
+        site, _ = by_module[module]
+        st = site_stats[site]
+        w = layer.get_submodule(name).weight.data.float()
+        gscale = global_scales.get(module)
+        keep = None
+        if options.keep_outliers or options.keep_channels:
+            keep = outlier_mask(w, st, options.keep_outliers, channel_percent=options.keep_channels, kind=options.outlier_salience)
+        if options.method == "awq" and options.awq_clip and keep is None:
+            w = _clip_if_better(w, spec, st, gscale)
+        if options.method in ("gptq", "awq+gptq"):
+            if site not in prepared:
+                prepared[site] = prepare_hessian(st.hessian, damp=options.damp, act_order=options.act_order)
+            result = gptq_quantize(w, spec, st.hessian, prepared=prepared[site], block_size=options.block_size,
+                                   global_scale=gscale, keep=keep)
+            if prepared[site] is None:
+                result = gptq_quantize(w, spec, st.hessian, global_scale=gscale, keep=keep)
+            if result.fallback:
+                outcome.notes.append(f"{module}: Hessian not positive definite even at maximum dampening; used RTN")
+            qt, kept = result.qtensor, result.kept
+        else:
+            base = w if keep is None else w.masked_fill(keep, 0.0)
+            qt = fmt.quantize(base, spec, stats=st.sq_mean, global_scale=gscale)
+            kept = None if keep is None else torch.where(keep, w.to(torch.bfloat16).float(), 0.0)
+        outcome.qtensors[module] = qt
+        if keep is not None:
+            outcome.outliers[module] = pack_outliers(kept, keep)
+    return outcome
+
+
+def _clip_if_better(w: torch.Tensor, spec: FormatSpec, st: InputStats, gscale) -> torch.Tensor:
+    """AWQ's clip search, kept only when it lowers the layer's output error tr(E H Eᵀ)."""
+    fmt = get_format(spec)
+    clipped = awq_mod.search_clip(w, spec, st, global_scale=gscale)
+
+    def error(candidate):
+        e = fmt.quantize(candidate, spec, stats=st.sq_mean, global_scale=gscale).dequantize(torch.float32) - w
+        return float(((e @ st.hessian) * e).sum())
+
+    return clipped if error(clipped) < error(w) else w
+
+
+def apply_outcome(layer: nn.Module, prefix: str, outcome: LayerOutcome) -> None:
+    """Put the quantized weights (plus kept outliers) and changed dense tensors into the float layer,
+    so the next layer is calibrated on what the quantized model computes."""
+    for module, qt in outcome.qtensors.items():
+        w = qt.dequantize(torch.float32)
+        if module in outcome.outliers:
+            w = w + unpack_outliers(outcome.outliers[module], qt.shape)
+        layer.get_submodule(module[len(prefix):]).weight.data = w
+    for name, tensor in outcome.dense.items():
+        owner, _, leaf = name[len(prefix):].rpartition(".")
+        getattr(layer.get_submodule(owner), leaf).data = tensor.float().clone()
+
+
+def options_from(context_options: dict, method: str) -> QuantOptions:
+    known = {f for f in QuantOptions.__dataclass_fields__ if f != "method"}
+    return QuantOptions(method=method, **{k: v for k, v in context_options.items() if k in known})
+
+
+# Options the pipeline passes through that are not QuantOptions fields.
+RUN_OPTIONS = ("calib", "data", "samples", "seqlen", "seed", "work_dir", "snapshot_every_s")
+
+
+def make_layer_method(context):
+    """The pipeline's factory for gptq / awq / awq+gptq (see the module docstring)."""
+    from lowbit.quant.methods import LayerResult
+    from lowbit.quant.workdir import WorkDir
+
+    opts = dict(context.options)
+    options = options_from(opts, context.method)
+    if options.keep_outliers or options.keep_channels:
+        raise UsageError("--keep-outliers / --keep-channels need a checkpoint part for the side matrix that lowbit's native format does not have yet")
+    if ("calib" in opts) == ("data" in opts):
+        raise UsageError(f"--method {context.method} needs calibration: --calib STATS (from `lowbit calibrate`) or --data TEXT")
+    lm = LayerwiseModel(context.model_dir)
+    identity = lm.identity()
+    stats_file = hidden = None
+    if "calib" in opts:
+        stats_file = StatsFile(opts["calib"])
+        stats_file.check(identity)
+        fingerprint = {"calib": stats_file.identity["config_hash"], "stats": stats_file.header["calibration"]}
+    else:
+        inputs = prepare_calibration(context.model_dir, opts["data"], opts.get("samples", 128), opts.get("seqlen", 2048), opts.get("seed", 0))
+        fingerprint = {"data": inputs.data_hash, "samples": list(inputs.ids.shape), "seed": inputs.seed}
+    fingerprint.update({"job": "quantize", "model": identity["config_hash"], "options": {k: str(v) for k, v in sorted(opts.items()) if k != "work_dir"}})
+    work = WorkDir(opts["work_dir"], fingerprint) if opts.get("work_dir") else None
+    snapshot_at = 0
+    snapshot_every_s = float(opts.get("snapshot_every_s", 60.0))
+    last_snapshot = [time.monotonic()]
+    if stats_file is None:
+        snap = work.load_hidden() if work is not None and work.resumed else None
+        if snap is not None and snap[1] <= work.finished_layers():
+            hidden, snapshot_at = snap[0].clone(), snap[1]
+        else:
+            hidden = lm.embed(inputs.ids)
+
+    def layer_method(part):
+        if part.index is None:
+            if part.name == "head" and work is not None:
+                work.remove()
+            return LayerResult(qtensors={m: get_format(s).quantize(part.weight(m), s) for m, s in part.specs.items()})
+        i = part.index
+        prefix = lm.layer_prefix(i)
+        layer = lm.load_layer(i)
+        if work is not None and work.has_layer(i):
+            outcome = LayerOutcome.from_tensors(*work.load_layer(i))
+        else:
+            if stats_file is not None:
+                sites = stats_file.layer_sites(prefix)
+                stats = LayerStats(sites={s: stats_file.site(s) for s in sites}, site_modules=sites)
+            else:
+                stats = collect_stats(lm, layer, i, hidden, write_outputs=False)
+            outcome = quantize_layer(layer, prefix, stats, part.specs, options)
+            if work is not None:
+                work.save_layer(i, *outcome.to_tensors())
+                outcome = LayerOutcome.from_tensors(*work.load_layer(i))
+        if hidden is not None and i >= snapshot_at:
+            layer = lm.load_layer(i)  # a fresh float layer, then exactly the saved changes
+            apply_outcome(layer, prefix, outcome)
+            propagate(lm, layer, i, hidden)
+            if work is not None and i + 1 < lm.num_layers and time.monotonic() - last_snapshot[0] >= snapshot_every_s:
+                work.save_hidden(hidden, i + 1)
+                last_snapshot[0] = time.monotonic()
+        lm.release_layer(i)
+        dense = {n: t.to(part.tensors[n].dtype) if n.endswith("bias") else t for n, t in outcome.dense.items()}
+        return LayerResult(qtensors=outcome.qtensors, dense=dense, notes=outcome.notes)
+
+    return layer_method
