@@ -137,12 +137,16 @@ class Engine:
         bytes_per_token = kv_bytes_per_token(self.config, self.dtype, kv_dtype)
         if draft_model is not None:
             bytes_per_token += kv_bytes_per_token(draft_model.config, self.dtype, None)
-        self.kv_memory = int(kv_memory if kv_memory is not None else default_kv_memory(self.device))
+        limit = self.config.max_position_embeddings
+        if kv_memory is None:
+            # a share of free memory, but no more than max_num_seqs sequences of full length need
+            wanted = bytes_per_token * max_num_seqs * min(max_model_len or limit, limit) + bytes_per_token * block_size
+            kv_memory = min(default_kv_memory(self.device), wanted)
+        self.kv_memory = int(kv_memory)
         num_blocks = self.kv_memory // (bytes_per_token * block_size)
         if num_blocks < 2:
             raise UsageError(f"kv_memory of {self.kv_memory} bytes holds fewer than 2 blocks of {block_size} tokens "
                              f"({bytes_per_token} bytes per token); give the KV cache more memory")
-        limit = self.config.max_position_embeddings
         self.max_model_len = min(max_model_len or limit, limit, num_blocks * block_size)
 
         self.cache = PagedKVCache(self.config, num_blocks, block_size, self.dtype, self.device, kv_dtype)

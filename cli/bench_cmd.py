@@ -1,0 +1,77 @@
+"""`lowbit bench`: prefill and decode speed, latency, bandwidth and memory of one model."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from lowbit.cli.common import console, print_json
+from lowbit.cli.main import app
+from lowbit.errors import UsageError
+
+
+@app.command("bench")
+def bench(
+    model: str = typer.Argument(..., help="Model: a directory, a demo name (smollm2-135m) or a hub id."),
+    draft: Optional[str] = typer.Option(
+        None, "--draft", help="Also measure speculative decoding with 'ngram', 'self:int4' or a draft model."),
+    num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", help="Draft tokens per step (adapts)."),
+    batches: str = typer.Option("1,4,16,64", "--batches", help="Comma-separated decode batch sizes."),
+    prompt_tokens: int = typer.Option(32, "--prompt-tokens", help="Prompt length of the decode runs."),
+    gen_tokens: int = typer.Option(64, "--gen-tokens", help="Tokens generated per request."),
+    prefill_tokens: int = typer.Option(512, "--prefill-tokens", help="Prompt length of the prefill run."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="Quantized KV cache: int8 or fp8."),
+    kv_memory_mib: Optional[int] = typer.Option(None, "--kv-memory", help="KV cache size in MiB (default: a share of free memory)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Measure prefill tok/s, decode tok/s per batch size, TTFT, inter-token latency, weight
+    bandwidth against the measured streaming bandwidth, memory; with --draft, the speedup."""
+    import torch
+
+    from lowbit.runtime.engine.benchmark import run_bench
+    from lowbit.runtime.engine.engine import Engine
+
+    if threads is not None:
+        if threads < 1:
+            raise UsageError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    try:
+        sizes = tuple(int(b) for b in batches.split(","))
+    except ValueError:
+        raise UsageError(f"--batches must be comma-separated integers, got '{batches}'") from None
+    if not sizes or min(sizes) < 1:
+        raise UsageError("--batches needs positive batch sizes")
+    kv_memory = kv_memory_mib << 20 if kv_memory_mib else None
+    common = dict(dtype=dtype, kv_dtype=kv_dtype, kv_memory=kv_memory, max_num_seqs=max(sizes))
+    with console.status("loading"):
+        engine = Engine(model, **common)
+        spec_engine = Engine(model, draft=draft, num_speculative_tokens=num_speculative_tokens, **common) if draft else None
+    with console.status("measuring"):
+        result = run_bench(engine, sizes, prompt_tokens, gen_tokens, prefill_tokens, spec_engine)
+    if json_out:
+        print_json(result)
+        return
+    print_report(result)
+
+
+def print_report(r: dict) -> None:
+    gib = 1 << 30
+    console.print(f"[bold]{r['model']}[/bold]  {r['dtype']} on {r['device']}, {r['threads']} threads")
+    console.print(f"weights {r['weight_bytes'] / gib:.3f} GiB, KV cache {r['kv_cache_bytes'] / gib:.3f} GiB "
+                  f"({r['kv_blocks']} blocks)")
+    console.print(f"prefill  {r['prefill_tok_s']:.0f} tok/s over {r['prefill_tokens']} tokens")
+    console.print(f"{'batch':>6} {'decode tok/s':>13} {'TTFT ms':>9} {'ITL ms':>8}")
+    for d in r["decode"]:
+        console.print(f"{d['batch']:>6} {d['decode_tok_s']:>13.1f} {1000 * d['ttft_s']:>9.1f} "
+                      f"{d['inter_token_latency_ms']:>8.1f}")
+    console.print(f"weight bandwidth at batch 1: {r['weight_bandwidth_gbs']:.1f} GB/s of "
+                  f"{r['stream_bandwidth_gbs']:.1f} GB/s measured streaming "
+                  f"({100 * r['weight_bandwidth_gbs'] / r['stream_bandwidth_gbs']:.0f}%)")
+    s = r.get("speculative")
+    if s:
+        console.print(f"speculative ({s['draft']}): {s['tok_s']:.1f} vs {s['plain_tok_s']:.1f} tok/s plain = "
+                      f"{s['speedup']:.2f}x, mean accepted length {s['mean_accepted_length']:.2f}, "
+                      f"identical output: {s['identical_output']}")

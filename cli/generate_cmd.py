@@ -1,0 +1,101 @@
+"""`lowbit generate`: stream one completion to stdout (the prompt from the argument or stdin)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Optional
+
+import typer
+
+from lowbit.cli.common import console, print_json
+from lowbit.cli.main import app
+from lowbit.errors import UsageError
+
+
+def read_prompt(prompt: str | None) -> str:
+    if prompt is not None and prompt != "-":
+        return prompt
+    if prompt is None and sys.stdin.isatty():
+        raise UsageError("give a PROMPT, or '-' / a pipe to read it from stdin")
+    return sys.stdin.read()
+
+
+@app.command("generate")
+def generate(
+    model: str = typer.Argument(..., help="Model: a directory, a demo name (smollm2-135m) or a hub id."),
+    prompt: Optional[str] = typer.Argument(None, help="Prompt text; '-' or omitted with a pipe: read stdin."),
+    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt as one user message in the chat template."),
+    system: Optional[str] = typer.Option(None, "--system", help="System message (with --chat)."),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="Most tokens to generate."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy (the default); higher samples."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Keep the smallest likely set with this mass (1 = off)."),
+    top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off)."),
+    min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min_p x the top probability."),
+    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty", help="> 1 discourages repeats."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for reproducible sampling."),
+    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable); not included in the output."),
+    draft: Optional[str] = typer.Option(
+        None, "--draft", help="Speculative decoding: 'ngram', 'self:int4' (quantized copy) or a draft model."),
+    num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", help="Draft tokens per step (adapts)."),
+    dtype: str = typer.Option("float32", "--dtype", help="Activation/weight dtype: float32, bfloat16, float16."),
+    kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="Quantized KV cache: int8 or fp8."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+) -> None:
+    """Generate a completion, streaming the text to stdout as it is produced."""
+    import torch
+
+    from lowbit.runtime.engine.engine import Engine
+    from lowbit.runtime.engine.sequence import SamplingParams
+
+    if threads is not None:
+        if threads < 1:
+            raise UsageError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    text = read_prompt(prompt)
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                            repetition_penalty=repetition_penalty, seed=seed, max_tokens=max_tokens, stop=tuple(stop))
+    engine = Engine(model, dtype=dtype, kv_dtype=kv_dtype, draft=draft, num_speculative_tokens=num_speculative_tokens,
+                    max_num_seqs=1, kv_memory=None)
+    tok = engine.tokenizer
+    if chat:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        rendered = tok.apply_chat_template(messages, add_generation_prompt=True)
+        bos = tok.special_tokens.get("bos_token")
+        prompt_ids = tok.encode(rendered, add_bos=not (bos and rendered.startswith(bos)))
+    else:
+        prompt_ids = tok.encode(text)
+    start = time.perf_counter()
+    engine.add_request("generate", prompt_ids, params)
+    pieces, ids, first, last = [], [], None, None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.new_token_ids and first is None:
+                first = time.perf_counter() - start
+            ids += out.new_token_ids
+            pieces.append(out.text_delta)
+            if not json_out and out.text_delta:
+                sys.stdout.write(out.text_delta)
+                sys.stdout.flush()
+            last = out
+    elapsed = time.perf_counter() - start
+    stats = engine.stats()
+    decode_s = elapsed - (first or 0.0)
+    decode_tok_s = (len(ids) - 1) / decode_s if len(ids) > 1 and decode_s > 0 else 0.0
+    if json_out:
+        result = {"text": "".join(pieces), "token_ids": ids, "finish_reason": last.finish_reason,
+                  "num_prompt_tokens": len(prompt_ids), "num_generated_tokens": len(ids),
+                  "ttft_s": first, "decode_tok_s": decode_tok_s}
+        if draft:
+            result.update(draft=draft, spec_draft_tokens=stats.spec_draft_tokens,
+                          spec_accepted_tokens=stats.spec_accepted_tokens,
+                          mean_accepted_length=stats.spec_mean_accepted_length)
+        print_json(result)
+        return
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    note = f"{len(ids)} tokens, {decode_tok_s:.1f} tok/s, finish: {last.finish_reason}"
+    if draft:
+        note += f", mean accepted length {stats.spec_mean_accepted_length:.2f}"
+    console.print(f"[dim]{note}[/dim]")

@@ -1,0 +1,187 @@
+"""What `lowbit bench` measures, as plain functions returning plain dicts.
+
+- prefill: one long prompt, max_tokens 1: prompt tokens / wall time; TTFT of a short prompt.
+- decode at batch B: B requests of a short prompt, generating `gen_tokens` each with EOS
+  ignored; decode tok/s counts tokens after each request's first, over the time after every
+  request has produced it (so prefill is excluded); inter-token latency is the median step.
+- weight bandwidth: weight bytes read per decode step (every weight once per step) x steps/s
+  at batch 1, beside the machine's streaming read bandwidth measured here (a large buffer sum).
+- with a draft: batch-1 greedy decode with and without speculation on the same prompt; the
+  outputs must be identical, and speedup and mean acceptance length are reported.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from lowbit.runtime.engine.sequence import SamplingParams
+
+BENCH_TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+    "movable metal type, oil-based inks and a wooden press adapted from those used to make wine. Within fifty "
+    "years presses were working in more than two hundred cities across Europe, and the number of books grew "
+    "from thousands to millions. Printing made texts cheaper, more uniform and easier to share, which changed "
+    "how people learned, argued and worshipped. "
+)
+
+
+def stream_bandwidth_gbs(device: torch.device, mib: int = 256, repeats: int = 5) -> float:
+    """Attainable read bandwidth: the best time to sum a buffer much larger than the caches."""
+    buf = torch.ones(mib * (1 << 20) // 4, dtype=torch.float32, device=device)
+    buf.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        buf.sum()
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return buf.numel() * 4 / best / 1e9
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every distinct parameter and buffer, quantized weights (their prepared parts) included."""
+    seen, total = set(), 0
+    tensors = list(model.parameters()) + list(model.buffers())
+    for module in model.modules():
+        prepared = getattr(module, "prepared", None)
+        if prepared is not None:
+            tensors += [t for t in vars(prepared).values() if isinstance(t, torch.Tensor)]
+    for t in tensors:
+        if t.device.type == "meta" or t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+def decode_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decode step streams: all weights except the embedding table (only rows are read),
+    unless the lm_head shares it."""
+    total = weight_bytes(model)
+    embed = model.model.embed_tokens.weight
+    head = getattr(model.lm_head, "weight", None)
+    if head is None or head.data_ptr() != embed.data_ptr():
+        total -= embed.numel() * embed.element_size()
+    return total
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def bench_prompt(tokenizer, num_tokens: int) -> list[int]:
+    ids = tokenizer.encode(BENCH_TEXT * (1 + num_tokens // 40))
+    return ids[:num_tokens]
+
+
+def run_requests(engine, prompts: list[list[int]], params: SamplingParams) -> dict:
+    """Run prompts together; time to first token per request, step times after all have one."""
+    engine.reset_prefix_cache()
+    ids = [f"bench-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, p, params)
+    start = time.perf_counter()
+    first: dict[str, float] = {}
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    step_times, decode_start = [], None
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        outs = engine.step()
+        _sync(engine.device)
+        t1 = time.perf_counter()
+        if decode_start is not None:
+            step_times.append(t1 - t0)
+        for out in outs:
+            if out.new_token_ids and out.request_id not in first:
+                first[out.request_id] = t1 - start
+            tokens[out.request_id] += out.new_token_ids
+        if decode_start is None and len(first) == len(ids):
+            decode_start = t1
+    end = time.perf_counter()
+    decode_tokens = sum(len(t) - 1 for t in tokens.values())
+    decode_time = end - (decode_start or end)
+    return {
+        "tokens": [tokens[rid] for rid in ids],
+        "ttft_s": statistics.median(first.values()),
+        "decode_tok_s": decode_tokens / decode_time if decode_time > 0 else 0.0,
+        "inter_token_latency_ms": 1000 * statistics.median(step_times) if step_times else 0.0,
+        "steps": len(step_times),
+        "total_s": end - start,
+    }
+
+
+def run_bench(engine, batches=(1, 4, 16, 64), prompt_tokens: int = 32, gen_tokens: int = 64,
+              prefill_tokens: int = 512, spec_engine=None) -> dict:
+    """All of `lowbit bench`'s figures for one engine (no draft). `spec_engine`: the same model
+    with a draft, measured against `engine` at batch 1 (None: no speculation figures)."""
+    tok = engine.tokenizer
+    greedy = SamplingParams(temperature=0, max_tokens=gen_tokens, ignore_eos=True)
+    # warm up: first forwards allocate and pick kernels
+    run_requests(engine, [bench_prompt(tok, 16)], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+
+    prefill_len = min(prefill_tokens, engine.max_model_len - 2)
+    t0 = time.perf_counter()
+    run_requests(engine, [bench_prompt(tok, prefill_len)], SamplingParams(temperature=0, max_tokens=1))
+    prefill_s = time.perf_counter() - t0
+    result = {
+        "model": str(engine.model_path),
+        "dtype": str(engine.dtype).replace("torch.", ""),
+        "device": str(engine.device),
+        "threads": torch.get_num_threads(),
+        "prefill_tokens": prefill_len,
+        "prefill_tok_s": prefill_len / prefill_s,
+        "weight_bytes": weight_bytes(engine.model),
+        "kv_cache_bytes": engine.cache.nbytes,
+        "kv_blocks": engine.cache.num_blocks,
+        "stream_bandwidth_gbs": stream_bandwidth_gbs(engine.device),
+        "decode": [],
+    }
+    prompt = bench_prompt(tok, prompt_tokens)
+    for b in batches:
+        if b > engine.scheduler.max_num_seqs:
+            continue
+        # distinct prompts (a different first token) so the prefix cache does not share them
+        prompts = [[(prompt[0] + i) % engine.config.vocab_size] + prompt[1:] for i in range(b)]
+        r = run_requests(engine, prompts, greedy)
+        result["decode"].append({"batch": b, "decode_tok_s": r["decode_tok_s"], "ttft_s": r["ttft_s"],
+                                 "inter_token_latency_ms": r["inter_token_latency_ms"]})
+    one = result["decode"][0]
+    per_step_bytes = decode_weight_bytes(engine.model)
+    steps_per_s = 1000 / one["inter_token_latency_ms"] if one["inter_token_latency_ms"] else 0.0
+    result["decode_weight_bytes"] = per_step_bytes
+    result["weight_bandwidth_gbs"] = per_step_bytes * steps_per_s / 1e9
+    result["ttft_s"] = one["ttft_s"]
+    if spec_engine is not None:
+        run_requests(spec_engine, [bench_prompt(tok, 16)], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        result["speculative"] = speculation(spec_engine, engine, prompt, gen_tokens)
+    return result
+
+
+def speculation(engine, baseline, prompt: list[int], gen_tokens: int) -> dict:
+    greedy = SamplingParams(temperature=0, max_tokens=gen_tokens, ignore_eos=True)
+    before = engine.stats()
+    passes_before = engine.spec_stats.num_passes
+    spec = run_requests(engine, [prompt], greedy)
+    after = engine.stats()
+    plain = run_requests(baseline, [prompt], greedy)
+    drafted = after.spec_draft_tokens - before.spec_draft_tokens
+    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+    passes = engine.spec_stats.num_passes - passes_before
+    spec_tok_s = gen_tokens / spec["total_s"]
+    plain_tok_s = gen_tokens / plain["total_s"]
+    return {
+        "draft": engine.draft_kind,
+        "identical_output": spec["tokens"] == plain["tokens"],
+        "tok_s": spec_tok_s,
+        "plain_tok_s": plain_tok_s,
+        "speedup": spec_tok_s / plain_tok_s,
+        "drafted": drafted,
+        "accepted": accepted,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "mean_accepted_length": (accepted + passes) / passes if passes else 0.0,
+    }
