@@ -451,12 +451,15 @@ def serve(config: ServerConfig, build_engine) -> None:
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
     try:
         server.run()
+    except SystemExit:
+        if server.started:
+            raise
+        # uvicorn logged the reason (and exits 1 or 3) when it cannot bind
+        raise LowbitError(f"could not listen on {config.host}:{config.port} (see the error above)") from None
     finally:
         signal.signal(signal.SIGTERM, previous)
     if engine_loop.failed_during_load:
         raise LowbitError(f"could not load the model: {engine_loop.error}")
-    if not server.started:
-        raise LowbitError(f"could not serve on {config.host}:{config.port} (is the port in use?)")
 
 
 def _configure_logging() -> None:

@@ -97,7 +97,8 @@ class EngineLoop:
     def stop(self, timeout: float = 30.0) -> None:
         """Abort what is left, end the thread and wait for it (bounded)."""
         self._commands.put(_Stop())
-        if self._thread.is_alive():
+        # A model still loading is not waited for: the thread is a daemon and dies with the process.
+        if self._thread.is_alive() and self.state != "loading":
             self._thread.join(timeout)
 
     # -- the engine thread ----------------------------------------------------------------------
