@@ -17,6 +17,7 @@ from safetensors import safe_open
 from lowbit.errors import LowbitError
 from lowbit.runtime.config import ModelConfig
 from lowbit.runtime.models import CausalLM, build_model
+from lowbit.runtime.quant_linear import attach_native
 
 # Tensors some exporters save that carry no learned state.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -69,12 +70,14 @@ def weight_files(path: Path) -> list[Path]:
     raise LowbitError(f"{path} has no *.safetensors weights")
 
 
-def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of the files, with any read failure as one LowbitError line."""
+def iter_tensors(files: list[Path], skip: set[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of the files not in `skip`, with any read failure as one LowbitError line."""
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
+                    if name in skip:
+                        continue
                     yield name, f.get_tensor(name)
         except LowbitError:
             raise
@@ -88,13 +91,15 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     files = weight_files(path)
     with torch.device("meta"):
         model = build_model(config)
+    # A lowbit quantized checkpoint: its Linears become QuantLinears (runtime/quant_linear.py).
+    quantized_parts = attach_native(model, path, config.tie_word_embeddings, device)
     expected = dict(model.state_dict(keep_vars=True))
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
 
     state: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
-    for name, tensor in iter_tensors(files):
+    for name, tensor in iter_tensors(files, skip=quantized_parts):
         if name.endswith(_IGNORED_SUFFIXES) or (config.tie_word_embeddings and name == "lm_head.weight"):
             continue
         if name not in expected:

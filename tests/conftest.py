@@ -39,3 +39,55 @@ def gemma3_dir():
 @pytest.fixture(scope="session")
 def wiki_eval_path():
     return _require(data_asset_path("wiki-eval"))
+
+
+def _byte_tokenizer(directory) -> None:
+    """tokenizer.json + tokenizer_config.json: byte-level, ids 0-255 the bytes, 256 <s>, 257 </s>."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab.update({"<s>": 256, "</s>": 257})
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(["<s>", "</s>"])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+@pytest.fixture
+def tiny_float_model(tmp_path):
+    """Factory: a tiny random float checkpoint (transformers' save_pretrained, byte tokenizer, vocab 258)
+    saved under tmp_path. make(family="llama"|"gemma3", tie=False, hidden=64, intermediate=128,
+    layers=2, dtype=torch.bfloat16, name=...) -> directory."""
+
+    def make(family="llama", tie=False, hidden=64, intermediate=128, layers=2, dtype=torch.bfloat16, name=None):
+        from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
+
+        common = dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=258, max_position_embeddings=512,
+                      bos_token_id=256, eos_token_id=257, tie_word_embeddings=tie)
+        if family == "llama":
+            config = LlamaConfig(**common)
+        else:
+            config = Gemma3TextConfig(**common, sliding_window=8, query_pre_attn_scalar=16,
+                                      layer_types=["sliding_attention", "full_attention"] * (layers // 2) + ["full_attention"] * (layers % 2))
+        gen = torch.Generator().manual_seed(1)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                noise = torch.randn(p.shape, generator=gen)
+                if "norm" in pname:
+                    p.add_(0.1 * noise)  # around the neutral scale (1 for Llama, 0 for Gemma's 1 + w)
+                else:
+                    p.copy_(0.15 * noise)
+        model = model.to(dtype)
+        directory = tmp_path / (name or f"{family}-{'tied' if tie else 'untied'}-{hidden}")
+        model.save_pretrained(directory)
+        _byte_tokenizer(directory)
+        return directory
+
+    return make

@@ -1,0 +1,92 @@
+"""QuantLinear: a Linear whose weight is a QTensor, run through the kernel dispatch.
+
+The weight is prepared once for the device (kernels.prepare picks the path and repacks) and never
+dequantized into a stored dense matrix. `attach_quantized` swaps the plain Linears a model was
+built with (runtime/linear.py `make_linear`) for QuantLinears by Hugging Face module name.
+
+Outliers (a later method keeps the most salient weights in high precision): an optional sparse
+[out, in] matrix S added back as y += x @ S^T; see `set_outliers`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from lowbit.errors import LowbitError
+from lowbit.kernels import prepare, qmatmul
+from lowbit.quant.qtensor import QTensor
+
+
+class QuantLinear(nn.Module):
+    def __init__(self, qt: QTensor, bias: torch.Tensor | None = None, device: torch.device | str = "cpu"):
+        super().__init__()
+        self.out_features, self.in_features = qt.shape
+        self.label = qt.spec.label
+        self.prepared = prepare(qt, device)
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.outliers: torch.Tensor | None = None
+
+    def set_outliers(self, sparse: torch.Tensor | None) -> None:
+        """A sparse COO [out, in] matrix of weights kept outside the quantized format (or None)."""
+        if sparse is not None and tuple(sparse.shape) != (self.out_features, self.in_features):
+            raise LowbitError(
+                f"outlier matrix {tuple(sparse.shape)} does not match the weight ({self.out_features}, {self.in_features})"
+            )
+        self.outliers = sparse.coalesce() if sparse is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = qmatmul(x, self.prepared, self.bias)
+        if self.outliers is not None:
+            flat = x.reshape(-1, self.in_features)
+            side = torch.sparse.mm(self.outliers.to(flat.dtype), flat.T).T
+            y = y + side.reshape(*x.shape[:-1], self.out_features).to(y.dtype)
+        return y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, format={self.label}, "
+            f"path={self.prepared.path}, bias={self.bias is not None}"
+        )
+
+
+def attach_quantized(
+    model: nn.Module, names: list[str], load: Callable[[str], QTensor], device: torch.device | str = "cpu"
+) -> None:
+    """Replace each named Linear of `model` by a QuantLinear around `load(name)`, one at a time so
+    only one unprepared QTensor is in memory. A bias is left to the state dict: the new module
+    keeps a meta-device bias parameter of the right shape for `load_state_dict(assign=True)`."""
+    for name in names:
+        try:
+            old = model.get_submodule(name)
+        except AttributeError:
+            raise LowbitError(f"quantized module {name} does not exist in {type(model).__name__}") from None
+        if not isinstance(old, nn.Linear):
+            raise LowbitError(f"quantized module {name} is a {type(old).__name__}, not a Linear")
+        qt = load(name)
+        if tuple(qt.shape) != (old.out_features, old.in_features):
+            raise LowbitError(
+                f"quantized weight {name} has shape {tuple(qt.shape)}, config.json implies ({old.out_features}, {old.in_features})"
+            )
+        bias = torch.empty_like(old.bias, device="meta") if old.bias is not None else None
+        new = QuantLinear(qt, bias=bias, device=device)
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, leaf, new)
+
+
+def attach_native(model: nn.Module, path, tied_head: bool, device: torch.device | str = "cpu") -> set[str]:
+    """If `path` is a lowbit native checkpoint, swap in a QuantLinear for every quantized module and
+    return the safetensors names of their packed parts (the loader skips those); else an empty set."""
+    from lowbit.formats.native import NativeReader, is_native, part_key
+    from lowbit.quant.qtensor import PART_NAMES
+
+    if not is_native(path):
+        return set()
+    reader = NativeReader(path)
+    if tied_head and "lm_head" in reader.modules:
+        raise LowbitError(f"{path}: lm_head is quantized but config.json ties it to the embeddings")
+    attach_quantized(model, reader.modules, reader.quantized, device)
+    return {part_key(m, p) for m in reader.modules for p in PART_NAMES}
