@@ -86,6 +86,8 @@ def iter_tensors(files: list[Path], skip: set[str] = frozenset()) -> Iterator[tu
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> CausalLM:
+    if _foreign_kind(path) is not None:
+        return _load_foreign(path, dtype, device)
     path = model_dir(path)
     config = read_config(path)
     files = weight_files(path)
@@ -119,6 +121,52 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
             f"checkpoint {path} has {len(unexpected)} weight(s) that {config.architecture} does not use, "
             f"e.g. {sorted(unexpected)[0]}"
         )
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    model.requires_grad_(False)
+    return model.eval()
+
+
+# Checkpoints of other tools, read through lowbit.formats.foreign (GPTQ, AWQ, compressed-tensors, GGUF).
+_FOREIGN_KINDS = ("gptq", "awq", "compressed-tensors", "gguf")
+
+
+def _foreign_kind(path: str | Path) -> str | None:
+    from lowbit.formats.foreign import detect_checkpoint_kind
+
+    path = Path(path).expanduser()
+    if not path.exists() or (path.is_dir() and not (path / "config.json").is_file()):
+        return None  # model_dir() gives the precise error
+    kind = detect_checkpoint_kind(path)
+    return kind if kind in _FOREIGN_KINDS else None
+
+
+def _load_foreign(path: str | Path, dtype: torch.dtype, device: str | torch.device) -> CausalLM:
+    """Quantized projections become QuantLinears around the imported QTensors; everything else
+    (including layers the foreign format keeps in a way no QTensor holds, e.g. GPTQ act-order,
+    which arrive with their exact dense values) is loaded as a plain tensor."""
+    from lowbit.formats.foreign import read_checkpoint
+    from lowbit.runtime.quant_linear import attach_quantized
+
+    ckpt = read_checkpoint(Path(path).expanduser())
+    config = ModelConfig.from_dict(ckpt.config)
+    with torch.device("meta"):
+        model = build_model(config)
+    attach_quantized(model, list(ckpt.qtensors), ckpt.qtensors.__getitem__, device)
+    expected = dict(model.state_dict(keep_vars=True))
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    state = {}
+    for name, tensor in ckpt.dense.items():
+        if name.endswith(_IGNORED_SUFFIXES) or (config.tie_word_embeddings and name == "lm_head.weight"):
+            continue
+        if name not in expected or tuple(tensor.shape) != tuple(expected[name].shape):
+            raise LowbitError(f"checkpoint {path}: weight {name} {tuple(tensor.shape)} does not fit {config.architecture}")
+        state[name] = tensor.to(device=device, dtype=dtype)
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise LowbitError(f"checkpoint {path} lacks {len(missing)} weight(s) the model needs, e.g. {missing[0]}")
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.tie_weights()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -31,6 +33,31 @@ def tiny_weights(seed: int = 0, k_scale: int = 1) -> tuple[dict[str, torch.Tenso
         dense[f"model.layers.{i}.input_layernorm.weight"] = 1 + 0.1 * torch.randn(64, generator=g)
         dense[f"model.layers.{i}.post_attention_layernorm.weight"] = 1 + 0.1 * torch.randn(64, generator=g)
     return weights, dense
+
+
+TINY_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+
+
+def _add_tiny_tokenizer(directory) -> None:
+    """A 96-token byte-level BPE vocabulary (92 byte symbols, one merge, 3 specials) like SmolLM2's."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    symbols = sorted(ByteLevel.alphabet())[:92]
+    vocab = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2, **{s: i + 3 for i, s in enumerate(symbols)}}
+    vocab[symbols[0] + symbols[1]] = 95
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[(symbols[0], symbols[1])]))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")])
+    tok.save(str(directory / "tokenizer.json"))
+    config = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False, "chat_template": TINY_TEMPLATE}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+@pytest.fixture
+def add_tiny_tokenizer():
+    """add_tiny_tokenizer(directory): write a 96-token tokenizer.json + tokenizer_config.json there."""
+    return _add_tiny_tokenizer
 
 
 @pytest.fixture

@@ -27,23 +27,6 @@ REQUIRED_KEYS = [
     "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id",
     "tokenizer.ggml.eos_token_id", "tokenizer.chat_template", "general.quantization_version",
 ]
-TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-
-
-def _add_tokenizer(directory: Path) -> None:
-    """A 96-token byte-level BPE vocabulary (92 byte symbols, one merge, 3 specials) like SmolLM2's."""
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-    from tokenizers.pre_tokenizers import ByteLevel
-
-    symbols = sorted(ByteLevel.alphabet())[:92]
-    vocab = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2, **{s: i + 3 for i, s in enumerate(symbols)}}
-    vocab[symbols[0] + symbols[1]] = 95
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[(symbols[0], symbols[1])]))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")])
-    tok.save(str(directory / "tokenizer.json"))
-    config = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False, "chat_template": TEMPLATE}
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 def _read(path):
@@ -56,9 +39,9 @@ def _values(t) -> np.ndarray:
 
 
 @pytest.mark.parametrize("label, gtype", [("int4-g32", "Q4_0"), ("int8-g32", "Q8_0"), ("mxfp4", "MXFP4")])
-def test_gguf_package_dequantizes_exact_exports(make_native, tmp_path, label, gtype):
+def test_gguf_package_dequantizes_exact_exports(make_native, add_tiny_tokenizer, tmp_path, label, gtype):
     src, qtensors = make_native(label)
-    _add_tokenizer(src)
+    add_tiny_tokenizer(src)
     out = tmp_path / "m.gguf"
     assert convert(src, out, "gguf").exact
     reader, tensors = _read(out)
@@ -79,9 +62,9 @@ def test_gguf_package_dequantizes_exact_exports(make_native, tmp_path, label, gt
     assert "output.weight" not in tensors  # tied embeddings
 
 
-def test_metadata_llama_cpp_needs(make_native, tmp_path):
+def test_metadata_llama_cpp_needs(make_native, add_tiny_tokenizer, tmp_path):
     src, _ = make_native("int4-g32")
-    _add_tokenizer(src)
+    add_tiny_tokenizer(src)
     convert(src, tmp_path / "m.gguf", "gguf")
     reader, _ = _read(tmp_path / "m.gguf")
     fields = reader.fields
@@ -94,7 +77,7 @@ def test_metadata_llama_cpp_needs(make_native, tmp_path):
     assert len(tokens) == 96 and tokens[1] == "<|im_start|>"
     assert fields["tokenizer.ggml.token_type"].contents()[:4] == [3, 3, 3, 1]  # control, control, control, normal
     assert fields["tokenizer.ggml.bos_token_id"].contents() == 1 and fields["tokenizer.ggml.eos_token_id"].contents() == 2
-    assert fields["tokenizer.chat_template"].contents() == TEMPLATE
+    assert fields["tokenizer.chat_template"].contents() == json.loads((src / "tokenizer_config.json").read_text())["chat_template"]
     assert fields["general.file_type"].contents() == 2  # MOSTLY_Q4_0
 
 
@@ -114,9 +97,9 @@ def test_q4_k_matches_llama_cpps_reference_quantizer():
     assert np.array_equal(our_values[5, :256], np.zeros(256, dtype=np.float32))  # the all-zero super-block
 
 
-def test_requantized_gguf_reports_error_per_layer(make_native, tmp_path):
+def test_requantized_gguf_reports_error_per_layer(make_native, add_tiny_tokenizer, tmp_path):
     src, qtensors = make_native("nf4")
-    _add_tokenizer(src)
+    add_tiny_tokenizer(src)
     with pytest.raises(LowbitError, match="nf4 is not Q4_K"):
         convert(src, tmp_path / "m.gguf", "gguf")
     result = convert(src, tmp_path / "m.gguf", "gguf", allow_requant=True)
