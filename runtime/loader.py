@@ -136,9 +136,16 @@ def _foreign_kind(path: str | Path) -> str | None:
     from lowbit.formats.foreign import detect_checkpoint_kind
 
     path = Path(path).expanduser()
-    if not path.exists() or (path.is_dir() and not (path / "config.json").is_file()):
-        return None  # model_dir() gives the precise error
-    kind = detect_checkpoint_kind(path)
+    if path.is_file():
+        with path.open("rb") as fh:
+            if fh.read(4) != b"GGUF":
+                return None  # model_dir() gives the precise error
+    elif not (path / "config.json").is_file():
+        return None
+    try:
+        kind = detect_checkpoint_kind(path)
+    except LowbitError:
+        return None  # e.g. an unreadable config.json: the native path reports it
     return kind if kind in _FOREIGN_KINDS else None
 
 
