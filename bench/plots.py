@@ -1,0 +1,185 @@
+"""The pictures in docs/img/, drawn from the benchmark scripts' JSON results (one command).
+
+    python bench/plots.py              # redraw every picture from bench/results/*.json
+    python bench/plots.py --measure    # first rerun the measurements (about 20 minutes on 2 cores)
+
+Pictures:
+  quality_vs_bits.png   PPL and KLD vs bits per weight, every format x method
+                        (bench/results/quality.json from bench/quality.py; calibration.json, if a
+                        calibration benchmark wrote one in the same shape, adds GPTQ/AWQ rows)
+  decode_vs_batch.png   decode tok/s vs batch size, measured by `lowbit bench`, against plan's
+                        roofline (bench/results/decode_vs_batch.json from bench/decode_vs_batch.py)
+  kv_memory.png         KV cache memory vs context length, reserved vs paged, bf16 vs fp8 / int8,
+                        computed with lowbit.plan.kv_cache (no measurement)
+A picture whose JSON is missing is skipped with a note, not an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+
+from lowbit.plan import load_shape  # noqa: E402
+from lowbit.plan import kv_cache  # noqa: E402
+
+BENCH = Path(__file__).resolve().parent
+RESULTS = BENCH / "results"
+IMAGES = BENCH.parent / "docs" / "img"
+GIB = 1024**3
+DPI = 110
+
+# the measurements --measure reruns, each writing its JSON into bench/results/
+MEASUREMENTS = [
+    ["quality.py", "--ctx", "512", "--chunks", "4", "--threads", "1", "--formats", "int8", "fp8", "int4-g128",
+     "int4-asym-g128", "int4-g32", "nf4", "mxfp4", "nvfp4", "--json", str(RESULTS / "quality.json")],
+    ["decode_vs_batch.py", "--out", str(RESULTS / "decode_vs_batch.json")],
+]
+
+
+def family(fmt: str) -> str:
+    return fmt.split("-")[0]
+
+
+FAMILY_COLORS = {"bf16": "black", "int8": "tab:blue", "fp8": "tab:orange", "int4": "tab:green", "nf4": "tab:red",
+                 "mxfp4": "tab:purple", "nvfp4": "tab:brown"}
+METHOD_MARKERS = {"rtn": "o", "gptq": "s", "awq": "^", "awq+gptq": "D"}
+
+
+def quality_rows() -> tuple[list[dict], str]:
+    rows, notes = [], []
+    for name in ("quality.json", "calibration.json"):
+        path = RESULTS / name
+        if not path.exists():
+            continue
+        data = json.loads(path.read_text())
+        notes.append(f"ctx {data.get('ctx')}, {data.get('chunks')} chunks")
+        for row in data["rows"]:
+            rows.append({**row, "method": row.get("method", "rtn")})
+    return rows, "; ".join(dict.fromkeys(notes))
+
+
+def plot_quality(out: Path) -> bool:
+    rows, note = quality_rows()
+    if not rows:
+        return False
+    fig, (ax_ppl, ax_kld) = plt.subplots(1, 2, figsize=(11, 4.4))
+    base = next((r for r in rows if r["format"] == "bf16"), None)
+    for row in rows:
+        if row["format"] == "bf16":
+            continue
+        color = FAMILY_COLORS.get(family(row["format"]), "gray")
+        marker = METHOD_MARKERS.get(row["method"], "x")
+        x = row["linear_bpw"]
+        ax_ppl.plot(x, row["ppl"], marker, color=color)
+        ax_kld.errorbar(x, row["kld"], yerr=row.get("kld_err"), fmt=marker, color=color, capsize=2)
+        label = row["format"] if row["method"] == "rtn" else f"{row['format']} {row['method']}"
+        for ax, y in ((ax_ppl, row["ppl"]), (ax_kld, row["kld"])):
+            ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, 2), fontsize=7, color=color)
+    if base:
+        ax_ppl.axhline(base["ppl"], color="black", lw=0.8, ls="--")
+        ax_ppl.annotate(f"bf16 {base['ppl']:.2f}", (ax_ppl.get_xlim()[0], base["ppl"]), xytext=(4, 3),
+                        textcoords="offset points", fontsize=8)
+    ax_ppl.set(xlabel="bits per weight (quantized Linears, scales included)", ylabel="perplexity (wiki-eval)",
+               title="perplexity")
+    ax_kld.set(xlabel="bits per weight (quantized Linears, scales included)", ylabel="mean KL divergence vs bf16",
+               title="KL divergence", yscale="log")
+    methods = sorted({r["method"] for r in rows if r["format"] != "bf16"})
+    handles = [plt.Line2D([], [], marker=METHOD_MARKERS.get(m, "x"), ls="", color="gray", label=m) for m in methods]
+    ax_kld.legend(handles=handles, title="method", fontsize=8, loc="upper right")
+    for ax in (ax_ppl, ax_kld):
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"SmolLM2-135M-Instruct on wiki-eval ({note}): quality vs size", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(out, dpi=DPI)
+    plt.close(fig)
+    return True
+
+
+def plot_decode(out: Path) -> bool:
+    path = RESULTS / "decode_vs_batch.json"
+    if not path.exists():
+        return False
+    data = json.loads(path.read_text())
+    hw = data["hardware"]
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    for color, s in zip(("tab:blue", "tab:green", "tab:red", "tab:purple"), data["series"]):
+        ax.plot(s["batches"], s["measured_tok_s"], "o-", color=color, label=f"{s['label']}: lowbit bench")
+        ax.plot(s["batches"], s["predicted_tok_s"], "--", color=color, alpha=0.7, label=f"{s['label']}: plan's roofline")
+    ax.set(xscale="log", yscale="log", xlabel="sequences decoding together (batch)", ylabel="aggregate decode tok/s",
+           title=f"{data['model']} decode on this CPU ({data['threads']} thread, {data['context']}-token context)")
+    ax.set_xticks(data["series"][0]["batches"], [str(b) for b in data["series"][0]["batches"]])
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    ax.annotate(f"roofline: {hw['bandwidth_gbs']:.1f} GB/s read, {1000 * hw['tflops_bf16']:.0f} GFLOP/s measured",
+                (0.02, 0.02), xycoords="axes fraction", fontsize=8, color="gray")
+    fig.tight_layout()
+    fig.savefig(out, dpi=DPI)
+    plt.close(fig)
+    return True
+
+
+def kv_curves(model: str, sequences: int, contexts: list[int]) -> dict[str, list[float]]:
+    """GiB of KV cache for `sequences` sequences each holding `context` tokens."""
+    shape, _ = load_shape(model)
+    reserve = shape.max_context or max(contexts)
+    bf16, fp8, int8 = (kv_cache.kv_dtype(n) for n in ("bf16", "fp8", "int8"))
+    reserved = sequences * kv_cache.kv_bytes_per_sequence(shape, bf16, reserve) / GIB
+    return {
+        f"bf16, reserved up front ({reserve} tokens each)": [reserved] * len(contexts),
+        "bf16, paged (16-token blocks)": [sequences * kv_cache.kv_bytes_paged(shape, bf16, c) / GIB for c in contexts],
+        "int8, paged": [sequences * kv_cache.kv_bytes_paged(shape, int8, c) / GIB for c in contexts],
+        "fp8, paged": [sequences * kv_cache.kv_bytes_paged(shape, fp8, c) / GIB for c in contexts],
+    }
+
+
+def plot_kv(out: Path) -> bool:
+    panels = [("llama-3-8b", "Llama-3-8B (GQA: 8 KV heads)", 16, 8192),
+              ("gemma3-270m", "Gemma-3-270M (5 of 6 layers slide over 512 tokens)", 16, 32768)]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
+    styles = [("black", "-"), ("tab:blue", "-"), ("tab:green", "--"), ("tab:orange", "-")]
+    for ax, (model, title, seqs, longest) in zip(axes, panels):
+        contexts = list(range(16, longest + 1, 16))
+        for (color, ls), (label, gib) in zip(styles, kv_curves(model, seqs, contexts).items()):
+            ax.plot(contexts, gib, color=color, ls=ls, label=label)
+        ax.set(xlabel="tokens each sequence holds", ylabel=f"KV cache GiB, {seqs} sequences", title=title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+    fig.suptitle("KV cache memory vs context (lowbit.plan.kv_cache)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(out, dpi=DPI)
+    plt.close(fig)
+    return True
+
+
+PICTURES = {"quality_vs_bits.png": plot_quality, "decode_vs_batch.png": plot_decode, "kv_memory.png": plot_kv}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--measure", action="store_true", help="rerun the measurement scripts first")
+    parser.add_argument("--out", default=str(IMAGES), help=f"folder for the PNGs (default {IMAGES})")
+    args = parser.parse_args()
+    if args.measure:
+        RESULTS.mkdir(exist_ok=True)
+        for script, *rest in MEASUREMENTS:
+            print(f"running bench/{script}", file=sys.stderr)
+            subprocess.run([sys.executable, str(BENCH / script), *rest], check=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, draw in PICTURES.items():
+        if draw(out / name):
+            print(out / name)
+        else:
+            print(f"skipped {name}: no results under {RESULTS} (run with --measure)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
