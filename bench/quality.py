@@ -1,6 +1,6 @@
 """RTN quality per format: SmolLM2 quantized by `lowbit quantize`, scored on wiki-eval against bf16.
 
-    python bench/quality.py                         # every format, ctx 2048, the first 4 chunks
+    python bench/quality.py                         # every format, ctx 2048, the first 2 chunks
     python bench/quality.py --chunks 10 --formats int4-g32 nvfp4 --json results.json
 
 For each format the demo model is quantized with lowbit's pipeline (RTN, searched scales, lm_head
@@ -35,8 +35,8 @@ from lowbit.runtime.loader import load_model  # noqa: E402
 from lowbit.runtime.tokenizer import load_tokenizer  # noqa: E402
 
 FORMATS = [
-    "int4-g32", "int4-asym-g32", "int4-g64", "int4-asym-g64", "int4-g128", "int4-asym-g128",
-    "int8", "nf4", "fp8", "fp8-block128", "mxfp4-floor", "mxfp4-roundup", "mxfp4", "nvfp4",
+    "int4-g32", "int4-g64", "int4-g128", "nvfp4", "mxfp4-floor", "mxfp4-roundup", "mxfp4", "nf4",
+    "int8", "fp8", "fp8-block128", "int4-asym-g32", "int4-asym-g64", "int4-asym-g128",
 ]
 
 
@@ -127,7 +127,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--data", default="wiki-eval")
     parser.add_argument("--ctx", type=int, default=2048)
-    parser.add_argument("--chunks", type=int, default=4, help="the first N chunks of ctx tokens (default 4)")
+    parser.add_argument("--chunks", type=int, default=2, help="the first N chunks of ctx tokens (default 2)")
     parser.add_argument("--formats", nargs="+", default=FORMATS)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--workdir", default=None, help="where the temporary checkpoints and base logits go")

@@ -59,7 +59,8 @@ def quantize_command(
         rules = rules + single_format(parse_spec(fmt, group_size)).rules
     plan = Recipe(tuple(rules))
 
-    with progress(disable=as_json) as bar:
+    # transient: an input error raised before the first layer leaves only its one line; no bar in logs/pipes
+    with progress(transient=True, disable=as_json or not console.is_terminal) as bar:
         task = bar.add_task("quantizing", total=None, info="")
 
         def on_part(done: int, total: int, name: str) -> None:

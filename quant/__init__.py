@@ -34,6 +34,28 @@ weight_bytes(spec, shape), bits_per_weight(spec, shape).
 Method: quant/rtn.py `quantize_rtn(w, spec, stats=None, global_scale=None)`,
 `shared_global_scale(weights, spec)` for fused nvfp4 layers, `relative_error(w, qt)`.
 
+Quantizing a whole model (quant/pipeline.py, quant/methods.py, quant/recipe.py)
+-------------------------------------------------------------------------------
+`quantize_model(model, spec_or_recipe, out_dir=, method="rtn", skip=[], quantize_head=False,
+overwrite=False, method_options=None, progress=None) -> QuantizeSummary` walks a float checkpoint
+part by part (embeddings, decoder layers in order, final norm + lm_head), reading tensors lazily,
+and streams lowbit's native checkpoint out with NativeWriter (atomic). Which module gets which
+format comes from a `Recipe` (ordered {pattern, format, group_size, options} rules, first match
+wins; `load_recipe(path)` reads YAML/JSON) or one format for all; `skip` patterns stay dense.
+
+The method hook: a method is registered by name (`methods.register_method(name, factory)`, or a
+module listed in `methods.METHOD_MODULES` that defines `make_layer_method(context)`). The factory
+gets a `MethodContext` (method name, model_dir, config, num_layers, options = `method_options`)
+once per run and returns `layer_method(work: LayerWork) -> LayerResult`, called for each part in
+order. `LayerWork` holds the part's stored tensors by HF name (`work.weight(module)` gives float32),
+`specs` (module -> FormatSpec to produce), `fused` (modules sharing an input: q/k/v, gate/up) and
+`global_scales` (nvfp4's shared scale per module, already computed — pass it on to quantize).
+`LayerResult` returns one QTensor per module in `specs`, optional replaced dense tensors of the
+part (AWQ's folded norms) and notes for the summary. `methods.rtn_layer` is the reference method;
+a calibrated method keeps its own state (activations, statistics) in the closure.
+
+`checkpoint_report.inspect_checkpoint(path, base=None)` is `lowbit inspect`.
+
 Shared conventions
 ------------------
 - Groups run along the input dimension K; G = ceil(K / g). A ragged last group (K = 576,

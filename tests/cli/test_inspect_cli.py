@@ -1,0 +1,76 @@
+"""`lowbit inspect`: per-layer sizes from the stored tensors, errors against the base, worst first."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lowbit.cli.main import main
+from lowbit.formats.native import NativeReader
+from lowbit.quant.pipeline import quantize_model
+from lowbit.quant.recipe import parse_recipe
+
+
+def _run(args, capsys):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        main(args)
+        raise SystemExit(0)
+    captured = capsys.readouterr()
+    return info.value.code, captured.out, captured.err
+
+
+@pytest.fixture
+def mixed(tiny_float_model, tmp_path):
+    src = tiny_float_model("llama")
+    recipe = parse_recipe([{"pattern": "*.down_proj", "format": "int8"}, {"pattern": "*.o_proj", "format": "dense"},
+                           {"pattern": "*", "format": "int4", "group_size": 32}])
+    quantize_model(src, recipe, out_dir=tmp_path / "q")
+    return src, tmp_path / "q"
+
+
+def test_inspect_json_with_base(mixed, capsys):
+    src, ckpt = mixed
+    code, out, _ = _run(["inspect", str(ckpt), "--base", str(src), "--json"], capsys)
+    assert code == 0
+    report = json.loads(out)
+    layers = report["layers"]
+    assert report["formats"] == {"int8": 2, "int4-g32": 10} and len(layers) == 12
+    errors = [layer["rel_error"] for layer in layers]
+    assert errors == sorted(errors, reverse=True)  # worst first
+    assert all(e < 0.02 for e in errors[-2:]) and errors[0] > 0.05  # int8 far better than int4
+    # each error recomputed directly in float64
+    reader = NativeReader(ckpt)
+    original = load_file(src / "model.safetensors")
+    for layer in layers[:3]:
+        w = original[layer["name"] + ".weight"].double()
+        err = (reader.quantized(layer["name"]).dequantize(torch.float64) - w).norm() / w.norm()
+        assert layer["rel_error"] == pytest.approx(float(err), rel=1e-9)
+    first = next(layer for layer in layers if layer["format"] == "int4-g32")
+    assert first["group"] == "g32" and first["bits_per_weight"] == pytest.approx(4.5)
+    assert first["bytes"] == first["shape"][0] * first["shape"][1] // 2 + first["shape"][0] * first["shape"][1] // 32 * 2
+    stored = sum(t.numel() * t.element_size() for t in load_file(ckpt / "model.safetensors").values())
+    assert report["total"]["bytes"] == stored
+    params = sum(t.numel() for t in original.values())
+    assert report["total"]["params"] == params and report["total"]["bf16_bytes"] == 2 * params
+
+
+def test_inspect_table_without_base(mixed, capsys):
+    _, ckpt = mixed
+    code, out, err = _run(["inspect", str(ckpt)], capsys)
+    assert code == 0 and out == ""
+    assert "down_proj" in err and "int8" in err and "int4-g32 ×10" in err
+    assert "bf16 would be" in err and "rel. error" not in err
+
+
+def test_inspect_errors(mixed, tmp_path, capsys):
+    src, ckpt = mixed
+    code, _, err = _run(["inspect", str(src)], capsys)
+    assert code == 1 and "not a lowbit quantized checkpoint" in err and err.count("\n") == 1
+    code, _, err = _run(["inspect", str(tmp_path / "nothing")], capsys)
+    assert code == 1 and "not found" in err
+    code, _, err = _run(["inspect", str(ckpt), "--base", str(ckpt)], capsys)
+    assert code == 1 and "itself quantized" in err
