@@ -84,7 +84,9 @@ class NativeWriter:
 
     def _flush(self) -> None:
         path = self.directory / f".shard-{len(self._shards):05d}.safetensors"
-        save_file(self._pending, str(path), metadata={"format": "pt", "producer": "lowbit"})
+        # One metadata key only: safetensors writes a multi-key metadata map in random order,
+        # which would make identical checkpoints differ byte for byte.
+        save_file(self._pending, str(path), metadata={"format": "pt"})
         self._shards.append((path, list(self._pending)))
         self._pending, self._pending_bytes = {}, 0
 
