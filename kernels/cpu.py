@@ -10,6 +10,10 @@ layout depends on the CPU's instruction set, so it is built at load and never sa
 torch does not take (K = 576 with g = 128 leaves a ragged group of 64) are transcoded losslessly
 into the largest accepted group dividing both g and K (here 64: each scale repeated twice).
 
+Prefill (M > 16): torch's int4 op is slower than its bf16 GEMM there, so the weight is decoded
+once per call into bf16 (the exact weight rounded once) by the bf16 kernel's decoder and run
+through F.linear.
+
 int8: y = (x @ q^T) * scale with q the signed codes and one scale per row, again in bf16.
 """
 
@@ -17,11 +21,12 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.kernels import layout
+from lowbit.kernels import cpu_bf16, layout
 from lowbit.kernels.prepared import PreparedWeight
 from lowbit.quant.qtensor import QTensor
 
 INT4_GROUPS = (256, 128, 64, 32)
+PREFILL_ROWS = 16  # more rows than this: decode to bf16 once and use torch's bf16 GEMM
 _TINYGEMM_MID = 8  # torch's int4 op subtracts 8 from every code
 
 
@@ -52,15 +57,22 @@ def prepare_int4(qt: QTensor) -> PreparedWeight:
     offset = (_TINYGEMM_MID - zp) * scale
     scale_zero = torch.stack([scale, offset], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(layout.codes(qt).to(torch.int32).contiguous(), 1)
+    # torch's op is slower than a bf16 GEMM for prefill batches: keep the bf16 kernel's copy
+    # (half a byte per weight more) to decode the weight once per call there.
+    prefill = cpu_bf16.prepare(qt) if cpu_bf16.supports(qt) else None
     return PreparedWeight(
         path="cpu-int4", shape=(n, k), label=qt.spec.label, device=torch.device("cpu"),
-        tensors={"packed": packed, "scale_zero": scale_zero}, params={"group": t},
+        tensors={"packed": packed, "scale_zero": scale_zero}, params={"group": t, "prefill": prefill},
     )
 
 
 def matmul_int4(x: torch.Tensor, pw: PreparedWeight) -> torch.Tensor:
     """bf16 y [M, N] for x [M, K]."""
     t = pw.tensors
+    prefill = pw.params.get("prefill")
+    if prefill is not None and x.shape[0] > PREFILL_ROWS:
+        # bf16 weights (the exact weight rounded once), bf16 GEMM, bf16 y: the op's own precision.
+        return cpu_bf16.prefill_matmul(x, prefill, torch.bfloat16, pair=False)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), t["packed"], pw.params["group"], t["scale_zero"])
 
 

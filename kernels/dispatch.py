@@ -4,10 +4,11 @@ Path choice (first that applies):
   CUDA device                                  triton      (kernels/triton_qmm.py)
   CPU, int4 with a group torch's op accepts    cpu-int4    (kernels/cpu.py, torch's int4 op)
   CPU, per-channel int8                        cpu-int8    (kernels/cpu.py, torch's int8 op)
+  CPU with AVX512-BF16, other 4-bit formats    cpu-bf16    (kernels/cpu_bf16.py, bf16 dot products)
   CPU, any 4-bit or 8-bit format               cpu-lut     (kernels/cpu_lut.py, compiled C kernel)
   anything else (int2/int3 on CPU, no compiler) reference   (kernels/reference.py)
 `LOWBIT_KERNEL` (or the `path` argument) forces one: reference | cpu | cpu-int4 | cpu-int8 |
-cpu-lut | triton ("cpu" means the best CPU path); a forced path that cannot run this weight
+cpu-bf16 | cpu-lut | triton ("cpu" means the best CPU path); a forced path that cannot run this weight
 raises a one-line LowbitError instead of silently running another.
 """
 
@@ -18,12 +19,12 @@ import os
 import torch
 
 from lowbit.errors import LowbitError, UsageError
-from lowbit.kernels import cpu, cpu_lut
+from lowbit.kernels import cpu, cpu_bf16, cpu_lut
 from lowbit.kernels.prepared import PreparedWeight
 from lowbit.kernels.reference import reference_matmul
 from lowbit.quant.qtensor import QTensor
 
-PATHS = ("reference", "cpu", "cpu-int4", "cpu-int8", "cpu-lut", "triton")
+PATHS = ("reference", "cpu", "cpu-int4", "cpu-int8", "cpu-bf16", "cpu-lut", "triton")
 ENV = "LOWBIT_KERNEL"
 
 
@@ -40,6 +41,8 @@ def _cpu_candidates(qt: QTensor) -> list[str]:
         out.append("cpu-int4")
     if cpu.int8_channel(qt):
         out.append("cpu-int8")
+    if cpu_bf16.supports(qt):
+        out.append("cpu-bf16")
     if cpu_lut.supports(qt):
         out.append("cpu-lut")
     return out
@@ -79,6 +82,8 @@ def prepare(qt: QTensor, device: torch.device | str = "cpu", path: str | None = 
         return cpu.prepare_int4(qt)
     if chosen == "cpu-int8":
         return cpu.prepare_int8(qt)
+    if chosen == "cpu-bf16":
+        return cpu_bf16.prepare(qt)
     if chosen == "cpu-lut":
         return cpu_lut.prepare(qt)
     return PreparedWeight(path="reference", shape=qt.shape, label=qt.spec.label, device=device, qt=qt.to(device))
@@ -87,6 +92,7 @@ def prepare(qt: QTensor, device: torch.device | str = "cpu", path: str | None = 
 _MATMULS = {
     "cpu-int4": cpu.matmul_int4,
     "cpu-int8": cpu.matmul_int8,
+    "cpu-bf16": cpu_bf16.matmul,
     "cpu-lut": cpu_lut.matmul,
 }
 
@@ -108,6 +114,8 @@ def qmatmul(x: torch.Tensor, prepared: PreparedWeight, bias: torch.Tensor | None
         y = triton_qmm.matmul(x2, prepared)
     elif x2.shape[0] == 0:
         y = x2.new_zeros(0, n)
+    elif prepared.path == "cpu-bf16" and bias is None and x.dtype == torch.bfloat16:
+        return cpu_bf16.matmul(x2, prepared, torch.bfloat16).reshape(*lead, n)  # rounded once, in C
     else:
         y = _MATMULS[prepared.path](x2, prepared)
     if bias is not None:

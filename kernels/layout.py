@@ -33,10 +33,11 @@ def group_scales(qt: QTensor) -> GroupScales:
     return get_format(qt.spec).scales_from_parts(qt.to("cpu"))
 
 
-def scale_code_table(qt: QTensor) -> torch.Tensor | None:
+def scale_code_table(qt: QTensor, unit_global: bool = False) -> torch.Tensor | None:
     """float32 [256]: decoded value of each stored scale byte, when scales are one-byte codes per row group.
 
-    None when scales are wider than a byte or are not one code per (row, group).
+    None when scales are wider than a byte or are not one code per (row, group). `unit_global`
+    decodes with the per-tensor global scale (nvfp4) set to 1, for kernels that apply it last.
     """
     scales = qt.scales
     n, k = qt.shape
@@ -44,6 +45,8 @@ def scale_code_table(qt: QTensor) -> torch.Tensor | None:
         return None
     codes_row = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(scales.dtype).reshape(1, 256)
     others = {name: t.cpu() for name, t in qt.parts().items() if name not in ("qweight", "scales", "zeros")}
+    if unit_global and "global_scale" in others:
+        others["global_scale"] = torch.ones_like(others["global_scale"])
     fake = QTensor(spec=qt.spec, shape=(1, 256 * (qt.spec.group_size or k)), qweight=qt.qweight[:1].cpu(), scales=codes_row, **others)
     table = get_format(qt.spec).scales_from_parts(fake).scale.reshape(-1).float()
     return table if table.numel() == 256 else None

@@ -1,4 +1,4 @@
-"""Build and load the small C library behind the CPU LUT kernels (kernels/lut_gemv.c).
+"""Build and load the small C library behind the CPU kernels (kernels/lut_gemv.c, kernels/bf16_gemv.c).
 
 The library is compiled on first use with the system C compiler for the CPU it runs on
 (-march=native), cached under $LOWBIT_HOME/kernels keyed by the source, the compiler flags and
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from lowbit.paths import lowbit_home
 
-SOURCE = Path(__file__).with_name("lut_gemv.c")
+SOURCES = (Path(__file__).with_name("lut_gemv.c"), Path(__file__).with_name("bf16_gemv.c"))
 _NATIVE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 # A build without AVX-512 (tests run it so the scalar code is checked on AVX-512 machines too).
 _PORTABLE_FLAGS = ("-O3", "-march=x86-64-v2", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -29,6 +29,7 @@ _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _INT = ctypes.c_int
 _MATMUL_ARGS = [_INT, _INT, _P, _I64, _P, _P, _INT, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P, _INT]
+_BF16_MATMUL_ARGS = [_P, _P, _I64, _I64, _P, _INT, _INT]
 _DEQUANT_ARGS = [_INT, _INT, _P, _I64, _P, _P, _INT, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _I64, _INT]
 
 
@@ -52,14 +53,14 @@ def build(portable: bool = False) -> Path | None:
     if cc is None or platform.machine() not in ("x86_64", "AMD64"):
         return None
     flags = _PORTABLE_FLAGS if portable else _NATIVE_FLAGS
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((cc, *flags, _cpu_flags())).encode()).hexdigest()[:16]
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + " ".join((cc, *flags, _cpu_flags())).encode()).hexdigest()[:16]
     target = lowbit_home() / "kernels" / f"liblowbit_lut_{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        result = subprocess.run([cc, *flags, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True)
+        result = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", str(out), "-lm"], capture_output=True, text=True)
         if result.returncode != 0:
             return None
         os.replace(out, target)  # atomic: a concurrent build of the same key writes the same bytes
@@ -78,4 +79,10 @@ def load_library(portable: bool = False) -> ctypes.CDLL | None:
     lib.lowbit_lut_matmul.restype = _INT
     lib.lowbit_lut_dequant.argtypes = _DEQUANT_ARGS
     lib.lowbit_lut_dequant.restype = _INT
+    lib.lowbit_bf16_matmul.argtypes = _BF16_MATMUL_ARGS
+    lib.lowbit_bf16_matmul.restype = _INT
+    lib.lowbit_bf16_dequant.argtypes = [_P, _P, _I64, _INT, _INT]
+    lib.lowbit_bf16_dequant.restype = _INT
+    lib.lowbit_bf16_available.argtypes = []
+    lib.lowbit_bf16_available.restype = _INT
     return lib

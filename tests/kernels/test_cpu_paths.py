@@ -4,11 +4,12 @@ import pytest
 import torch
 
 from lowbit.errors import LowbitError, UsageError
-from lowbit.kernels import choose_path, cpu_lut, native, prepare, qmatmul
+from lowbit.kernels import choose_path, cpu_bf16, cpu_lut, native, prepare, qmatmul
 from lowbit.tests.kernels.cases import BF16_TOL, FP32_TOL, ROWS, SHAPES, SPECS, oracle, quantized, rel_err
 
 # Paths that round activations (and scales) to bf16; the others compute in float32.
-BF16_PATHS = {"cpu-int4", "cpu-int8"}
+BF16_PATHS = {"cpu-int4", "cpu-int8", "cpu-bf16"}
+needs_bf16_kernel = pytest.mark.skipif(not cpu_bf16.available(), reason="no AVX512-BF16 build on this machine")
 
 
 def check(label: str, path: str | None, dtype: torch.dtype = torch.float32) -> str:
@@ -30,10 +31,53 @@ def check(label: str, path: str | None, dtype: torch.dtype = torch.float32) -> s
 @pytest.mark.parametrize("label", SPECS)
 def test_automatic_path_matches_oracle(label):
     path = check(label, None)  # the path of the last shape, K=200 (no int4 group of torch's fits)
+    qt = quantized(label, 33, 200)
     if label.startswith(("int2", "int3")):
         assert path == "reference"
-    else:  # int8 at K=200 too: torch's int8 op needs K % 32 == 0
+    elif cpu_bf16.supports(qt):  # 4-bit formats on a CPU with AVX512-BF16
+        assert path == "cpu-bf16"
+    else:  # 8-bit formats (int8 at K=200 too: torch's int8 op needs K % 32 == 0)
         assert path == "cpu-lut"
+
+
+# Which representation the bf16 kernel must pick: exact bf16 weights, or the hi + lo pair.
+BF16_KERNEL_MODES = {"mxfp4": 0, "nvfp4": 0, "nvfp4-absmax": 0, "nf4": 1, "nf4-g128": 1, "nf4-dq": 1, "int4-asym-g64": 1, "int4-g32": 1, "int4-channel": 1}
+
+
+@needs_bf16_kernel
+@pytest.mark.parametrize("label", sorted(BF16_KERNEL_MODES))
+def test_bf16_kernel_equals_float32_matmul_of_bf16_activations(label):
+    # The only rounding allowed is the activations' (to bf16): against the oracle of the rounded
+    # x the fused kernel is float32-exact (single) or within the pair's 2^-17 (nf4, fp16 scales).
+    # M = 33 runs the prefill route (bf16 GEMM: y rounded to bf16 in single mode).
+    for n, k in SHAPES + [(40, 576)]:
+        qt = quantized(label, n, k)
+        pw = prepare(qt, "cpu", "cpu-bf16")
+        assert pw.params["pair"] == BF16_KERNEL_MODES[label]
+        for m in ROWS:
+            x = torch.randn(m, k).to(torch.bfloat16).float()
+            ref = oracle(x, qt)
+            tol = 2e-5 if pw.params["pair"] else (2**-7 if m > cpu_bf16.FUSED_MAX_ROWS else FP32_TOL)
+            assert rel_err(qmatmul(x, pw), ref) < tol, (label, n, k, m)
+            # bf16 out: rounded once in C; the prefill GEMM's bf16 y is rounded again after nvfp4's global scale
+            y16 = qmatmul(x.to(torch.bfloat16), pw)
+            assert y16.dtype == torch.bfloat16 and rel_err(y16, ref) < 2**-7, (label, n, k, m)
+
+
+@needs_bf16_kernel
+def test_bf16_kernel_refuses_weights_it_cannot_represent():
+    qt = quantized("mxfp4", 16, 64)
+    qt.scales[0, 0] = torch.tensor(1, dtype=torch.uint8).view(qt.scales.dtype)  # 2^-126: products go subnormal
+    assert not cpu_bf16.supports(qt)
+    assert prepare(qt, "cpu").path == "cpu-lut"
+
+
+def test_int4_prefill_decodes_to_bf16():
+    qt = quantized("int4-g64", 48, 192)
+    pw = prepare(qt, "cpu")
+    assert pw.path == "cpu-int4"
+    x = torch.randn(40, 192)
+    assert rel_err(qmatmul(x, pw), oracle(x, qt)) < BF16_TOL
 
 
 @pytest.mark.parametrize("label", ["int4", "int4-asym-g64", "int8", "nf4", "mxfp4", "nvfp4", "fp8-block128"])
@@ -48,7 +92,9 @@ def test_portable_build_without_avx512(label, monkeypatch):
     if lib is None:
         pytest.skip("no C compiler")
     monkeypatch.setattr(cpu_lut, "load_library", lambda: lib)
-    assert check(label, "cpu-lut") == "cpu-lut"
+    monkeypatch.setattr(cpu_bf16, "load_library", lambda: lib)
+    assert not cpu_bf16.available()  # the portable build has no bf16 kernel: cpu-lut runs 4-bit formats
+    assert check(label, None) == "cpu-lut"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
