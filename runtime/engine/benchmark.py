@@ -185,3 +185,24 @@ def speculation(engine, baseline, prompt: list[int], gen_tokens: int) -> dict:
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "mean_accepted_length": (accepted + passes) / passes if passes else 0.0,
     }
+
+
+def kv_cache_kld(engine_model, tokens: list[int], kv_dtype: str, block_size: int = 16) -> dict:
+    """Mean KL(full-precision KV || quantized KV) of next-token distributions over one window of
+    `tokens`, both through the paged path (what `lowbit eval --kld` computes, with the KV cache
+    as the only difference)."""
+    from lowbit.runtime.engine.model_runner import ModelRunner, Work
+    from lowbit.runtime.engine.paged_cache import PagedKVCache
+
+    model = engine_model
+    w = model.model.embed_tokens.weight
+    blocks = -(-len(tokens) // block_size)
+    logp = {}
+    for kind in (None, kv_dtype):
+        cache = PagedKVCache(model.config, blocks, block_size, w.dtype, w.device, kind)
+        logits = ModelRunner(model, cache).run([Work(list(range(blocks)), 0, tokens, len(tokens))])
+        logp[kind] = logits.float().log_softmax(-1)
+    p, q = logp[None], logp[kv_dtype]
+    kld = (p.exp() * (p - q)).sum(-1)
+    same = (p.argmax(-1) == q.argmax(-1)).float().mean()
+    return {"kv_dtype": kv_dtype, "tokens": len(tokens), "mean_kld": float(kld.mean()), "top1_agreement": float(same)}

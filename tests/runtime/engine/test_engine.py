@@ -120,7 +120,6 @@ def test_gemma3_sliding_window_paged_equals_contiguous(engine_gemma3_dir, monkey
     got = [c.token_ids for c in engine.generate(ps, GREEDY)]
     for p, g in zip(ps, got):
         assert g == contiguous_greedy(engine.model, p, GREEDY.max_tokens)
-        assert g == recompute_greedy(engine.model, p, GREEDY.max_tokens)
 
 
 def test_same_seed_same_text_whatever_the_batch(llama_engine):

@@ -1,0 +1,57 @@
+"""`lowbit generate` and `lowbit bench` on a tiny random model: streamed text equals the engine's,
+stdin prompts, JSON shapes, one-line errors."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from lowbit.cli.main import main
+from lowbit.runtime.engine.engine import Engine
+from lowbit.runtime.engine.sequence import SamplingParams
+from lowbit.tests.runtime.conftest import _llama_config, build_hf
+from lowbit.tests.runtime.engine.conftest import save_with_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cli_llama")
+    save_with_tokenizer(build_hf(_llama_config()), path)
+    return path
+
+
+def _run(args, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(args)
+        raise SystemExit(0)
+    captured = capsys.readouterr()
+    return info.value.code or 0, captured.out, captured.err
+
+
+def test_generate_streams_the_engines_greedy_text(model_dir, capsys, monkeypatch):
+    expected = Engine(model_dir, kv_memory=1 << 20).generate(
+        [list(b"hello")], SamplingParams(temperature=0, max_tokens=12))[0]
+    code, out, err = _run(["generate", str(model_dir), "hello", "--max-tokens", "12"], capsys)
+    assert code == 0 and out == expected.text + "\n" and "tok/s" in err
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello"))
+    code, out, _ = _run(["generate", str(model_dir), "-", "--max-tokens", "12", "--json", "--draft", "ngram"], capsys)
+    result = json.loads(out)
+    assert code == 0 and result["token_ids"] == expected.token_ids and result["text"] == expected.text
+
+
+def test_generate_bad_input_is_one_line(model_dir, capsys):
+    code, _, err = _run(["generate", str(model_dir), "hi", "--temperature", "-1"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "temperature" in err
+    code, _, err = _run(["generate", str(model_dir / "missing"), "hi"], capsys)
+    assert code == 1 and "not found" in err
+
+
+def test_bench_json(model_dir, capsys):
+    code, out, _ = _run(["bench", str(model_dir), "--batches", "1,2", "--gen-tokens", "6", "--prefill-tokens", "20",
+                         "--draft", "ngram", "--kv-memory", "2", "--json"], capsys)
+    r = json.loads(out)
+    assert code == 0 and [d["batch"] for d in r["decode"]] == [1, 2]
+    assert r["prefill_tok_s"] > 0 and r["stream_bandwidth_gbs"] > 0 and r["weight_bytes"] > 0
+    assert r["speculative"]["identical_output"] is True
