@@ -24,10 +24,14 @@ from lowbit.plan import Scenario, make_plan, measure_cpu
 RESULTS = Path(__file__).resolve().parent / "results" / "decode_vs_batch.json"
 
 
+class CommandFailed(Exception):
+    pass
+
+
 def lowbit(*args: str) -> str:
     done = subprocess.run([sys.executable, "-c", "from lowbit.cli.main import main; main()", *args], capture_output=True, text=True)
     if done.returncode != 0:
-        raise SystemExit(f"lowbit {' '.join(args)} failed: {done.stderr.strip().splitlines()[-1:]}")
+        raise CommandFailed(f"lowbit {' '.join(args)} failed: {done.stderr.strip().splitlines()[-1:]}")
     return done.stdout
 
 
@@ -47,6 +51,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--gen-tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--no-int4", action="store_true", help="measure the bf16 model only")
     parser.add_argument("--out", default=str(RESULTS), help=f"JSON file to write (default {RESULTS})")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -56,11 +61,18 @@ def main() -> None:
     context = args.prompt_tokens + args.gen_tokens // 2
     series = []
     with tempfile.TemporaryDirectory(prefix="lowbit-decode-") as work:
-        int4_dir = str(Path(work) / "int4")
-        lowbit("quantize", args.model, "--format", "int4", "-o", int4_dir)
         # plan names the stored format; lowbit bench runs bf16 weights / int4 weights with bf16 activations
-        for label, path, fmt in (("bf16", args.model, "bf16"), ("int4 (RTN g128)", int4_dir, "int4-g128")):
-            measured = json.loads(lowbit("bench", path, "--dtype", "bfloat16", *bench_args))
+        runs = [("bf16", args.model, "bf16")]
+        if not args.no_int4:
+            int4_dir = str(Path(work) / "int4")
+            lowbit("quantize", args.model, "--format", "int4", "-o", int4_dir)
+            runs.append(("int4 (RTN g128)", int4_dir, "int4-g128"))
+        for label, path, fmt in runs:
+            try:
+                measured = json.loads(lowbit("bench", path, "--dtype", "bfloat16", *bench_args))
+            except CommandFailed as exc:  # keep the series that worked; say which did not
+                print(f"skipped {label}: {exc}", file=sys.stderr)
+                continue
             series.append({
                 "label": label,
                 "format": fmt,
@@ -72,6 +84,8 @@ def main() -> None:
             })
             print(f"{label}: measured {[round(x, 1) for x in series[-1]['measured_tok_s']]}, "
                   f"plan {[round(x, 1) for x in series[-1]['predicted_tok_s']]}", file=sys.stderr)
+    if not series:
+        raise SystemExit("no series measured")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"model": args.model, "hardware": hardware.to_dict(), "threads": args.threads,

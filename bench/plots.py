@@ -72,9 +72,8 @@ def plot_quality(out: Path) -> bool:
         return False
     fig, (ax_ppl, ax_kld) = plt.subplots(1, 2, figsize=(11, 4.4))
     base = next((r for r in rows if r["format"] == "bf16"), None)
-    for row in rows:
-        if row["format"] == "bf16":
-            continue
+    points = sorted((r for r in rows if r["format"] != "bf16"), key=lambda r: r["linear_bpw"])
+    for i, row in enumerate(points):
         color = FAMILY_COLORS.get(family(row["format"]), "gray")
         marker = METHOD_MARKERS.get(row["method"], "x")
         x = row["linear_bpw"]
@@ -82,7 +81,8 @@ def plot_quality(out: Path) -> bool:
         ax_kld.errorbar(x, row["kld"], yerr=row.get("kld_err"), fmt=marker, color=color, capsize=2)
         label = row["format"] if row["method"] == "rtn" else f"{row['format']} {row['method']}"
         for ax, y in ((ax_ppl, row["ppl"]), (ax_kld, row["kld"])):
-            ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, 2), fontsize=7, color=color)
+            # neighbours of nearly equal size alternate label heights so the names stay readable
+            ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, 9 * (i % 3) - 9), fontsize=7, color=color)
     if base:
         ax_ppl.axhline(base["ppl"], color="black", lw=0.8, ls="--")
         ax_ppl.annotate(f"bf16 {base['ppl']:.2f}", (ax_ppl.get_xlim()[0], base["ppl"]), xytext=(4, 3),
@@ -94,8 +94,10 @@ def plot_quality(out: Path) -> bool:
     methods = sorted({r["method"] for r in rows if r["format"] != "bf16"})
     handles = [plt.Line2D([], [], marker=METHOD_MARKERS.get(m, "x"), ls="", color="gray", label=m) for m in methods]
     ax_kld.legend(handles=handles, title="method", fontsize=8, loc="upper right")
+    low, high = min(r["linear_bpw"] for r in points), max(r["linear_bpw"] for r in points)
     for ax in (ax_ppl, ax_kld):
         ax.grid(alpha=0.3)
+        ax.set_xlim(low - 0.3, high + 1.2)  # room for the labels right of the points
     fig.suptitle(f"SmolLM2-135M-Instruct on wiki-eval ({note}): quality vs size", fontsize=11)
     fig.tight_layout()
     fig.savefig(out, dpi=DPI)
