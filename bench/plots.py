@@ -153,7 +153,7 @@ def plot_kv(out: Path) -> bool:
             ax.plot(contexts, gib, color=color, ls=ls, label=label)
         ax.set(xlabel="tokens each sequence holds", ylabel=f"KV cache GiB, {seqs} sequences", title=title)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="lower right")
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(0, 0.93))
     fig.suptitle("KV cache memory vs context (lowbit.plan.kv_cache)", fontsize=11)
     fig.tight_layout()
     fig.savefig(out, dpi=DPI)
