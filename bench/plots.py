@@ -66,6 +66,25 @@ def quality_rows() -> tuple[list[dict], str]:
     return rows, "; ".join(dict.fromkeys(notes))
 
 
+def _label_points(ax, points: list[dict], key: str) -> None:
+    """Name every point; the crowded 3-5 bit points get a column of labels with leader lines."""
+    crowded = sorted((r for r in points if r["linear_bpw"] < 6), key=lambda r: -r[key])
+    for i, row in enumerate(crowded):
+        color = FAMILY_COLORS.get(family(row["format"]), "gray")
+        ax.annotate(_point_label(row), (row["linear_bpw"], row[key]), xytext=(0.32, 0.95 - 0.075 * i),
+                    textcoords="axes fraction", fontsize=7, color=color, va="center",
+                    arrowprops={"arrowstyle": "-", "color": color, "lw": 0.5, "alpha": 0.6})
+    spread = sorted((r for r in points if r["linear_bpw"] >= 6), key=lambda r: r[key])
+    for i, row in enumerate(spread):
+        ax.annotate(_point_label(row), (row["linear_bpw"], row[key]), textcoords="offset points",
+                    xytext=(6, 5 if i % 2 else -5),
+                    fontsize=7, color=FAMILY_COLORS.get(family(row["format"]), "gray"), va="center")
+
+
+def _point_label(row: dict) -> str:
+    return row["format"] if row["method"] == "rtn" else f"{row['format']} {row['method']}"
+
+
 def plot_quality(out: Path) -> bool:
     rows, note = quality_rows()
     if not rows:
@@ -73,16 +92,13 @@ def plot_quality(out: Path) -> bool:
     fig, (ax_ppl, ax_kld) = plt.subplots(1, 2, figsize=(11, 4.4))
     base = next((r for r in rows if r["format"] == "bf16"), None)
     points = sorted((r for r in rows if r["format"] != "bf16"), key=lambda r: r["linear_bpw"])
-    for i, row in enumerate(points):
+    for row in points:
         color = FAMILY_COLORS.get(family(row["format"]), "gray")
         marker = METHOD_MARKERS.get(row["method"], "x")
-        x = row["linear_bpw"]
-        ax_ppl.plot(x, row["ppl"], marker, color=color)
-        ax_kld.errorbar(x, row["kld"], yerr=row.get("kld_err"), fmt=marker, color=color, capsize=2)
-        label = row["format"] if row["method"] == "rtn" else f"{row['format']} {row['method']}"
-        for ax, y in ((ax_ppl, row["ppl"]), (ax_kld, row["kld"])):
-            # neighbours of nearly equal size alternate label heights so the names stay readable
-            ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, 9 * (i % 3) - 9), fontsize=7, color=color)
+        ax_ppl.plot(row["linear_bpw"], row["ppl"], marker, color=color)
+        ax_kld.errorbar(row["linear_bpw"], row["kld"], yerr=row.get("kld_err"), fmt=marker, color=color, capsize=2)
+    for ax, key in ((ax_ppl, "ppl"), (ax_kld, "kld")):
+        _label_points(ax, points, key)
     if base:
         ax_ppl.axhline(base["ppl"], color="black", lw=0.8, ls="--")
         ax_ppl.annotate(f"bf16 {base['ppl']:.2f}", (ax_ppl.get_xlim()[0], base["ppl"]), xytext=(4, 3),
