@@ -1,0 +1,67 @@
+"""Outlier protection: which weights are kept, the side matrix round trip and its bit cost, and
+that keeping the salient weights lowers the output error of every 4-bit format."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowbit.quant import get_format, parse_spec
+from lowbit.quant.gptq import output_error
+from lowbit.quant.outliers import outlier_bits, outlier_mask, pack_outliers, salience, unpack_outliers
+from lowbit.quant.stats import StatsAccumulator
+
+
+def _stats(k: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2048, k, generator=gen) * torch.linspace(0.2, 4.0, k)
+    acc = StatsAccumulator(k)
+    acc.add(x)
+    return acc.finish()
+
+
+def test_mask_keeps_the_most_salient_weights():
+    stats = _stats(64)
+    w = 0.05 * torch.randn(32, 64)
+    w[5, 3] = 2.0  # large weight on a quiet channel: |w|·sqrt(E[x²]) still ranks it first
+    mask = outlier_mask(w, stats, 1.0)
+    assert int(mask.sum()) == round(32 * 64 * 0.01)
+    assert mask[5, 3]
+    score = salience(w, stats)
+    assert score[mask].min() >= score[~mask].max()
+
+
+def test_whole_channels():
+    stats = _stats(64)
+    w = 0.05 * torch.randn(16, 64)
+    mask = outlier_mask(w, stats, 0.0, channel_percent=5.0)
+    cols = mask.all(0).nonzero().flatten()
+    assert len(cols) == 3 and int(mask.sum()) == 3 * 16
+    score = stats.sq_mean * w.square().sum(0)
+    assert sorted(cols.tolist()) == sorted(score.topk(3).indices.tolist())
+
+
+def test_side_matrix_round_trip_and_bits():
+    w = torch.randn(8, 16)
+    mask = torch.zeros_like(w, dtype=torch.bool)
+    mask[1, 2] = mask[7, 15] = True
+    parts = pack_outliers(torch.where(mask, w, 0.0), mask)
+    assert parts["indices"].tolist() == [1 * 16 + 2, 7 * 16 + 15] and parts["values"].dtype == torch.bfloat16
+    dense = unpack_outliers(parts, (8, 16))
+    assert torch.equal(dense[mask], w[mask].bfloat16().float()) and (dense[~mask] == 0).all()
+    assert outlier_bits(2, (8, 16)) == 48 * 2 / 128
+
+
+@pytest.mark.parametrize("fmt_name", ["int4-g32", "nf4", "mxfp4", "nvfp4"])
+def test_keeping_outliers_lowers_output_error(fmt_name):
+    spec = parse_spec(fmt_name)
+    stats = _stats(128, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    w = 0.05 * torch.randn(64, 128, generator=gen)
+    w.view(-1)[torch.randperm(w.numel(), generator=gen)[:40]] *= 15  # heavy tail
+    fmt = get_format(spec)
+    plain = fmt.quantize(w, spec, stats=stats.sq_mean).dequantize()
+    mask = outlier_mask(w, stats, 0.5)
+    held = fmt.quantize(w.masked_fill(mask, 0.0), spec, stats=stats.sq_mean).dequantize()
+    held = held.masked_fill(mask, 0.0) + torch.where(mask, w.bfloat16().float(), 0.0)
+    assert output_error(w, held, stats.hessian) < 0.8 * output_error(w, plain, stats.hessian)
