@@ -7,7 +7,8 @@
 For each (format, N x K, M): the path dispatch picked, the median time of qmatmul, the effective
 weight bandwidth (bytes the path reads / time), its ratio to the machine's streaming-read
 bandwidth (measured here: a sum over a buffer far larger than the last-level cache), and the
-speed-up over bf16 F.linear of the same shape timed in the same run. Weights are rotated through
+speed-up over bf16 F.linear of the same shape, timed in the same run in alternating rounds
+(bf16, then every format, repeated) so load changes on a shared machine hit all alike. Weights are rotated through
 enough copies to exceed the cache, so every call streams its weight from memory as decode does.
 On a CUDA machine the same script times the Triton path against cuBLAS bf16.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -40,8 +42,8 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def median_time(calls, device, budget_s=0.4, min_reps=5, max_reps=200) -> float:
-    """Median seconds per call, cycling through `calls` (one per weight copy)."""
+def sample_times(calls, device, budget_s=0.4, min_reps=5, max_reps=200) -> list[float]:
+    """Seconds per call, cycling through `calls` (one per weight copy), after two warm-up calls."""
     for c in calls[:2]:
         c()
     sync(device)
@@ -54,7 +56,21 @@ def median_time(calls, device, budget_s=0.4, min_reps=5, max_reps=200) -> float:
         sync(device)
         times.append(time.perf_counter() - t)
         i += 1
-    return statistics.median(times)
+    return times
+
+
+def median_time(calls, device, budget_s=0.4, min_reps=5, max_reps=200) -> float:
+    return statistics.median(sample_times(calls, device, budget_s, min_reps, max_reps))
+
+
+def interleaved_medians(candidates: dict, device, rounds: int, budget_s: float) -> dict:
+    """Median seconds per call of each candidate, timed in alternating rounds so that a change in
+    the machine's load during the run hits every candidate alike."""
+    samples = {name: [] for name in candidates}
+    for _ in range(rounds):
+        for name, calls in candidates.items():
+            samples[name] += sample_times(calls, device, budget_s / rounds, min_reps=3, max_reps=max(3, 200 // rounds))
+    return {name: statistics.median(ts) for name, ts in samples.items()}
 
 
 def stream_bandwidth(device) -> float:
@@ -75,31 +91,43 @@ def quantize(label: str, w: torch.Tensor):
     return get_format(spec).quantize(w, spec)
 
 
-def run(formats, shapes, rows, device) -> dict:
+def run(formats, shapes, rows, device, rounds: int = 5) -> dict:
     bw = stream_bandwidth(device)
+    load_before = _load_average()
     results = []
     for n, k in shapes:
         w = torch.randn(n, k) * 0.02
         dense = [w.to(device=device, dtype=torch.bfloat16) for _ in range(copies_for(n * k * 2))]
-        bf16_time = {}
-        for m in rows:
-            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-            bf16_time[m] = median_time([lambda d=d: F.linear(x, d) for d in dense], device)
-        del dense
+        prepared = {}
         for label in formats:
             qt = quantize(label, w)
             first = prepare(qt, device)
-            prepared = [first] + [prepare(qt, device) for _ in range(copies_for(first.nbytes) - 1)]
-            for m in rows:
-                x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-                t = median_time([lambda p=p: qmatmul(x, p) for p in prepared], device)
-                gbs = first.nbytes / t
+            prepared[label] = [first] + [prepare(qt, device) for _ in range(copies_for(first.nbytes) - 1)]
+        for m in rows:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            candidates = {"bf16": [lambda d=d: F.linear(x, d) for d in dense]}
+            for label, ps in prepared.items():
+                candidates[label] = [lambda p=p: qmatmul(x, p) for p in ps]
+            t = interleaved_medians(candidates, device, rounds, budget_s=0.3 * rounds)
+            for label, ps in prepared.items():
+                first = ps[0]
+                gbs = first.nbytes / t[label]
                 results.append({
-                    "format": label, "path": first.path, "n": n, "k": k, "m": m, "us": t * 1e6,
-                    "gb_s": gbs / 1e9, "of_stream": gbs / bw, "vs_bf16": bf16_time[m] / t, "bf16_us": bf16_time[m] * 1e6,
+                    "format": label, "path": first.path, "n": n, "k": k, "m": m, "us": t[label] * 1e6,
+                    "gb_s": gbs / 1e9, "of_stream": gbs / bw, "vs_bf16": t["bf16"] / t[label], "bf16_us": t["bf16"] * 1e6,
                 })
-            del prepared
-    return {"device": describe(device), "threads": torch.get_num_threads(), "stream_gb_s": bw / 1e9, "results": results}
+        del dense, prepared
+    return {
+        "device": describe(device), "threads": torch.get_num_threads(), "stream_gb_s": bw / 1e9, "results": results,
+        "load_average": [load_before, _load_average()],
+    }
+
+
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
 
 
 def describe(device) -> str:
@@ -117,7 +145,8 @@ def describe(device) -> str:
 
 
 def show(report: dict, console: Console) -> None:
-    table = Table(title=f"{report['device']} · streaming read {report['stream_gb_s']:.1f} GB/s")
+    loads = " → ".join(f"{v:.1f}" for v in report["load_average"] if v is not None)
+    table = Table(title=f"{report['device']} · streaming read {report['stream_gb_s']:.1f} GB/s · load average {loads}")
     for col in ("format", "path", "N x K", "M", "time µs", "GB/s", "of stream", "bf16 µs", "× bf16"):
         table.add_column(col, justify="right")
     for r in report["results"]:
