@@ -102,7 +102,7 @@ def _quantized_weights(row: FormatEstimate, bf16: FormatEstimate) -> Trick:
         f"quantized weights ({row.format})",
         f"weights {gib(bf16.weight_gib)} → {gib(row.weight_gib)} GiB; {speed_text}; "
         f"sequences {bf16.max_sequences_paged} → {row.max_sequences_paged}",
-        f"{row.bits_per_weight:.2f} bits/weight with scales; accuracy loss: measure with `lowbit eval --kld`",
+        f"{row.bits_per_weight:.2f} bits/weight with scales; accuracy loss: measure with `lowbit eval --base`",
         {
             "format": row.format,
             "weight_gib_before": bf16.weight_gib,

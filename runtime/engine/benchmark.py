@@ -49,7 +49,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
     for module in model.modules():
         prepared = getattr(module, "prepared", None)
         if prepared is not None:
-            tensors += [t for t in vars(prepared).values() if isinstance(t, torch.Tensor)]
+            tensors += list(prepared.tensors.values())
+            if prepared.qt is not None:
+                tensors += list(prepared.qt.parts().values())
     for t in tensors:
         if t.device.type == "meta" or t.data_ptr() in seen:
             continue
@@ -189,7 +191,7 @@ def speculation(engine, baseline, prompt: list[int], gen_tokens: int) -> dict:
 
 def kv_cache_kld(engine_model, tokens: list[int], kv_dtype: str, block_size: int = 16) -> dict:
     """Mean KL(full-precision KV || quantized KV) of next-token distributions over one window of
-    `tokens`, both through the paged path (what `lowbit eval --kld` computes, with the KV cache
+    `tokens`, both through the paged path (what `lowbit eval --base` computes, with the KV cache
     as the only difference)."""
     from lowbit.runtime.engine.model_runner import ModelRunner, Work
     from lowbit.runtime.engine.paged_cache import PagedKVCache
