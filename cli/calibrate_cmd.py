@@ -24,7 +24,7 @@ def calibrate_command(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON summary object on stdout."),
 ) -> None:
     """Run MODEL one decoder layer at a time over calibration text and record, for every Linear
-    input, the Hessian Σxxᵀ/n, mean |x|, E[x²] and max |x|. A killed run resumes when rerun."""
+    input, the Hessian Σxxᵀ/n and the per-channel mean |x|, mean x² and max |x|. A killed run resumes when rerun."""
     import torch
 
     from lowbit.formats.atomic import check_output_path
