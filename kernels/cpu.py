@@ -59,7 +59,8 @@ def prepare_int4(qt: QTensor) -> PreparedWeight:
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(layout.codes(qt).to(torch.int32).contiguous(), 1)
     # torch's op is slower than a bf16 GEMM for prefill batches: keep the bf16 kernel's copy
     # (half a byte per weight more) to decode the weight once per call there.
-    prefill = cpu_bf16.prepare(qt) if cpu_bf16.supports(qt) else None
+    bf16_plan = cpu_bf16.plan(qt)
+    prefill = cpu_bf16.prepare(qt, bf16_plan) if bf16_plan is not None else None
     return PreparedWeight(
         path="cpu-int4", shape=(n, k), label=qt.spec.label, device=torch.device("cpu"),
         tensors={"packed": packed, "scale_zero": scale_zero}, params={"group": t, "prefill": prefill},

@@ -135,10 +135,11 @@ def supports(qt: QTensor) -> bool:
     return plan(qt) is not None
 
 
-def prepare(qt: QTensor) -> PreparedWeight:
+def prepare(qt: QTensor, p: dict | None = None) -> PreparedWeight:
+    """Repack for the kernel; `p` is plan(qt) when the caller already has it."""
     qt = qt.to("cpu")
     n, k = qt.shape
-    p = plan(qt)
+    p = p or plan(qt)
     if p is None:
         raise ValueError(f"{qt.spec.label}: the bf16 kernel cannot run this weight")
     gs = layout.group_scales(qt)

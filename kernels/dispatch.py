@@ -35,16 +35,23 @@ def _requested(path: str | None) -> str | None:
     return path
 
 
-def _cpu_candidates(qt: QTensor) -> list[str]:
+_CPU_CHECKS = (
+    ("cpu-int4", lambda qt: cpu.int4_group(qt) is not None),
+    ("cpu-int8", cpu.int8_channel),
+    ("cpu-bf16", cpu_bf16.supports),
+    ("cpu-lut", cpu_lut.supports),
+)
+
+
+def _cpu_candidates(qt: QTensor, first_only: bool = False) -> list[str]:
+    """CPU paths that can run this weight, best first (only the best with first_only: the checks
+    decode scales and are not free at load time)."""
     out = []
-    if cpu.int4_group(qt) is not None:
-        out.append("cpu-int4")
-    if cpu.int8_channel(qt):
-        out.append("cpu-int8")
-    if cpu_bf16.supports(qt):
-        out.append("cpu-bf16")
-    if cpu_lut.supports(qt):
-        out.append("cpu-lut")
+    for name, ok in _CPU_CHECKS:
+        if ok(qt):
+            out.append(name)
+            if first_only:
+                break
     return out
 
 
@@ -62,9 +69,10 @@ def choose_path(qt: QTensor, device: torch.device | str, path: str | None = None
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise LowbitError("kernel path 'triton' needs a CUDA device (or TRITON_INTERPRET=1 for tests)")
         return "triton"
-    candidates = _cpu_candidates(qt)
     if want in (None, "cpu"):
-        return candidates[0] if candidates else "reference"
+        best = _cpu_candidates(qt, first_only=True)
+        return best[0] if best else "reference"
+    candidates = _cpu_candidates(qt)
     if want not in candidates:
         raise LowbitError(f"kernel path '{want}' cannot run {qt.spec.label} {qt.shape[0]}x{qt.shape[1]} on this machine")
     return want
