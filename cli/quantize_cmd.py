@@ -30,7 +30,21 @@ def quantize_command(
         help="Columns per scale group for --format (e.g. 32, 64, 128; -1 = one scale per output channel). "
         "Default: the format's own (int4 128, nf4 64, mxfp4 32, nvfp4 16, int8/fp8 per channel).",
     ),
-    method: str = typer.Option("rtn", "--method", help="Quantization method: rtn (round to nearest with searched scales)."),
+    method: str = typer.Option(
+        "rtn", "--method",
+        help="rtn (round to nearest with searched scales), gptq, awq or awq+gptq (these need --calib or --data).",
+    ),
+    calib: Optional[Path] = typer.Option(
+        None, "--calib", help="Calibration statistics from `lowbit calibrate` (for gptq / awq / awq+gptq)."
+    ),
+    data: Optional[str] = typer.Option(
+        None, "--data",
+        help="Calibrate sequentially on this text (demo name like wiki-calib, or a file): layer i sees the outputs "
+        "of the already-quantized layers below it.",
+    ),
+    samples: int = typer.Option(128, "--samples", help="With --data: calibration sequences."),
+    seqlen: int = typer.Option(2048, "--seqlen", help="With --data: tokens per calibration sequence."),
+    seed: int = typer.Option(0, "--seed", help="With --data: seed that picks the calibration sequences."),
     recipe: Optional[Path] = typer.Option(
         None, "--recipe",
         help="YAML or JSON file of rules {pattern, format, group_size, options}; the first rule matching a module "
@@ -58,6 +72,7 @@ def quantize_command(
     if fmt is not None:
         rules = rules + single_format(parse_spec(fmt, group_size)).rules
     plan = Recipe(tuple(rules))
+    method_options = _method_options(method, calib, data, samples, seqlen, seed, output)
 
     # transient: an input error raised before the first layer leaves only its one line; no bar in logs/pipes
     with progress(transient=True, disable=as_json or not console.is_terminal) as bar:
@@ -67,11 +82,33 @@ def quantize_command(
             bar.update(task, completed=done, total=total, info=name)
 
         summary = quantize_model(model, plan, out_dir=output, method=method, skip=skip,
-                                 quantize_head=quantize_head, overwrite=overwrite, progress=on_part)
+                                 quantize_head=quantize_head, overwrite=overwrite, progress=on_part,
+                                 method_options=method_options)
     if as_json:
         print_json(summary.to_dict())
         return
     _print_summary(summary)
+
+
+CALIBRATED_METHODS = ("gptq", "awq", "awq+gptq")
+
+
+def _method_options(method, calib, data, samples, seqlen, seed, output) -> dict | None:
+    if method not in CALIBRATED_METHODS:
+        if calib is not None or data is not None:
+            raise UsageError(f"--calib / --data go with --method gptq, awq or awq+gptq, not {method}")
+        return None
+    if (calib is None) == (data is None):
+        raise UsageError(f"--method {method} needs exactly one of --calib STATS or --data TEXT")
+    from lowbit.quant.workdir import work_dir_for
+
+    # The work folder beside the output holds per-layer progress, so a killed run resumes.
+    options: dict = {"work_dir": str(work_dir_for(output))}
+    if calib is not None:
+        options["calib"] = str(calib)
+    else:
+        options.update(data=data, samples=samples, seqlen=seqlen, seed=seed)
+    return options
 
 
 def _print_summary(summary) -> None:

@@ -62,6 +62,8 @@ def test_human_summary_and_recipe_with_skip(tiny_float_model, tmp_path, capsys):
         (["--format", "fp8-tensor", "--group-size", "128"], 2, "group"),
         (["--format", "int4", "--skip", "*.no_such_proj"], 2, "matches no"),
         (["--format", "int4", "--method", "magic"], 2, "unknown method"),
+        (["--format", "int4", "--method", "gptq"], 2, "needs exactly one of --calib"),
+        (["--format", "int4", "--calib", "stats.safetensors"], 2, "go with --method"),
         (["--group-size", "64"], 2, "--format"),
         (["--format", "int4", "--quantize-head"], 2, "tied"),
         (["--format", "int4", "--recipe", "missing.yaml"], 2, "recipe file not found"),
@@ -106,3 +108,22 @@ def test_smollm2_int4_g64_perplexity_near_bf16(smollm2_dir, wiki_eval_path, tmp_
     # RTN int4 g64 on a 135M model costs a few tens of percent of perplexity, never a collapse
     assert 1.0 < ratio < 1.6, ratio
     assert 0.05 < result["kld"]["mean"] < 0.8 and result["kld"]["same_top_pct"] > 55
+
+
+def test_gptq_through_the_cli_beats_rtn_on_its_own_text(tiny_float_model, tmp_path, capsys):
+    """--method gptq --data: sequential calibration through the command line, then eval against the float model."""
+    src = tiny_float_model("llama")
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT * 20)
+    kld = {}
+    for method, extra in (("rtn", []), ("gptq", ["--data", str(text), "--samples", "4", "--seqlen", "64"])):
+        out = tmp_path / method
+        code, stdout, _ = _run(["quantize", str(src), "--format", "int3", "--group-size", "32", "--method", method,
+                                *extra, "-o", str(out), "--json"], capsys)
+        assert code == 0 and json.loads(stdout)["method"] == method
+        assert not (tmp_path / f".{method}.lowbit-work").exists()  # the resume folder goes once the run completes
+        code, stdout, _ = _run(["eval", str(out), "--data", str(text), "--ctx", "64", "--chunks", "2",
+                                "--base", str(src), "--json"], capsys)
+        assert code == 0
+        kld[method] = json.loads(stdout)["kld"]["mean"]
+    assert 0 < kld["gptq"] < kld["rtn"]
