@@ -28,8 +28,10 @@ import torch
 
 from lowbit.errors import UsageError
 from lowbit.quant import codec
-from lowbit.quant.groups import GroupScales, check_weight, grouped_weights, grouped, num_groups, safe_divisor, search_best
-from lowbit.quant.minifloat import E2M1_MAX, E4M3_MAX, decode_e2m1, encode_e2m1, round_e2m1, to_fp8
+from lowbit.quant.groups import GroupScales, check_weight, grouped_weights, grouped, num_groups, search_best
+from lowbit.quant.minifloat import E2M1_MAX, E4M3_MAX, to_fp8
+from lowbit.quant.fp4_elements import dequantize_codes, quantize_group_values  # noqa: F401 - part of the format interface
+from lowbit.quant.fp4_elements import fake_quantize as _fake_quantize
 from lowbit.quant.packing import pack_bits, packed_width, unpack_bits
 from lowbit.quant.qtensor import QTensor
 from lowbit.quant.spec import FormatSpec
@@ -48,18 +50,6 @@ def part_layout(spec: FormatSpec, shape: tuple[int, int]) -> dict:
     }
 
 
-def quantize_group_values(x, scale, zero, spec: FormatSpec):
-    codes = encode_e2m1(x / safe_divisor(scale))
-    return codes, decode_e2m1(codes) * scale
-
-
-def _fake_quantize(x, scale):
-    """The values of quantize_group_values without the codes (the scale search's hot loop)."""
-    return round_e2m1(x / safe_divisor(scale)).mul_(scale)
-
-
-def dequantize_codes(codes, scale, zero, spec: FormatSpec):
-    return decode_e2m1(codes) * scale
 
 
 def global_scale_for(*weights: torch.Tensor) -> torch.Tensor:
