@@ -42,6 +42,13 @@ class TransformersCausalLM(torch.nn.Module):
 def load_transformers(path) -> TransformersCausalLM:
     from transformers import AutoModelForCausalLM
 
+    from lowbit.formats.foreign import detect_checkpoint_kind
+
+    # transformers does not refuse lowbit's native layout: it would fill the Linears with random
+    # weights and report a meaningless speed, so such a directory gets n/a instead.
+    if detect_checkpoint_kind(path) == "native":
+        raise ValueError("lowbit native checkpoint")
+
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
