@@ -2,12 +2,14 @@
 
 Path choice (first that applies):
   CUDA device                                  triton      (kernels/triton_qmm.py)
+  CPU with AVX512-BF16, integer 4-bit codes,
+  groups of 64k or one per row                cpu-int4dot (kernels/cpu_int4dot.py, batch-invariant)
   CPU, int4 with a group torch's op accepts    cpu-int4    (kernels/cpu.py, torch's int4 op)
   CPU, per-channel int8                        cpu-int8    (kernels/cpu.py, torch's int8 op)
   CPU with AVX512-BF16, other 4-bit formats    cpu-bf16    (kernels/cpu_bf16.py, bf16 dot products)
   CPU, any 4-bit or 8-bit format               cpu-lut     (kernels/cpu_lut.py, compiled C kernel)
   anything else (int2/int3 on CPU, no compiler) reference   (kernels/reference.py)
-`LOWBIT_KERNEL` (or the `path` argument) forces one: reference | cpu | cpu-int4 | cpu-int8 |
+`LOWBIT_KERNEL` (or the `path` argument) forces one: reference | cpu | cpu-int4dot | cpu-int4 | cpu-int8 |
 cpu-bf16 | cpu-lut | triton ("cpu" means the best CPU path); a forced path that cannot run this weight
 raises a one-line LowbitError instead of silently running another.
 """
@@ -19,12 +21,12 @@ import os
 import torch
 
 from lowbit.errors import LowbitError, UsageError
-from lowbit.kernels import cpu, cpu_bf16, cpu_lut
+from lowbit.kernels import cpu, cpu_bf16, cpu_int4dot, cpu_lut
 from lowbit.kernels.prepared import PreparedWeight
 from lowbit.kernels.reference import reference_matmul
 from lowbit.quant.qtensor import QTensor
 
-PATHS = ("reference", "cpu", "cpu-int4", "cpu-int8", "cpu-bf16", "cpu-lut", "triton")
+PATHS = ("reference", "cpu", "cpu-int4dot", "cpu-int4", "cpu-int8", "cpu-bf16", "cpu-lut", "triton")
 ENV = "LOWBIT_KERNEL"
 
 
@@ -36,6 +38,7 @@ def _requested(path: str | None) -> str | None:
 
 
 _CPU_CHECKS = (
+    ("cpu-int4dot", cpu_int4dot.supports),
     ("cpu-int4", lambda qt: cpu.int4_group(qt) is not None),
     ("cpu-int8", cpu.int8_channel),
     ("cpu-bf16", cpu_bf16.supports),
@@ -86,6 +89,8 @@ def prepare(qt: QTensor, device: torch.device | str = "cpu", path: str | None = 
         from lowbit.kernels import triton_qmm  # imported late: TRITON_INTERPRET is read at import
 
         return triton_qmm.prepare(qt, device)
+    if chosen == "cpu-int4dot":
+        return cpu_int4dot.prepare(qt)
     if chosen == "cpu-int4":
         return cpu.prepare_int4(qt)
     if chosen == "cpu-int8":
@@ -98,6 +103,7 @@ def prepare(qt: QTensor, device: torch.device | str = "cpu", path: str | None = 
 
 
 _MATMULS = {
+    "cpu-int4dot": cpu_int4dot.matmul,
     "cpu-int4": cpu.matmul_int4,
     "cpu-int8": cpu.matmul_int8,
     "cpu-bf16": cpu_bf16.matmul,
@@ -122,6 +128,10 @@ def qmatmul(x: torch.Tensor, prepared: PreparedWeight, bias: torch.Tensor | None
         y = triton_qmm.matmul(x2, prepared)
     elif x2.shape[0] == 0:
         y = x2.new_zeros(0, n)
+    elif prepared.path == "cpu-int4dot" and bias is None:
+        # float32 or bf16 y straight from C (bf16 rounded once); fp16 inputs come back as float32
+        out = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+        return cpu_int4dot.matmul(x2, prepared, out).to(x.dtype).reshape(*lead, n)
     elif prepared.path == "cpu-bf16" and bias is None and x.dtype == torch.bfloat16:
         return cpu_bf16.matmul(x2, prepared, torch.bfloat16).reshape(*lead, n)  # rounded once, in C
     else:

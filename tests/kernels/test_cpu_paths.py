@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from lowbit.errors import LowbitError, UsageError
-from lowbit.kernels import choose_path, cpu_bf16, cpu_lut, native, prepare, qmatmul
+from lowbit.kernels import choose_path, cpu_bf16, cpu_int4dot, cpu_lut, native, prepare, qmatmul
 from lowbit.tests.kernels.cases import BF16_TOL, FP32_TOL, ROWS, SHAPES, SPECS, oracle, quantized, rel_err
 
 # Paths that round activations (and scales) to bf16; the others compute in float32.
-BF16_PATHS = {"cpu-int4", "cpu-int8", "cpu-bf16"}
+BF16_PATHS = {"cpu-int4dot", "cpu-int4", "cpu-int8", "cpu-bf16"}
 needs_bf16_kernel = pytest.mark.skipif(not cpu_bf16.available(), reason="no AVX512-BF16 build on this machine")
 
 
@@ -34,6 +34,8 @@ def test_automatic_path_matches_oracle(label):
     qt = quantized(label, 33, 200)
     if label.startswith(("int2", "int3")):
         assert path == "reference"
+    elif cpu_int4dot.supports(qt):  # integer 4-bit codes in groups of 64k (or one per row)
+        assert path == "cpu-int4dot" and not label.endswith("g32")
     elif cpu_bf16.supports(qt):  # 4-bit formats on a CPU with AVX512-BF16
         assert path == "cpu-bf16"
     else:  # 8-bit formats (int8 at K=200 too: torch's int8 op needs K % 32 == 0)
@@ -74,7 +76,7 @@ def test_bf16_kernel_refuses_weights_it_cannot_represent():
 
 def test_int4_prefill_decodes_to_bf16():
     qt = quantized("int4-g64", 48, 192)
-    pw = prepare(qt, "cpu")
+    pw = prepare(qt, "cpu", "cpu-int4")
     assert pw.path == "cpu-int4"
     x = torch.randn(40, 192)
     assert rel_err(qmatmul(x, pw), oracle(x, qt)) < BF16_TOL
@@ -93,7 +95,8 @@ def test_portable_build_without_avx512(label, monkeypatch):
         pytest.skip("no C compiler")
     monkeypatch.setattr(cpu_lut, "load_library", lambda: lib)
     monkeypatch.setattr(cpu_bf16, "load_library", lambda: lib)
-    assert not cpu_bf16.available()  # the portable build has no bf16 kernel: cpu-lut runs 4-bit formats
+    monkeypatch.setattr(cpu_int4dot, "load_library", lambda: lib)
+    assert not cpu_bf16.available() and not cpu_int4dot.available()  # the portable build has no bf16 kernel: cpu-lut runs 4-bit formats
     assert check(label, None) == "cpu-lut"
 
 
@@ -124,7 +127,7 @@ def test_torch_int8_op_only_where_k_allows():
 def test_int4_group_transcoding_for_ragged_k():
     # K=192 with g=128 has a ragged group of 64: torch's op gets group 64, scales repeated.
     qt = quantized("int4", 16, 192)
-    pw = prepare(qt, "cpu")
+    pw = prepare(qt, "cpu", "cpu-int4")
     assert pw.path == "cpu-int4" and pw.params["group"] == 64
 
 

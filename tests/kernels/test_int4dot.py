@@ -1,0 +1,49 @@
+"""The batch-invariant int4 kernel (kernels/int4_dot.c) against the float64 oracle, row by row."""
+
+import pytest
+import torch
+
+from lowbit.kernels import cpu_int4dot, prepare, qmatmul
+from lowbit.tests.kernels.cases import SHAPES, oracle, quantized, rel_err
+
+pytestmark = pytest.mark.skipif(not cpu_int4dot.available(), reason="no AVX512-BF16 build on this machine")
+LABELS = ["int4", "int4-asym-g64", "int4-asym", "int4-channel"]
+
+
+@pytest.mark.parametrize("label", LABELS)
+def test_equals_float32_matmul_of_bf16_activations(label):
+    # Only the activations are rounded (to bf16); products are exact and sums float32.
+    for n, k in SHAPES + [(40, 576)]:
+        qt = quantized(label, n, k)
+        pw = prepare(qt, "cpu")
+        assert pw.path == "cpu-int4dot"
+        for m in (1, 2, 5, 16, 33):  # 33: the prefill route (bf16 weights, float32 GEMM)
+            x = torch.randn(m, k).to(torch.bfloat16).float()
+            tol = 1e-5 if m <= cpu_int4dot.FUSED_MAX_ROWS else 2e-5
+            assert rel_err(qmatmul(x, pw), oracle(x, qt)) < tol, (label, n, k, m)
+            y16 = qmatmul(x.to(torch.bfloat16), pw)
+            assert y16.dtype == torch.bfloat16 and rel_err(y16, oracle(x, qt)) < 2**-7
+
+
+@pytest.mark.parametrize("label", LABELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_at_once_equal_each_row_alone_bit_for_bit(label, dtype):
+    qt = quantized(label, 37, 576)  # a ragged 4-row tile and a ragged group
+    pw = prepare(qt, "cpu")
+    for m in range(2, cpu_int4dot.FUSED_MAX_ROWS + 1):
+        x = torch.randn(m, 576).to(dtype)
+        together = qmatmul(x, pw)
+        alone = torch.cat([qmatmul(x[i : i + 1], pw) for i in range(m)])
+        assert torch.equal(together, alone), (label, m)
+
+
+def test_joined_weights_equal_their_parts():
+    a, b, c = (quantized("int4", n, 192) for n in (64, 30, 30))
+    parts = [prepare(q, "cpu") for q in (a, b, c)]
+    joined = cpu_int4dot.concat(parts)
+    x = torch.randn(3, 192)
+    assert torch.equal(qmatmul(x, joined), torch.cat([qmatmul(x, p) for p in parts], dim=-1))
+    x = torch.randn(40, 192)  # prefill route: each part's bf16 weight
+    assert rel_err(qmatmul(x, joined), torch.cat([oracle(x, q) for q in (a, b, c)], dim=-1)) < 1e-2
+    with pytest.raises(ValueError):
+        cpu_int4dot.concat([parts[0], prepare(quantized("int4-asym-g64", 8, 128), "cpu")])
