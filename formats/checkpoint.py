@@ -41,6 +41,8 @@ class Checkpoint:
     dense: dict[str, torch.Tensor] = field(default_factory=dict)  # HF tensor name -> tensor
     # module name -> (nominal lowbit format label, why it could not stay quantized)
     unexpressed: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # module name -> bf16 side matrix {'indices', 'values'} added to its QTensor (native only; quant/outliers.py)
+    outliers: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     source_dir: Path | None = None  # where tokenizer files come from (None: see `gguf`)
     gguf: object | None = None  # the GGUFFile a GGUF source was read from
     kind: str = "hf"
@@ -124,7 +126,8 @@ def read_native(directory: Path) -> Checkpoint:
     ckpt = load_native(directory)
     config = dict(ckpt.config)
     config.pop("quantization_config", None)
-    return Checkpoint(config=config, qtensors=ckpt.qtensors, dense=ckpt.dense, source_dir=directory, kind="native")
+    return Checkpoint(config=config, qtensors=ckpt.qtensors, dense=ckpt.dense, source_dir=directory, kind="native",
+                      outliers=ckpt.outliers)
 
 
 def copy_side_files(source: Path | None, out: Path) -> list[str]:

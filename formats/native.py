@@ -4,13 +4,20 @@ Layout of a checkpoint directory:
   model.safetensors                      (or model-0000i-of-0000n.safetensors + model.safetensors.index.json)
       <module>.weight.<part>             each part of a quantized Linear's QTensor
                                          (qweight, scales, zeros, global_scale, scales_scale, scales_offset)
+      <module>.outliers.indices          optional side matrix S of weights kept outside the format
+      <module>.outliers.values           (quant/outliers.py): int32 [nnz] row * K + column, strictly
+                                         ascending, and bf16 [nnz]; the layer computes x Ŵᵀ + x Sᵀ
       <name>                             every tensor kept dense (embeddings, norms, biases, lm_head), as given
   config.json                            the model's config plus
       "quantization_config": {
-          "quant_method": "lowbit", "version": 1,
+          "quant_method": "lowbit", "version": 1 (2 when any module has outliers),
           "modules": {"<module>": {"format": "int4-g128", "shape": [N, K],
                                    "spec": {name, bits, group_size, symmetric, scale_dtype,
-                                            granularity, scale_rule, double_quant, layout_version}}}}
+                                            granularity, scale_rule, double_quant, layout_version}}},
+          "outliers": {"<module>": {"count": nnz}}}       (only when some module has them)
+
+A checkpoint with outliers says version 2 so that a lowbit from before side matrices refuses it
+("newer than this lowbit reads") rather than running it without them.
 
 The spec of each module fully determines which parts exist and their shapes and dtypes
 (quant/<format>.py documents the bit layouts), so `load_native` rebuilds identical QTensors.
@@ -34,7 +41,8 @@ from lowbit.formats.atomic import atomic_dir
 from lowbit.quant.qtensor import PART_NAMES, QTensor
 
 QUANT_METHOD = "lowbit"
-VERSION = 1
+VERSION = 2  # the newest this code reads and writes; 1 when a checkpoint has no outliers
+OUTLIER_PARTS = ("indices", "values")
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 DEFAULT_SHARD_BYTES = 2 * 1024**3
@@ -43,6 +51,27 @@ DEFAULT_SHARD_BYTES = 2 * 1024**3
 def part_key(module: str, part: str) -> str:
     """The safetensors name of one part of a quantized module's weight."""
     return f"{module}.weight.{part}"
+
+
+def outlier_key(module: str, part: str) -> str:
+    """The safetensors name of one part of a module's outlier side matrix ("indices" or "values")."""
+    return f"{module}.outliers.{part}"
+
+
+def check_outliers(parts: dict[str, torch.Tensor], shape, where: str) -> dict[str, torch.Tensor]:
+    """The side matrix's parts if they are well formed for an [N, K] weight; LowbitError otherwise."""
+    if set(parts) != set(OUTLIER_PARTS):
+        raise LowbitError(f"{where}: outliers need parts {list(OUTLIER_PARTS)}, got {sorted(parts)}")
+    indices, values = parts["indices"], parts["values"]
+    if indices.dtype != torch.int32 or values.dtype != torch.bfloat16 or indices.dim() != 1 or values.shape != indices.shape:
+        raise LowbitError(
+            f"{where}: outliers must be int32 indices and bf16 values of one length, got "
+            f"{indices.dtype} {tuple(indices.shape)} and {values.dtype} {tuple(values.shape)}"
+        )
+    size = int(shape[0]) * int(shape[1])
+    if indices.numel() and (int(indices[0]) < 0 or int(indices[-1]) >= size or bool((indices[1:] <= indices[:-1]).any())):
+        raise LowbitError(f"{where}: outlier indices must be strictly ascending and inside the {shape[0]}x{shape[1]} weight")
+    return {"indices": indices, "values": values}
 
 
 class NativeWriter:
@@ -57,6 +86,7 @@ class NativeWriter:
         self.directory = Path(directory)
         self.max_shard_bytes = max_shard_bytes
         self.modules: dict[str, dict] = {}
+        self.outliers: dict[str, dict] = {}
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
         self._shards: list[tuple[Path, list[str]]] = []
@@ -68,6 +98,17 @@ class NativeWriter:
         for part, tensor in qt.to_tensors().items():
             self._add(part_key(module, part), tensor)
         self.modules[module] = qt.meta()
+
+    def add_outliers(self, module: str, parts: dict[str, torch.Tensor]) -> None:
+        """The side matrix of a module already added with `add_quantized` (see quant/outliers.py)."""
+        if module not in self.modules:
+            raise UsageError(f"outliers for {module}, which was not written as a quantized module")
+        if module in self.outliers:
+            raise UsageError(f"outliers of {module} were already written")
+        parts = check_outliers(parts, self.modules[module]["shape"], module)
+        for part in OUTLIER_PARTS:
+            self._add(outlier_key(module, part), parts[part].contiguous().cpu())
+        self.outliers[module] = {"count": int(parts["indices"].numel())}
 
     def add_dense(self, name: str, tensor: torch.Tensor) -> None:
         self._add(name, tensor.detach().contiguous().cpu())
@@ -91,7 +132,10 @@ class NativeWriter:
         self._pending, self._pending_bytes = {}, 0
 
     def quantization_config(self) -> dict:
-        return {"quant_method": QUANT_METHOD, "version": VERSION, "modules": dict(self.modules)}
+        qconfig = {"quant_method": QUANT_METHOD, "version": 2 if self.outliers else 1, "modules": dict(self.modules)}
+        if self.outliers:
+            qconfig["outliers"] = dict(self.outliers)
+        return qconfig
 
     def close(self, config: dict | None = None) -> dict:
         """Finish the shards and config.json; returns the quantization_config written."""
@@ -124,12 +168,16 @@ def save_native(
     config: dict | None = None,
     overwrite: bool = False,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    outliers: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> dict:
-    """Write a complete checkpoint atomically (refuses an existing directory unless overwrite)."""
+    """Write a complete checkpoint atomically (refuses an existing directory unless overwrite).
+    `outliers`: module -> {'indices', 'values'} side matrices (quant/outliers.py `pack_outliers`)."""
     with atomic_dir(directory, overwrite=overwrite) as tmp:
         writer = NativeWriter(tmp, max_shard_bytes=max_shard_bytes)
         for module, qt in qtensors.items():
             writer.add_quantized(module, qt)
+        for module, parts in (outliers or {}).items():
+            writer.add_outliers(module, parts)
         for name, tensor in (dense or {}).items():
             writer.add_dense(name, tensor)
         return writer.close(config or {})
@@ -164,6 +212,7 @@ class NativeCheckpoint:
     qtensors: dict[str, QTensor]
     dense: dict[str, torch.Tensor]
     config: dict = field(default_factory=dict)
+    outliers: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # module -> side matrix parts
 
 
 class NativeReader:
@@ -174,9 +223,12 @@ class NativeReader:
         self.quantization_config = read_quantization_config(self.directory)
         self.config = json.loads((self.directory / "config.json").read_text())
         self.module_meta: dict[str, dict] = self.quantization_config.get("modules", {})
+        self.outlier_meta: dict[str, dict] = self.quantization_config.get("outliers", {})
+        unknown = sorted(set(self.outlier_meta) - set(self.module_meta))
+        if unknown:
+            raise LowbitError(f"{self.directory}: outliers listed for {unknown[0]}, which is not a quantized module")
         self._file_of = self._weight_map()
-        quantized_keys = {part_key(m, p) for m in self.module_meta for p in PART_NAMES}
-        self.dense_names = [n for n in self._file_of if n not in quantized_keys]
+        self.dense_names = [n for n in self._file_of if n not in self.packed_names]
         self._handles: dict[str, object] = {}
 
     def _weight_map(self) -> dict[str, str]:
@@ -204,6 +256,22 @@ class NativeReader:
     def modules(self) -> list[str]:
         return list(self.module_meta)
 
+    @property
+    def packed_names(self) -> set[str]:
+        """safetensors names of every quantized part and outlier part (everything not dense)."""
+        names = {part_key(m, p) for m in self.module_meta for p in PART_NAMES}
+        return names | {outlier_key(m, p) for m in self.outlier_meta for p in OUTLIER_PARTS}
+
+    def outliers(self, module: str) -> dict[str, torch.Tensor] | None:
+        """The module's side matrix {'indices', 'values'}, checked against its shape and count; None without."""
+        if module not in self.outlier_meta:
+            return None
+        parts = check_outliers({p: self._tensor(outlier_key(module, p)) for p in OUTLIER_PARTS},
+                               self.module_meta[module]["shape"], module)
+        if parts["indices"].numel() != int(self.outlier_meta[module].get("count", -1)):
+            raise LowbitError(f"{self.directory}: {module} has {parts['indices'].numel()} outliers, config.json says {self.outlier_meta[module].get('count')}")
+        return parts
+
     def quantized(self, module: str) -> QTensor:
         meta = self.module_meta[module]
         prefix = part_key(module, "")
@@ -219,4 +287,5 @@ def load_native(directory: str | os.PathLike) -> NativeCheckpoint:
     reader = NativeReader(directory)
     qtensors = {m: reader.quantized(m) for m in reader.modules}
     dense = {n: reader.dense(n) for n in reader.dense_names}
-    return NativeCheckpoint(qtensors=qtensors, dense=dense, config=reader.config)
+    outliers = {m: reader.outliers(m) for m in reader.outlier_meta}
+    return NativeCheckpoint(qtensors=qtensors, dense=dense, config=reader.config, outliers=outliers)
