@@ -67,6 +67,14 @@ def unpack_outliers(parts: dict[str, torch.Tensor], shape: tuple[int, int]) -> t
     return dense.view(shape)
 
 
+def sparse_outliers(parts: dict[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
+    """The side matrix as a float32 sparse COO [N, K] tensor (what QuantLinear.set_outliers takes)."""
+    index = parts["indices"].long()
+    k = int(shape[1])
+    coords = torch.stack([index // k, index % k])
+    return torch.sparse_coo_tensor(coords, parts["values"].float(), tuple(int(d) for d in shape), is_coalesced=True)
+
+
 def outlier_bits(count: int, shape: tuple[int, int]) -> float:
     """Extra bits per weight of `count` kept weights in an [N, K] matrix."""
     return BITS_PER_OUTLIER * count / (shape[0] * shape[1])

@@ -4,12 +4,15 @@ The weight is prepared once for the device (kernels.prepare picks the path and r
 dequantized into a stored dense matrix. `attach_quantized` swaps the plain Linears a model was
 built with (runtime/linear.py `make_linear`) for QuantLinears by Hugging Face module name.
 
-Outliers (a later method keeps the most salient weights in high precision): an optional sparse
-[out, in] matrix S added back as y += x @ S^T; see `set_outliers`.
+Outliers (`lowbit quantize --keep-outliers`): an optional sparse [out, in] matrix S of weights kept
+in bf16 outside the format, added back as y += x @ Sᵀ; see `set_outliers`. S is held as CSR
+(rows = output features), which on the CPU beat COO, `x @ Sᵀ` and an index_add scatter by 3-10×
+at 0.5 % density for both one decode token and a 2048-token prefill.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -27,21 +30,38 @@ class QuantLinear(nn.Module):
         self.label = qt.spec.label
         self.prepared = prepare(qt, device)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
-        self.outliers: torch.Tensor | None = None
+        self.outliers: torch.Tensor | None = None  # sparse CSR float32 [out, in], on the weight's device
+        self._outliers_as: dict[torch.dtype, torch.Tensor] = {}  # S in another compute dtype, made once
 
     def set_outliers(self, sparse: torch.Tensor | None) -> None:
-        """A sparse COO [out, in] matrix of weights kept outside the quantized format (or None)."""
+        """A sparse (COO or CSR) [out, in] matrix of weights kept outside the quantized format (or None)."""
         if sparse is not None and tuple(sparse.shape) != (self.out_features, self.in_features):
             raise LowbitError(
                 f"outlier matrix {tuple(sparse.shape)} does not match the weight ({self.out_features}, {self.in_features})"
             )
-        self.outliers = sparse.coalesce() if sparse is not None else None
+        self._outliers_as = {}
+        if sparse is None:
+            self.outliers = None
+            return
+        if sparse.layout == torch.sparse_coo:
+            sparse = sparse.coalesce()
+        with warnings.catch_warnings():  # torch calls CSR "beta" once per process; lowbit relies only on CSR @ dense
+            warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+            self.outliers = sparse.to(self.prepared.device).float().to_sparse_csr()
+
+    def _side(self, flat: torch.Tensor) -> torch.Tensor:
+        """x Sᵀ for x [M, in]: CSR S times the contiguous xᵀ. The CPU computes it in float32 (float64
+        for float64 inputs); CUDA in the input's dtype."""
+        dtype = flat.dtype if flat.is_cuda or flat.dtype == torch.float64 else torch.float32
+        s = self.outliers if dtype == torch.float32 else self._outliers_as.get(dtype)
+        if s is None:
+            s = self._outliers_as[dtype] = self.outliers.to(dtype)
+        return (s @ flat.T.to(dtype).contiguous()).T
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = qmatmul(x, self.prepared, self.bias)
         if self.outliers is not None:
-            flat = x.reshape(-1, self.in_features)
-            side = torch.sparse.mm(self.outliers.to(flat.dtype), flat.T).T
+            side = self._side(x.reshape(-1, self.in_features))
             y = y + side.reshape(*x.shape[:-1], self.out_features).to(y.dtype)
         return y
 
@@ -49,6 +69,7 @@ class QuantLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, format={self.label}, "
             f"path={self.prepared.path}, bias={self.bias is not None}"
+            + (f", outliers={self.outliers._nnz()}" if self.outliers is not None else "")
         )
 
 
@@ -80,8 +101,8 @@ def attach_quantized(
 def attach_native(model: nn.Module, path, tied_head: bool, device: torch.device | str = "cpu") -> set[str]:
     """If `path` is a lowbit native checkpoint, swap in a QuantLinear for every quantized module and
     return the safetensors names of their packed parts (the loader skips those); else an empty set."""
-    from lowbit.formats.native import NativeReader, is_native, part_key
-    from lowbit.quant.qtensor import PART_NAMES
+    from lowbit.formats.native import NativeReader, is_native
+    from lowbit.quant.outliers import sparse_outliers
 
     if not is_native(path):
         return set()
@@ -89,4 +110,7 @@ def attach_native(model: nn.Module, path, tied_head: bool, device: torch.device 
     if tied_head and "lm_head" in reader.modules:
         raise LowbitError(f"{path}: lm_head is quantized but config.json ties it to the embeddings")
     attach_quantized(model, reader.modules, reader.quantized, device)
-    return {part_key(m, p) for m in reader.modules for p in PART_NAMES}
+    for module in reader.outlier_meta:
+        shape = tuple(reader.module_meta[module]["shape"])
+        model.get_submodule(module).set_outliers(sparse_outliers(reader.outliers(module), shape))
+    return reader.packed_names
