@@ -32,10 +32,11 @@ def quantize_command(
     ),
     method: str = typer.Option(
         "rtn", "--method",
-        help="rtn (round to nearest with searched scales), gptq, awq or awq+gptq (these need --calib or --data).",
+        help="rtn (round to nearest with searched scales), gptq, awq or awq+gptq (these need --calib or --data; "
+        "so does rtn with --keep-outliers / --keep-channels).",
     ),
     calib: Optional[Path] = typer.Option(
-        None, "--calib", help="Calibration statistics from `lowbit calibrate` (for gptq / awq / awq+gptq)."
+        None, "--calib", help="Calibration statistics from `lowbit calibrate` (for gptq / awq / awq+gptq, and for --keep-outliers)."
     ),
     data: Optional[str] = typer.Option(
         None, "--data",
@@ -45,6 +46,20 @@ def quantize_command(
     samples: int = typer.Option(128, "--samples", help="With --data: calibration sequences."),
     seqlen: int = typer.Option(2048, "--seqlen", help="With --data: tokens per calibration sequence."),
     seed: int = typer.Option(0, "--seed", help="With --data: seed that picks the calibration sequences."),
+    keep_outliers: float = typer.Option(
+        0.0, "--keep-outliers", metavar="P",
+        help="Keep the P % most salient weights of every quantized Linear in bf16, in a sparse side matrix added "
+        "back at inference (48 bits each, counted in bits/weight; 0.5 adds 0.24 bits/weight). Needs --calib or --data.",
+    ),
+    keep_channels: float = typer.Option(
+        0.0, "--keep-channels", metavar="P",
+        help="Also keep whole input channels in bf16: the P % of columns with the largest E(x²)·‖W[:, k]‖² "
+        "(same side matrix). Needs --calib or --data.",
+    ),
+    outlier_salience: str = typer.Option(
+        "act", "--outlier-salience",
+        help="How --keep-outliers ranks weights: act = |w|·sqrt(E(x²)); hessian = w² / (H⁻¹)kk (OBS).",
+    ),
     recipe: Optional[Path] = typer.Option(
         None, "--recipe",
         help="YAML or JSON file of rules {pattern, format, group_size, options}; the first rule matching a module "
@@ -72,7 +87,10 @@ def quantize_command(
     if fmt is not None:
         rules = rules + single_format(parse_spec(fmt, group_size)).rules
     plan = Recipe(tuple(rules))
-    method_options = _method_options(method, calib, data, samples, seqlen, seed, output)
+    wants_outliers = _check_outlier_flags(keep_outliers, keep_channels, outlier_salience)
+    method_options = _method_options(method, calib, data, samples, seqlen, seed, output, wants_outliers)
+    if wants_outliers:
+        method_options.update(keep_outliers=keep_outliers, keep_channels=keep_channels, outlier_salience=outlier_salience)
 
     # transient: an input error raised before the first layer leaves only its one line; no bar in logs/pipes
     with progress(transient=True, disable=as_json or not console.is_terminal) as bar:
@@ -93,13 +111,24 @@ def quantize_command(
 CALIBRATED_METHODS = ("gptq", "awq", "awq+gptq")
 
 
-def _method_options(method, calib, data, samples, seqlen, seed, output) -> dict | None:
-    if method not in CALIBRATED_METHODS:
+def _check_outlier_flags(keep_outliers: float, keep_channels: float, salience: str) -> bool:
+    """Whether outliers were asked for, after checking the flags' values."""
+    for flag, value in (("--keep-outliers", keep_outliers), ("--keep-channels", keep_channels)):
+        if not 0 <= value < 100:
+            raise UsageError(f"{flag} is a percentage in [0, 100), got {value:g}")
+    if salience not in ("act", "hessian"):
+        raise UsageError(f"--outlier-salience must be act or hessian, got '{salience}'")
+    return bool(keep_outliers or keep_channels)
+
+
+def _method_options(method, calib, data, samples, seqlen, seed, output, wants_outliers=False) -> dict | None:
+    if method not in CALIBRATED_METHODS and not wants_outliers:
         if calib is not None or data is not None:
-            raise UsageError(f"--calib / --data go with --method gptq, awq or awq+gptq, not {method}")
+            raise UsageError(f"--calib / --data go with --method gptq, awq or awq+gptq (or rtn with --keep-outliers), not {method}")
         return None
     if (calib is None) == (data is None):
-        raise UsageError(f"--method {method} needs exactly one of --calib STATS or --data TEXT")
+        what = f"--method {method}" if method in CALIBRATED_METHODS else "--keep-outliers / --keep-channels (salience needs activation statistics)"
+        raise UsageError(f"{what} needs exactly one of --calib STATS or --data TEXT")
     from lowbit.quant.workdir import work_dir_for
 
     # The work folder beside the output holds per-layer progress, so a killed run resumes.
@@ -120,6 +149,9 @@ def _print_summary(summary) -> None:
         f"{summary.bits_per_weight:.3f} overall ({summary.params / 1e6:.1f} M)"
     )
     ratio = summary.bytes_before / max(1, summary.bytes_after)
+    if summary.outliers:
+        extra = 48.0 * summary.outliers / max(1, summary.linear_params)
+        console.print(f"  outliers      {summary.outliers:,} weights kept in bf16 (+{extra:.3f} bits/weight, included above)")
     console.print(
         f"  size          {summary.bytes_before / 1e6:.1f} MB → {summary.bytes_after / 1e6:.1f} MB ({ratio:.2f}× smaller)"
     )

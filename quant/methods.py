@@ -3,8 +3,9 @@
 The pipeline (quant/pipeline.py) walks a checkpoint part by part — the embeddings, then each
 decoder layer in order, then the final norm and lm_head — and hands each part to the method as a
 `LayerWork`. The method returns a `LayerResult`: a QTensor for every module in `work.specs`,
-plus any dense tensors it changed (AWQ folds its input scales into the preceding norm). Anything
-it does not return is written exactly as read.
+plus any dense tensors it changed (AWQ folds its input scales into the preceding norm) and any
+outlier side matrices it kept (quant/outliers.py). Anything it does not return is written exactly
+as read.
 
 A method is registered by name with a factory `make(context: MethodContext) -> LayerMethod`;
 the factory runs once per `quantize_model` call and may keep state across parts (a calibrated
@@ -49,6 +50,8 @@ class LayerResult:
     qtensors: dict[str, QTensor]  # exactly the modules of work.specs
     dense: dict[str, torch.Tensor] = field(default_factory=dict)  # replaced tensors of work.tensors
     notes: list[str] = field(default_factory=list)  # shown in the summary (e.g. "layer 7: RTN fallback")
+    # module -> {'indices' int32, 'values' bf16}: weights kept outside the format (quant/outliers.py)
+    outliers: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -81,6 +84,11 @@ def rtn_layer(work: LayerWork) -> LayerResult:
 
 
 def _make_rtn(context: MethodContext) -> LayerMethod:
+    if context.options.get("keep_outliers") or context.options.get("keep_channels"):
+        # Choosing outliers needs input statistics: the calibrated layer loop, rounding to nearest.
+        from lowbit.quant.sequential import make_layer_method
+
+        return make_layer_method(context)
     if context.options:
         raise UsageError(f"method rtn takes no calibration options (got {', '.join(sorted(context.options))})")
     return rtn_layer

@@ -51,7 +51,8 @@ class ModuleRecord:
     format: str  # spec label, or "dense"
     shape: tuple[int, int]
     bytes_before: int
-    bytes_after: int
+    bytes_after: int  # the outlier side matrix included (48 bits per kept weight)
+    outliers: int = 0  # weights kept in bf16 beside the format
 
     @property
     def bits_per_weight(self) -> float:
@@ -79,6 +80,10 @@ class QuantizeSummary:
         return counts
 
     @property
+    def outliers(self) -> int:
+        return sum(m.outliers for m in self.modules)
+
+    @property
     def linear_params(self) -> int:
         return sum(m.shape[0] * m.shape[1] for m in self.modules)
 
@@ -103,12 +108,13 @@ class QuantizeSummary:
             "linear_bits_per_weight": self.linear_bits_per_weight,
             "params": self.params,
             "bits_per_weight": self.bits_per_weight,
+            "outliers": self.outliers,
             "bytes_before": self.bytes_before,
             "bytes_after": self.bytes_after,
             "seconds": self.seconds,
             "modules": [
                 {"name": m.name, "format": m.format, "shape": list(m.shape), "bytes": m.bytes_after,
-                 "bits_per_weight": m.bits_per_weight}
+                 "bits_per_weight": m.bits_per_weight, "outliers": m.outliers}
                 for m in self.modules
             ],
             "notes": self.notes,
@@ -212,6 +218,9 @@ def quantize_model(
                 writer.add_quantized(module, qt)
                 bytes_after += qt.nbytes
                 params += _numel(qt.shape)
+            for module, side in result.outliers.items():
+                writer.add_outliers(module, side)
+                bytes_after += _outlier_bytes(side)
             for name, tensor in tensors.items():
                 if name.endswith(".weight") and name[: -len(".weight")] in part_specs:
                     continue
@@ -225,8 +234,11 @@ def quantize_model(
                 shape = source.shapes[f"{module}.weight"]
                 qt = result.qtensors.get(module)
                 after = qt.nbytes if qt is not None else source.nbytes[f"{module}.weight"]
+                side = result.outliers.get(module)
+                kept = 0 if side is None else int(side["indices"].numel())
                 records.append(ModuleRecord(module, qt.spec.label if qt is not None else "dense", shape,
-                                            source.nbytes[f"{module}.weight"], after))
+                                            source.nbytes[f"{module}.weight"],
+                                            after + (0 if side is None else _outlier_bytes(side)), kept))
             del tensors, work, result
             if progress is not None:
                 progress(done, len(parts), part.name)
@@ -378,6 +390,14 @@ def _check_result(part: _Part, specs: dict, result, tensors: dict) -> None:
     extra = set(result.dense) - set(tensors)
     if extra:
         raise LowbitError(f"{part.name}: the method returned unknown dense tensors {sorted(extra)}")
+    stray = set(result.outliers) - got
+    if stray:
+        raise LowbitError(f"{part.name}: the method returned outliers for modules it did not quantize: {sorted(stray)}")
+
+
+def _outlier_bytes(side: dict[str, torch.Tensor]) -> int:
+    """Stored bytes of a side matrix: int32 index + bf16 value, 48 bits per kept weight."""
+    return sum(t.numel() * t.element_size() for t in side.values())
 
 
 def _add_provenance(directory: Path, method: str, recipe: Recipe, source: Path) -> None:
