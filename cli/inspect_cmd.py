@@ -53,6 +53,8 @@ def _print(report, top: int | None) -> None:
     formats = ", ".join(f"{k} ×{v}" for k, v in report.formats.items())
     console.print(f"quantized  {len(report.rows)} layers ({formats}): {q['params'] / 1e6:.1f} M weights, "
                   f"{q['bytes'] / 1e6:.1f} MB, {q['bits_per_weight']:.3f} bits/weight")
+    if report.outliers:
+        console.print(f"outliers   {report.outliers:,} weights kept in bf16 beside the format (48 bits each, in the bits/weight above)")
     console.print(f"dense      {report.dense_params / 1e6:.1f} M params, {report.dense_bytes / 1e6:.1f} MB")
     console.print(f"total      {t['bytes'] / 1e6:.1f} MB, {t['bits_per_weight']:.3f} bits/weight; bf16 would be "
                   f"{t['bf16_bytes'] / 1e6:.1f} MB ({t['ratio_vs_bf16']:.1%} of it)")

@@ -3,6 +3,8 @@
 `inspect_checkpoint(path, base=None)` reads the checkpoint one module at a time (NativeReader);
 with a base model each layer's relative reconstruction error ‖W − Ŵ‖ / ‖W‖ (float64) is computed
 against the base's weight, read lazily from its safetensors, and rows come worst first.
+A layer's outlier side matrix (`--keep-outliers`) counts in its bytes and bits/weight at 48 bits per
+kept weight, and its error is that of Ŵ + S, what the runtime computes with.
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from lowbit.errors import LowbitError
 from lowbit.formats.native import NativeReader, is_native
-from lowbit.quant.rtn import relative_error
+from lowbit.quant.outliers import outlier_bits, unpack_outliers
 
 
 @dataclass(slots=True)
@@ -22,13 +26,15 @@ class LayerRow:
     format: str  # spec label
     shape: tuple[int, int]
     group: str  # "g64", "block128", "channel", "tensor"
-    bits_per_weight: float  # scales, zeros and global scales included
+    bits_per_weight: float  # scales, zeros, global scales and the outlier side matrix included
     bytes: int
     rel_error: float | None = None
+    outliers: int = 0  # weights kept in bf16 beside the format (48 bits each)
 
     def to_dict(self) -> dict:
         return {"name": self.name, "format": self.format, "shape": list(self.shape), "group": self.group,
-                "bits_per_weight": self.bits_per_weight, "bytes": self.bytes, "rel_error": self.rel_error}
+                "bits_per_weight": self.bits_per_weight, "bytes": self.bytes, "rel_error": self.rel_error,
+                "outliers": self.outliers}
 
 
 @dataclass(slots=True)
@@ -43,6 +49,10 @@ class InspectReport:
     @property
     def quantized_params(self) -> int:
         return sum(r.shape[0] * r.shape[1] for r in self.rows)
+
+    @property
+    def outliers(self) -> int:
+        return sum(r.outliers for r in self.rows)
 
     @property
     def quantized_bytes(self) -> int:
@@ -68,7 +78,7 @@ class InspectReport:
             "formats": self.formats,
             "layers": [r.to_dict() for r in self.rows],
             "quantized": {"params": q, "bytes": self.quantized_bytes,
-                          "bits_per_weight": 8.0 * self.quantized_bytes / max(1, q)},
+                          "bits_per_weight": 8.0 * self.quantized_bytes / max(1, q), "outliers": self.outliers},
             "dense": {"params": self.dense_params, "bytes": self.dense_bytes},
             "total": {"params": t, "bytes": self.total_bytes, "bits_per_weight": 8.0 * self.total_bytes / max(1, t),
                       "bf16_bytes": self.bf16_bytes, "ratio_vs_bf16": self.total_bytes / max(1, self.bf16_bytes)},
@@ -94,11 +104,15 @@ def inspect_checkpoint(path: str | os.PathLike, base: str | os.PathLike | None =
     rows = []
     for module in reader.modules:
         qt = reader.quantized(module)
-        row = LayerRow(module, qt.spec.label, tuple(qt.shape), group_label(qt.spec), qt.bits_per_weight, qt.nbytes)
+        side = reader.outliers(module)
+        kept = 0 if side is None else int(side["indices"].numel())
+        side_bytes = 0 if side is None else sum(t.numel() * t.element_size() for t in side.values())
+        row = LayerRow(module, qt.spec.label, tuple(qt.shape), group_label(qt.spec),
+                       qt.bits_per_weight + outlier_bits(kept, tuple(qt.shape)), qt.nbytes + side_bytes, outliers=kept)
         if source is not None:
-            row.rel_error = _error_against(source, module, qt)
+            row.rel_error = _error_against(source, module, qt, side)
         rows.append(row)
-        del qt
+        del qt, side
     if source is not None:
         rows.sort(key=lambda r: -r.rel_error)
     dense_params = dense_bytes = 0
@@ -124,10 +138,17 @@ def _base_tensors(base):
     return SourceTensors(directory)
 
 
-def _error_against(source, module: str, qt) -> float:
+def _error_against(source, module: str, qt, side=None) -> float:
+    """‖W − (Ŵ + S)‖ / ‖W‖ in float64 (S: the outlier side matrix, when the layer has one)."""
     name = f"{module}.weight"
     if name not in source.shapes:
         raise LowbitError(f"base model has no {name}: is it the model this checkpoint was made from?")
     if tuple(source.shapes[name]) != tuple(qt.shape):
         raise LowbitError(f"base {name} has shape {tuple(source.shapes[name])}, the checkpoint {tuple(qt.shape)}")
-    return relative_error(source.get(name).float(), qt)
+    w = source.get(name).double()
+    approx = qt.dequantize(torch.float64)
+    if side is not None:
+        approx = approx + unpack_outliers(side, tuple(qt.shape)).double()
+    norm = w.norm()
+    diff = (approx - w).norm()
+    return float(diff / norm) if norm > 0 else float(diff)
