@@ -4,6 +4,11 @@ Each target first checks every projection weight; anything it cannot hold exactl
 conversion (one line naming the layer and why) unless `allow_requant`, in which case that
 weight is requantized from its dequantized values and the result lists what changed with
 the relative Frobenius error per layer. Outputs are written atomically.
+
+A native checkpoint's outlier side matrices (`--keep-outliers`) have no place in the other
+formats: `--to native` copies them, `--to hf` adds them into the dense weights (exact), and the
+quantized targets refuse unless `allow_requant`, which folds each into its weight (Ŵ + S) and
+requantizes that in the layer's own format before the target's usual checks.
 """
 
 from __future__ import annotations
@@ -89,6 +94,7 @@ def convert(
         convert_gguf(source, output, dtype=dtype, overwrite=overwrite, progress=progress)
     else:
         ckpt = read_checkpoint(source, kind)
+        _fold_outliers(ckpt, target, allow_requant, result)
         if target == "gguf":
             from lowbit.formats.gguf_export import write_gguf
 
@@ -112,6 +118,38 @@ def convert(
 
 
 # ------------------------------------------------------------------ shared steps
+
+
+_TARGET_NAMES = {"compressed-tensors": "compressed-tensors", "gptq": "GPTQ", "awq": "AWQ", "gguf": "GGUF"}
+
+
+def _fold_outliers(ckpt: Checkpoint, target: str, allow: bool, result: ConvertResult) -> None:
+    """Put each outlier side matrix where the target can hold it (see the module docstring)."""
+    from lowbit.quant.outliers import unpack_outliers
+
+    if not ckpt.outliers or target == "native":
+        return
+    if target != "hf":
+        module = next(iter(ckpt.outliers))
+        count = len(ckpt.outliers)
+        more = f" (and {count - 1} more layers)" if count > 1 else ""
+        refuse_unless_allowed(_TARGET_NAMES[target], [(module, f"it keeps {ckpt.outliers[module]['indices'].numel()} outlier "
+                              f"weights in a bf16 side matrix, which {_TARGET_NAMES[target]} has no place for{more}")], allow)
+    for module, side in ckpt.outliers.items():
+        qt = ckpt.qtensors[module]
+        w = qt.dequantize(torch.float32) + unpack_outliers(side, tuple(qt.shape))
+        if target == "hf":
+            del ckpt.qtensors[module]
+            ckpt.dense[f"{module}.weight"] = w
+            continue
+        folded = quantize_rtn(w, qt.spec)
+        ckpt.qtensors[module] = folded
+        result.changes.append(LayerChange(module, f"{qt.spec.label} + {side['indices'].numel()} outliers", qt.spec.label,
+                                          "outliers folded into the weight", relative_error(w, folded.dequantize())))
+    if target == "hf":
+        result.notes.append(f"added the outlier side matrices of {len(ckpt.outliers)} layers into their weights")
+    ckpt.outliers = {}
+
 
 
 def _projection_values(ckpt: Checkpoint) -> dict[str, torch.Tensor | QTensor]:
