@@ -8,8 +8,8 @@ quant/gptq.py and quant/awq.py). Options (context.options):
   samples, seqlen, seed           the calibration windows (128, 2048, 0)
   work_dir  resume folder; each layer's result is saved there, and a rerun after a kill replays
             the saved layers and continues, giving the same bytes
-  keep_outliers, keep_channels, outlier_salience   see quant/outliers.py (function API only: the
-            native checkpoint has no side-matrix part yet)
+  keep_outliers, keep_channels, outlier_salience   see quant/outliers.py; the side matrices go
+            into the checkpoint as `<module>.outliers.indices/values` (formats/native.py)
   damp, act_order, block_size, awq_grid, awq_clip
 
 `quantize_layer` is the method itself for one decoder layer, on statistics alone.
@@ -206,8 +206,6 @@ def make_layer_method(context):
 
     opts = dict(context.options)
     options = options_from(opts, context.method)
-    if options.keep_outliers or options.keep_channels:
-        raise UsageError("--keep-outliers / --keep-channels need a checkpoint part for the side matrix that lowbit's native format does not have yet")
     if ("calib" in opts) == ("data" in opts):
         raise UsageError(f"--method {context.method} needs calibration: --calib STATS (from `lowbit calibrate`) or --data TEXT")
     lm = LayerwiseModel(context.model_dir)
@@ -261,6 +259,6 @@ def make_layer_method(context):
                 last_snapshot[0] = time.monotonic()
         lm.release_layer(i)
         dense = {n: t.to(part.tensors[n].dtype) if n.endswith("bias") else t for n, t in outcome.dense.items()}
-        return LayerResult(qtensors=outcome.qtensors, dense=dense, notes=outcome.notes)
+        return LayerResult(qtensors=outcome.qtensors, dense=dense, notes=outcome.notes, outliers=outcome.outliers)
 
     return layer_method
