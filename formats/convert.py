@@ -99,7 +99,9 @@ def convert(
             from lowbit.formats.gguf_export import write_gguf
 
             with atomic_file(output, overwrite=overwrite) as tmp:
-                result.changes, result.notes = write_gguf(ckpt, tmp, gguf_type, allow_requant, progress)
+                changes, notes = write_gguf(ckpt, tmp, gguf_type, allow_requant, progress)
+                result.changes.extend(changes)
+                result.notes.extend(notes)
         else:
             writer = {"native": _write_native, "compressed-tensors": _write_ct, "gptq": _write_gptq,
                       "awq": _write_awq, "hf": _write_hf}[target]
@@ -207,6 +209,8 @@ def _write_native(ckpt: Checkpoint, tmp: Path, allow: bool, result: ConvertResul
             spec = _nominal_spec(ckpt.unexpressed[module][0], parse_spec)
             writer.add_quantized(module, _requantize(module, value, spec, reasons[module], result))
             quantized.add(module)
+    for module, side in ckpt.outliers.items():
+        writer.add_outliers(module, side)
     for name, t in _dense_rest(ckpt, quantized).items():
         writer.add_dense(name, t)
     writer.close(dict(ckpt.config))
