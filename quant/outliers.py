@@ -72,7 +72,8 @@ def sparse_outliers(parts: dict[str, torch.Tensor], shape: tuple[int, int]) -> t
     index = parts["indices"].long()
     k = int(shape[1])
     coords = torch.stack([index // k, index % k])
-    return torch.sparse_coo_tensor(coords, parts["values"].float(), tuple(int(d) for d in shape), is_coalesced=True)
+    return torch.sparse_coo_tensor(coords, parts["values"].float(), tuple(int(d) for d in shape),
+                                   is_coalesced=True, check_invariants=True)
 
 
 def outlier_bits(count: int, shape: tuple[int, int]) -> float:
