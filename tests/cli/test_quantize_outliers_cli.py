@@ -1,0 +1,101 @@
+"""`lowbit quantize --keep-outliers P [--keep-channels P]` end to end: the side matrices are in the
+checkpoint, counted at 48 bits each by the summary and by `lowbit inspect`, and `lowbit eval` runs
+them (they lower the KL divergence); rtn with outliers calibrates; bad flags are one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lowbit.cli.main import main
+
+TEXT = " ".join(f"The {i}th river flows past the old mill near town number {i * 7 % 13}." for i in range(300))
+
+
+def _run(args, capsys):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        main(args)
+        raise SystemExit(0)
+    captured = capsys.readouterr()
+    return info.value.code, captured.out, captured.err
+
+
+def _quantize(src, out, capsys, *extra):
+    code, stdout, err = _run(["quantize", str(src), "--format", "int3", "--group-size", "32", "-o", str(out), "--json",
+                              *extra], capsys)
+    assert code == 0, err
+    return json.loads(stdout)
+
+
+def _kld(model, src, text, capsys) -> float:
+    code, stdout, err = _run(["eval", str(model), "--data", str(text), "--ctx", "64", "--chunks", "2", "--base", str(src),
+                              "--json"], capsys)
+    assert code == 0, err
+    return json.loads(stdout)["kld"]["mean"]
+
+
+def test_gptq_with_outliers_counts_them_and_eval_uses_them(tiny_float_model, tmp_path, capsys):
+    src = tiny_float_model("llama")
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    calib = ["--data", str(text), "--samples", "4", "--seqlen", "64"]
+
+    summary = _quantize(src, tmp_path / "g", capsys, "--method", "gptq", *calib, "--keep-outliers", "0.5")
+    base_bits = 3 + 16 / 32  # int3 codes + an fp16 scale per 32
+    for m in summary["modules"]:
+        n, k = m["shape"]
+        assert m["outliers"] == round(n * k * 0.005)  # exactly the top 0.5 % of each matrix
+        assert m["bits_per_weight"] == pytest.approx(base_bits + 48 * m["outliers"] / (n * k))
+    assert summary["outliers"] == sum(m["outliers"] for m in summary["modules"])
+    assert summary["linear_bits_per_weight"] == pytest.approx(base_bits + 48 * summary["outliers"] / summary["linear_params"])
+
+    qc = json.loads((tmp_path / "g" / "config.json").read_text())["quantization_config"]
+    assert {k: v["count"] for k, v in qc["outliers"].items()} == {m["name"]: m["outliers"] for m in summary["modules"]}
+    code, stdout, _ = _run(["inspect", str(tmp_path / "g"), "--json"], capsys)
+    report = json.loads(stdout)
+    assert code == 0 and report["quantized"]["outliers"] == summary["outliers"]
+    assert report["quantized"]["bits_per_weight"] == pytest.approx(summary["linear_bits_per_weight"])
+
+    # whole channels on top: every row of the kept columns, so at least N per kept column
+    both = _quantize(src, tmp_path / "gc", capsys, "--method", "gptq", *calib, "--keep-outliers", "0.5",
+                     "--keep-channels", "2", "--outlier-salience", "hessian")
+    for m in both["modules"]:
+        n, k = m["shape"]
+        assert m["outliers"] >= n * round(k * 0.02) and m["outliers"] >= round(n * k * 0.005)
+
+    plain = _quantize(src, tmp_path / "p", capsys, "--method", "gptq", *calib)
+    assert plain["outliers"] == 0 and plain["linear_bits_per_weight"] == pytest.approx(base_bits)
+    assert "outliers" not in json.loads((tmp_path / "p" / "config.json").read_text())["quantization_config"]
+    assert _kld(tmp_path / "gc", src, text, capsys) < _kld(tmp_path / "p", src, text, capsys)
+
+
+def test_rtn_with_outliers_calibrates_and_beats_plain_rtn(tiny_float_model, tmp_path, capsys):
+    src = tiny_float_model("llama")
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    kept = _quantize(src, tmp_path / "r", capsys, "--data", str(text), "--samples", "4", "--seqlen", "64",
+                     "--keep-outliers", "1")
+    assert kept["method"] == "rtn" and kept["outliers"] > 0
+    plain = _quantize(src, tmp_path / "plain", capsys)
+    assert _kld(tmp_path / "r", src, text, capsys) < _kld(tmp_path / "plain", src, text, capsys)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--keep-outliers", "0.5"], "--keep-outliers / --keep-channels (salience needs activation statistics) needs"),
+        (["--keep-channels", "1"], "needs exactly one of --calib STATS or --data TEXT"),
+        (["--keep-outliers", "100", "--data", "x.txt"], "--keep-outliers is a percentage in [0, 100), got 100"),
+        (["--keep-channels", "-1", "--data", "x.txt"], "--keep-channels is a percentage"),
+        (["--keep-outliers", "1", "--outlier-salience", "magic", "--data", "x.txt"], "act or hessian"),
+        (["--data", "x.txt"], "go with --method"),
+    ],
+)
+def test_bad_outlier_flags_are_one_line(extra, message, tiny_float_model, tmp_path, capsys):
+    src = tiny_float_model("llama")
+    out = tmp_path / "out"
+    code, _, err = _run(["quantize", str(src), "--format", "int4", "-o", str(out), *extra], capsys)
+    assert code == 2 and err.count("\n") == 1 and err.startswith("lowbit: error:") and message in err, err
+    assert not out.exists()
