@@ -127,15 +127,26 @@ class SelfAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
+    fused_qkv = None  # set by runtime/models/fusion.py (never a registered child: names stay HF's)
+
     def forward(self, x, cos, sin, ctx: AttentionContext, cache: KVCache | None) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        d = self.head_dim
+        if self.fused_qkv is not None:
+            q, k, v = self.fused_qkv(x).split(self.fused_qkv.sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+            q = self.q_norm(q.view(b, t, -1, d)).view(b, t, -1)
+            k = self.k_norm(k.view(b, t, -1, d)).view(b, t, -1)
+        fused = getattr(cache, "rotate_and_attend", None)
+        if fused is not None and b == 1:
+            # the engine's CPU decode kernel: RoPE, KV write and attention in one call
+            out = fused(q[0], k[0], v[0], cos, sin, self.layer, self.scale, self.window)
+            if out is not None:
+                return self.o_proj(out.view(b, t, -1))
+        q = apply_rotary(q.view(b, t, -1, d).transpose(1, 2), cos, sin)
+        k = apply_rotary(k.view(b, t, -1, d).transpose(1, 2), cos, sin)
+        v = v.view(b, t, -1, d).transpose(1, 2)
         out = attend(q, k, v, self.layer, ctx, cache, self.scale, self.window)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))

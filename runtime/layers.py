@@ -124,6 +124,12 @@ class GatedMLP(nn.Module):
         self.down_proj = make_linear(intermediate, hidden, bias)
         self.act = activation(act)
 
+    fused_gate_up = None  # set by runtime/models/fusion.py (never a registered child)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_gate_up is not None:
+            gate, up = self.fused_gate_up(x).split(self.fused_gate_up.sizes, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
         # act() returns a fresh tensor, so multiplying into it in place saves one allocation
-        return self.down_proj(self.act(self.gate_proj(x)).mul_(self.up_proj(x)))
+        return self.down_proj(self.act(gate).mul_(up))

@@ -43,6 +43,9 @@ def quantize_linears_(model: nn.Module, fmt: str, device) -> nn.Module:
                     setattr(module, name, QuantLinear(qt, child.bias, device))
                 else:
                     setattr(module, name, PreparedLinear(prepare(qt, device), child.bias))
+    from lowbit.runtime.models.fusion import fuse_projections
+
+    fuse_projections(model)
     return model
 
 
@@ -60,4 +63,8 @@ def load_draft_model(arg: str, target_tokenizer, dtype: torch.dtype, device) -> 
     path = resolve_model(arg)
     if load_tokenizer(path).backend.get_vocab() != target_tokenizer.backend.get_vocab():
         raise UsageError(f"draft model {arg} does not share the target's tokenizer")
-    return load_model(path, dtype, device)
+    from lowbit.runtime.models.fusion import fuse_projections
+
+    model = load_model(path, dtype, device)
+    fuse_projections(model)
+    return model

@@ -30,6 +30,7 @@ from lowbit.runtime.engine.sampler import Sampler, _logprobs, process_logits
 from lowbit.runtime.engine.scheduler import Scheduler
 from lowbit.runtime.engine.sequence import SamplingParams, Sequence
 from lowbit.runtime.engine.speculative import AdaptiveK, SpecStats, rejection_sample
+from lowbit.runtime.models.fusion import fuse_projections
 
 LogprobEntry = tuple[float, list[tuple[int, float]]]  # (chosen token's logprob, top-n (id, logprob))
 
@@ -116,6 +117,7 @@ class Engine:
         path = resolve_model(model)
         self.model_path = path
         self.model = load_model(path, self.dtype, self.device)
+        fuse_projections(self.model)  # q/k/v and gate/up as one matmul where exact (int4dot weights)
         self.config = self.model.config
         self.tokenizer = load_tokenizer(path)
         if num_speculative_tokens < 1:

@@ -51,7 +51,8 @@ class ModelRunner:
             plan.append((w.block_table, w.start, n))
             max_position = max(max_position, w.start + n - 1)
         cache = self.cache
-        cache.meta = build_metadata(plan, cache.block_size, self.device, with_block_tables=self.device.type == "cuda")
+        cache.meta = build_metadata(plan, cache.block_size, self.device, with_block_tables=self.device.type == "cuda",
+                                    fused_decode=getattr(cache, "_fused_ok", False))
         try:
             input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
             pos = torch.tensor(positions, dtype=torch.long, device=self.device)

@@ -55,19 +55,51 @@ class PrefillItem:
 
 
 @dataclass(slots=True)
+class DecodeIndex:
+    """Per-row index tensors of a step made only of short items, for the fused CPU kernel."""
+
+    positions: torch.Tensor  # [T] int64
+    items: torch.Tensor  # [T] int64: row of `tables`
+    tables: torch.Tensor  # [B, blocks] int64 block tables (padded with 0)
+
+
+@dataclass(slots=True)
 class StepMetadata:
     slot_mapping: torch.Tensor  # [T] slot of each flattened token
     short: ShortBatch | None = None
     prefills: list[PrefillItem] = field(default_factory=list)
+    decode: DecodeIndex | None = None  # CPU steps of short items only
 
 
 def _slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
     return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
+def decode_index(items: list[tuple[list[int], int, int]], block_size: int) -> DecodeIndex:
+    positions: list[int] = []
+    rows: list[int] = []
+    tables = []
+    for b, (block_table, start, n) in enumerate(items):
+        positions += range(start, start + n)
+        rows += [b] * n
+        tables.append(block_table[: -(-(start + n) // block_size)])
+    width = max(len(t) for t in tables)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    return DecodeIndex(torch.tensor(positions, dtype=torch.long), torch.tensor(rows, dtype=torch.long),
+                       torch.tensor(padded, dtype=torch.long))
+
+
 def build_metadata(items: list[tuple[list[int], int, int]], block_size: int, device: torch.device,
-                   with_block_tables: bool = False) -> StepMetadata:
-    """items: (block_table, start, num_tokens) per scheduled sequence, in flattened order."""
+                   with_block_tables: bool = False, fused_decode: bool = False) -> StepMetadata:
+    """items: (block_table, start, num_tokens) per scheduled sequence, in flattened order.
+    fused_decode: the cache can run kernels/cpu_attention.py (its `short` is then built lazily)."""
+    if fused_decode and device.type == "cpu" and items and all(n <= SHORT_QUERY for _, _, n in items):
+        # All short: the fused CPU kernel needs only per-row positions, slots and block tables
+        # (the padded SDPA batch is built lazily if a layer falls back to it).
+        slots = [s for bt, start, n in items for s in _slots(bt, start, start + n, block_size)]
+        meta = StepMetadata(torch.tensor(slots, dtype=torch.long), decode=decode_index(items, block_size))
+        meta.short = _LazyShort(items, block_size, device)
+        return meta
     slot_list: list[int] = []
     short: list[tuple[int, list[int], int, int]] = []
     prefills: list[PrefillItem] = []
@@ -88,6 +120,24 @@ def build_metadata(items: list[tuple[list[int], int, int]], block_size: int, dev
         meta.short = _short_batch(short, block_size, device, identity=not prefills and row == len(short),
                                   with_block_tables=with_block_tables)
     return meta
+
+
+class _LazyShort:
+    """Builds the padded ShortBatch on first use (only layers the fused kernel cannot run need it)."""
+
+    def __init__(self, items, block_size, device):
+        self._args = (items, block_size, device)
+        self._batch = None
+
+    def get(self) -> ShortBatch:
+        if self._batch is None:
+            items, block_size, device = self._args
+            short, row = [], 0
+            for bt, start, n in items:
+                short.append((row, bt, start, n))
+                row += n
+            self._batch = _short_batch(short, block_size, device, identity=True, with_block_tables=False)
+        return self._batch
 
 
 def _short_batch(short, block_size: int, device, identity: bool, with_block_tables: bool) -> ShortBatch:

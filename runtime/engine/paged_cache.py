@@ -65,6 +65,9 @@ class PagedKVCache:
             self.key_scales = [torch.ones(sshape, device=self.device) for _ in range(n)]
             self.value_scales = [torch.ones(sshape, device=self.device) for _ in range(n)]
         self.meta: pa.StepMetadata | None = None  # set by the runner before each forward
+        from lowbit.kernels.cpu_attention import supported
+
+        self._fused_ok = self.device.type == "cpu" and kv_dtype is None and supported(dtype, self.head_dim)
 
     @property
     def nbytes(self) -> int:
@@ -106,10 +109,29 @@ class PagedKVCache:
         return ((k.float() * self.key_scales[layer][slots]).to(self.dtype),
                 (v.float() * self.value_scales[layer][slots]).to(self.dtype))
 
+    def rotate_and_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                          sin: torch.Tensor, layer: int, scale: float, window: int | None) -> torch.Tensor | None:
+        """The fused CPU path for steps of short items: q [T, H*D], k/v [T, kvh*D] before RoPE,
+        cos/sin [.., T, D/2] -> out [T, H*D]; None when this step or cache cannot use it."""
+        meta = self.meta
+        if meta is None or meta.decode is None or self.kv_dtype is not None or not self._fused_ok:
+            return None
+        if q.dtype != self.dtype or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+            return None
+        from lowbit.kernels.cpu_attention import paged_decode
+
+        d = meta.decode
+        cos = cos.reshape(-1, cos.shape[-1]).contiguous()
+        sin = sin.reshape(-1, sin.shape[-1]).contiguous()
+        return paged_decode(q, k, v, cos, sin, d.positions, meta.slot_mapping, d.items, d.tables,
+                            self.keys[layer], self.values[layer], self.block_size, window, scale)
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
                window: int | None) -> torch.Tensor:
         """q [1, H, T, D], new k/v [1, kv_heads, T, D] of the flattened step -> out [1, H, T, D]."""
         meta = self.meta
+        if isinstance(meta.short, pa._LazyShort):
+            meta.short = meta.short.get()
         qt = q[0].transpose(0, 1)  # [T, H, D]
         kt = k[0].transpose(0, 1)
         vt = v[0].transpose(0, 1)
