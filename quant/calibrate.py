@@ -14,6 +14,7 @@ already-processed layers below it. A killed run resumes from the work folder.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ class LayerwiseModel:
     """A model directory opened for layer-at-a-time work: the module tree lives on the meta device
     and a layer gets real float32 weights only between `load_layer` and `release_layer`."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, dtype: torch.dtype | None = None):
         self.path = model_dir(path)
         self.config_dict = read_json(self.path / "config.json")
         if "quantization_config" in self.config_dict:
@@ -54,6 +55,22 @@ class LayerwiseModel:
         with torch.device("meta"):
             self.model = build_model(self.config)
         self.num_layers = self.config.num_hidden_layers
+        self.compute_dtype = dtype or self._stored_dtype()
+
+    def _stored_dtype(self) -> torch.dtype:
+        """bfloat16 when the decoder layers are stored in 16 bits, else float32.
+
+        The forward passes run the way the model itself runs (llm-compressor does the same);
+        on CPU a bfloat16 matmul is 2-3x a float32 one. The weights the methods work on are
+        always loaded in float32 (`load_layer`); only the passes use a 16-bit copy.
+        """
+        prefix = self.layer_prefix(0)
+        for name, file in self._file_of.items():
+            if name.startswith(prefix) and name.endswith(".weight"):
+                with safe_open(str(file), framework="pt") as f:
+                    stored = f.get_slice(name).get_dtype()
+                return torch.bfloat16 if stored in ("BF16", "F16") else torch.float32
+        return torch.float32
 
     @property
     def name(self) -> str:
@@ -91,7 +108,13 @@ class LayerwiseModel:
         h = F.embedding(ids, weight)
         if self.model.model.scale_embeddings:
             h = h * torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype).item()
-        return h
+        return h.to(self.compute_dtype)
+
+    def forward_copy(self, layer: nn.Module) -> nn.Module:
+        """The layer in the compute dtype, for the forward passes (the float32 layer itself when that is the dtype)."""
+        if self.compute_dtype == torch.float32:
+            return layer
+        return copy.deepcopy(layer).to(self.compute_dtype)
 
     def load_layer(self, index: int) -> nn.Module:
         layer = self.model.model.layers[index]
@@ -165,6 +188,7 @@ def collect_stats(
     """Statistics of every Linear input of `layer` over all samples; with `write_outputs` the
     layer's outputs replace `hidden` in the same pass."""
     prefix = lm.layer_prefix(index)
+    layer = lm.forward_copy(layer)
     linears = [(prefix + local, mod) for local, mod in layer.named_modules() if isinstance(mod, nn.Linear)]
     accumulators: dict[str, StatsAccumulator] = {}
     site_modules: dict[str, list[str]] = {}
@@ -204,6 +228,7 @@ def collect_stats(
 
 def propagate(lm: LayerwiseModel, layer: nn.Module, index: int, hidden: torch.Tensor, batch_tokens: int = DEFAULT_BATCH_TOKENS) -> None:
     """hidden ← layer(hidden), in place, batch by batch."""
+    layer = lm.forward_copy(layer)
     with torch.inference_mode():
         for start, end in _batches(hidden.shape[0], hidden.shape[1], batch_tokens):
             out = lm.run_layer(layer, index, hidden[start:end])
@@ -235,7 +260,8 @@ def run_layers(
     """
     finished = min(work.finished_layers(), lm.num_layers)
     snapshot = work.load_hidden() if work.resumed else None
-    if snapshot is not None and snapshot[1] <= finished and tuple(snapshot[0].shape[:2]) == tuple(ids.shape):
+    if (snapshot is not None and snapshot[1] <= finished and tuple(snapshot[0].shape[:2]) == tuple(ids.shape)
+            and snapshot[0].dtype == lm.compute_dtype):
         hidden, start = snapshot[0].clone(), snapshot[1]
     else:
         hidden = lm.embed(ids)

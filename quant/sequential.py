@@ -26,7 +26,7 @@ from torch import nn
 from lowbit.errors import LowbitError, UsageError
 from lowbit.quant import awq as awq_mod
 from lowbit.quant.calibrate import LayerStats, LayerwiseModel, collect_stats, prepare_calibration, propagate
-from lowbit.quant.gptq import DEFAULT_BLOCK, DEFAULT_DAMP, gptq_quantize, prepare_hessian
+from lowbit.quant.gptq import DEFAULT_BLOCK, DEFAULT_DAMP, gptq_quantize, gptq_quantize_shared, prepare_hessian
 from lowbit.quant.outliers import outlier_mask, pack_outliers, unpack_outliers
 from lowbit.quant.qtensor import PART_NAMES, QTensor
 from lowbit.quant.registry import get_format
@@ -132,7 +132,7 @@ def quantize_layer(
         if scale is not None:
             global_scales.update(dict.fromkeys(members, scale))
 
-    prepared: dict[str, object] = {}
+    gptq_jobs: dict[tuple[str, FormatSpec], list[tuple[str, torch.Tensor, object, object]]] = {}
     for name, module in local.items():
         spec = specs[module]
         fmt = get_format(spec)
@@ -146,22 +146,35 @@ def quantize_layer(
         if options.method == "awq" and options.awq_clip and keep is None:
             w = _clip_if_better(w, spec, st, gscale)
         if options.method in ("gptq", "awq+gptq"):
-            if site not in prepared:
-                prepared[site] = prepare_hessian(st.hessian, damp=options.damp, act_order=options.act_order)
-            result = gptq_quantize(w, spec, st.hessian, prepared=prepared[site], block_size=options.block_size,
-                                   global_scale=gscale, keep=keep)
-            if prepared[site] is None:
-                result = gptq_quantize(w, spec, st.hessian, global_scale=gscale, keep=keep)
+            gptq_jobs.setdefault((site, spec), []).append((module, w, gscale, keep))
+            continue
+        base = w if keep is None else w.masked_fill(keep, 0.0)
+        outcome.qtensors[module] = fmt.quantize(base, spec, stats=st.sq_mean, global_scale=gscale)
+        if keep is not None:
+            outcome.outliers[module] = pack_outliers(torch.where(keep, w.to(torch.bfloat16).float(), 0.0), keep)
+
+    prepared: dict[str, object] = {}
+    for (site, spec), jobs in gptq_jobs.items():
+        st = site_stats[site]
+        if site not in prepared:
+            prepared[site] = prepare_hessian(st.hessian, damp=options.damp, act_order=options.act_order)
+        if prepared[site] is None:
+            results = [gptq_quantize(w, spec, st.hessian, global_scale=g, keep=kp) for _, w, g, kp in jobs]
+        else:
+            # Linears reading the same input go through GPTQ together (rows are independent).
+            results = gptq_quantize_shared(
+                [w for _, w, _, _ in jobs], spec, prepared[site], block_size=options.block_size,
+                global_scales=[g for _, _, g, _ in jobs], keeps=[kp for _, _, _, kp in jobs],
+            )
+        for (module, _, _, keep), result in zip(jobs, results):
             if result.fallback:
                 outcome.notes.append(f"{module}: Hessian not positive definite even at maximum dampening; used RTN")
-            qt, kept = result.qtensor, result.kept
-        else:
-            base = w if keep is None else w.masked_fill(keep, 0.0)
-            qt = fmt.quantize(base, spec, stats=st.sq_mean, global_scale=gscale)
-            kept = None if keep is None else torch.where(keep, w.to(torch.bfloat16).float(), 0.0)
-        outcome.qtensors[module] = qt
-        if keep is not None:
-            outcome.outliers[module] = pack_outliers(kept, keep)
+            outcome.qtensors[module] = result.qtensor
+            if keep is not None:
+                outcome.outliers[module] = pack_outliers(result.kept, keep)
+    # Keep the forward order of the modules (the checkpoint and the notes list them that way).
+    outcome.qtensors = {m: outcome.qtensors[m] for m in specs if m in outcome.qtensors}
+    outcome.outliers = {m: outcome.outliers[m] for m in specs if m in outcome.outliers}
     return outcome
 
 
@@ -225,7 +238,7 @@ def make_layer_method(context):
     last_snapshot = [time.monotonic()]
     if stats_file is None:
         snap = work.load_hidden() if work is not None and work.resumed else None
-        if snap is not None and snap[1] <= work.finished_layers():
+        if snap is not None and snap[1] <= work.finished_layers() and snap[0].dtype == lm.compute_dtype:
             hidden, snapshot_at = snap[0].clone(), snap[1]
         else:
             hidden = lm.embed(inputs.ids)

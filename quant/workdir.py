@@ -77,10 +77,14 @@ class WorkDir:
         with contextlib.suppress(FileNotFoundError):
             info.unlink()
         tmp = data.with_name("hidden.bin.tmp")
+        raw = hidden.contiguous()
+        if raw.dtype == torch.bfloat16:  # numpy has no bfloat16: write the same bytes as int16
+            raw = raw.view(torch.int16)
         with open(tmp, "wb") as f:
-            f.write(memoryview(hidden.contiguous().numpy()).cast("B"))
+            f.write(memoryview(raw.numpy()).cast("B"))
         os.replace(tmp, data)
-        _write_text(info, json.dumps({"next_layer": next_layer, "shape": list(hidden.shape)}))
+        dtype = str(hidden.dtype).removeprefix("torch.")
+        _write_text(info, json.dumps({"next_layer": next_layer, "shape": list(hidden.shape), "dtype": dtype}))
 
     def load_hidden(self) -> tuple[torch.Tensor, int] | None:
         info = self.path / "hidden.json"
@@ -91,7 +95,8 @@ class WorkDir:
         count = 1
         for d in shape:
             count *= d
-        data = torch.from_file(str(self.path / "hidden.bin"), shared=False, size=count, dtype=torch.float32)
+        dtype = getattr(torch, meta.get("dtype", "float32"))
+        data = torch.from_file(str(self.path / "hidden.bin"), shared=False, size=count, dtype=dtype)
         return data.view(*shape), int(meta["next_layer"])
 
     def remove(self) -> None:
