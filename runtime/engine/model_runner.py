@@ -64,7 +64,8 @@ class ModelRunner:
             return None
         if len(rows) != h.shape[0]:
             h = h[torch.tensor(rows, device=self.device)]
-        logits = self.model.lm_head(h)
+        # float32 logits (exact for bf16 ones): torch's CPU argmax/softmax over bf16 is ~4x slower
+        logits = self.model.lm_head(h).float()
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
