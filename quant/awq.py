@@ -33,6 +33,7 @@ from lowbit.quant.stats import InputStats
 
 DEFAULT_GRID = 20
 DEFAULT_CLIP_RATIOS = tuple(1.0 - 0.05 * i for i in range(10))  # 1.0 … 0.55
+SCORE_ROWS = 256  # rows of each Linear that score the α grid (see score_rows)
 
 
 @dataclass(slots=True)
@@ -69,15 +70,40 @@ def weight_term(weights: list[torch.Tensor], specs: list[FormatSpec]) -> torch.T
     return torch.cat(rows).mean(0)
 
 
-def quantized_error(w: torch.Tensor, spec: FormatSpec, stats: InputStats, s: torch.Tensor | None) -> float:
-    """tr(E H Eᵀ) of quantizing W·diag(s) (RTN, scales searched with diag H weights) then dividing s back out."""
+def fake_quantize(
+    w: torch.Tensor, spec: FormatSpec, *, stats: torch.Tensor | None = None, global_scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """dequantize(quantize(W)) without packing and unpacking the codes (the searches call it often)."""
     fmt = get_format(spec)
+    n, k = w.shape
+    scales = fmt.compute_scales(w, spec, stats=stats, global_scale=global_scale)
+    zero = None if scales.zero is None else scales.zero.unsqueeze(-1)
+    _, values = fmt.quantize_group_values(grouped(w, scales.group_size), scales.scale.unsqueeze(-1), zero, spec)
+    return values.reshape(n, -1)[:, :k].float()
+
+
+def quantized_error(
+    w: torch.Tensor, spec: FormatSpec, stats: InputStats, s: torch.Tensor | None, *, rows: torch.Tensor | None = None
+) -> float:
+    """tr(E H Eᵀ) of quantizing W·diag(s) (RTN, scales searched with diag H weights) then dividing s
+    back out; over the given rows of W only when `rows` is set."""
+    if rows is not None:
+        w = w[rows]
     scaled = w if s is None else w * s
-    scaled_stats = stats if s is None else stats.scaled(s)
-    q = fmt.quantize(scaled, spec, stats=scaled_stats.sq_mean).dequantize(torch.float32)
+    col_weights = stats.sq_mean if s is None else stats.sq_mean / (s * s)  # E[(x/s)²]
+    q = fake_quantize(scaled, spec, stats=col_weights)
     e = q if s is None else q / s
     e = e - w
     return float(((e @ stats.hessian) * e).sum())
+
+
+def score_rows(n: int, spec: FormatSpec, limit: int = SCORE_ROWS) -> torch.Tensor | None:
+    """Evenly spread rows for scoring the α grid, or None for all of them. The score's cost is
+    rows × K², and which α wins shows on a few hundred rows as well as on all; block formats
+    (scales shared by 2-D tiles of rows) are always scored whole."""
+    if n <= limit or spec.granularity == "block":
+        return None
+    return torch.linspace(0, n - 1, limit).round().long().unique()
 
 
 def search_scales(
@@ -94,22 +120,26 @@ def search_scales(
 
     fast = [fast_spec(sp) for sp in specs]
 
-    def score(s, which):
-        return sum(quantized_error(w, sp, stats, s) for w, sp in zip(weights, which))
+    subsets = [score_rows(w.shape[0], sp) for w, sp in zip(weights, specs)]
 
-    # The grid is scored with each format's plain scale rule (one candidate instead of a search);
-    # the winner must then also beat s = 1 under the real rule, or s = 1 is kept.
-    best_s, best_err, best_alpha = None, score(None, fast), -1.0
+    def score(s, which, rows):
+        return sum(quantized_error(w, sp, stats, s, rows=r) for w, sp, r in zip(weights, which, rows))
+
+    # The grid is scored on a spread of rows with each format's plain scale rule (one candidate
+    # instead of a search); the winner must then also beat s = 1 on all rows under the real rule,
+    # or s = 1 is kept.
+    best_s, best_err, best_alpha = None, score(None, fast, subsets), -1.0
     for alpha in torch.linspace(0.0, 1.0, grid).tolist():
         s = x_mean.pow(alpha) / w_mean.pow(1.0 - alpha)
         s = (s / (s.max() * s.min()).sqrt()).clamp_min(1e-4)
-        err = score(s, fast)
+        err = score(s, fast, subsets)
         if err < best_err:
             best_s, best_err, best_alpha = s, err, alpha
-    base = score(None, specs)
     if best_s is None:
         return torch.ones_like(x_mean), -1.0, 1.0
-    final = score(best_s, specs)
+    everything = [None] * len(weights)
+    base = score(None, specs, everything)
+    final = score(best_s, specs, everything)
     if final >= base:
         return torch.ones_like(x_mean), -1.0, 1.0
     return best_s, best_alpha, final / base if base > 0 else 1.0
@@ -133,9 +163,12 @@ def search_clip(
     ratios: tuple[float, ...] = DEFAULT_CLIP_RATIOS,
     global_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """W with each (row, group) clamped to the ratio of its max |w| that quantizes best."""
-    spec = as_spec(spec)
-    fmt = get_format(spec)
+    """W with each (row, group) clamped to the ratio of its max |w| that quantizes best.
+
+    The ratios are scored with the format's plain scale rule: the clip ratio is itself the search
+    a searched rule would repeat (ten times over), and the caller keeps the clipped W only if it
+    also wins under the real rule."""
+    spec = fast_spec(as_spec(spec))
     n, k = w.shape
     g = _group_width(spec, k)
     groups = num_groups(k, g)
@@ -149,7 +182,7 @@ def search_clip(
         limit = amax * r
         clipped = torch.maximum(torch.minimum(wg, limit), -limit)
         flat = clipped.reshape(n, -1)[:, :k]
-        q = fmt.quantize(flat, spec, stats=stats.sq_mean, global_scale=global_scale).dequantize(torch.float32)
+        q = fake_quantize(flat, spec, stats=stats.sq_mean, global_scale=global_scale)
         e = grouped(q - w, g)  # error against the unclipped weight
         err = (torch.einsum("ngc,gcd->ngd", e, blocks) * e).sum(-1, keepdim=True)  # [N, G, 1]
         if best_err is None:

@@ -56,3 +56,30 @@ def test_search_never_loses_to_identity(fmt_name):
     assert rel == pytest.approx(found / base)
     if alpha >= 0:
         assert found < base
+
+
+FAKE_SPECS = ["int4-g32", "int4-asym-g64", "int8", "nf4", "nf4-dq", "fp8", "fp8-block128", "mxfp4", "nvfp4"]
+
+
+@pytest.mark.parametrize("label", FAKE_SPECS)
+def test_fake_quantize_is_dequantize_of_quantize(label):
+    """The searches' unpacked shortcut gives exactly the checkpoint's dequantized weights (ragged K)."""
+    from lowbit.quant.awq import fake_quantize
+    from lowbit.quant.registry import get_format
+
+    spec = parse_spec(label)
+    gen = torch.Generator().manual_seed(2)
+    w = 0.05 * torch.randn(160, 200, generator=gen)
+    col = torch.rand(200, generator=gen) + 0.1
+    expected = get_format(spec).quantize(w, spec, stats=col).dequantize(torch.float32)
+    assert torch.equal(fake_quantize(w, spec, stats=col), expected)
+
+
+def test_score_rows_spread_and_whole_for_blocks():
+    from lowbit.quant.awq import score_rows
+
+    rows = score_rows(1000, parse_spec("int4-g64"), limit=256)
+    assert rows.numel() == 256 and rows[0] == 0 and rows[-1] == 999
+    assert torch.equal(rows, rows.unique())  # sorted, no repeats
+    assert score_rows(200, parse_spec("int4-g64"), limit=256) is None
+    assert score_rows(1000, parse_spec("fp8-block128"), limit=256) is None
