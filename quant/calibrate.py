@@ -126,12 +126,15 @@ class LayerwiseModel:
     def release_layer(self, index: int) -> None:
         self.model.model.layers[index].to("meta")
 
-    def run_layer(self, layer: nn.Module, index: int, x: torch.Tensor) -> torch.Tensor:
-        t = x.shape[1]
-        positions = torch.arange(t)
+    def rope(self, index: int, t: int, dtype: torch.dtype, device=None):
+        """(cos, sin, attention context) for layer `index` on windows of t tokens from position 0."""
         rotary = self.model.model.rotaries[self.model.model.layer_rotary[index]]
-        cos, sin = rotary.cos_sin(positions, t - 1, x.dtype)
-        return layer(x, cos, sin, AttentionContext(0, t, x.device), None)
+        cos, sin = rotary.cos_sin(torch.arange(t), t - 1, dtype)
+        return cos, sin, AttentionContext(0, t, device or torch.device("cpu"))
+
+    def run_layer(self, layer: nn.Module, index: int, x: torch.Tensor) -> torch.Tensor:
+        cos, sin, ctx = self.rope(index, x.shape[1], x.dtype, x.device)
+        return layer(x, cos, sin, ctx, None)
 
 
 def calibration_samples(tokenizer, text: str, samples: int, seqlen: int, seed: int, what: str = "text") -> torch.Tensor:

@@ -32,6 +32,7 @@ from lowbit.quant.qtensor import PART_NAMES, QTensor
 from lowbit.quant.registry import get_format
 from lowbit.quant.rtn import shared_global_scale
 from lowbit.quant.spec import FormatSpec
+from lowbit.quant.staged import run_staged, stageable
 from lowbit.quant.stats import InputStats, StatsFile
 
 METHODS = ("rtn", "gptq", "awq", "awq+gptq")
@@ -203,6 +204,35 @@ def apply_outcome(layer: nn.Module, prefix: str, outcome: LayerOutcome) -> None:
         getattr(layer.get_submodule(owner), leaf).data = tensor.float().clone()
 
 
+def _quantize_staged(lm, layer: nn.Module, index: int, hidden: torch.Tensor, specs: dict[str, FormatSpec], options: QuantOptions) -> LayerOutcome:
+    """GPTQ site by site on the outputs of the already-quantized sites (quant/staged.py); `hidden`
+    ends up holding the quantized layer's outputs."""
+    prefix = lm.layer_prefix(index)
+    outcome = LayerOutcome(qtensors={})
+
+    def quantize_site(site: str, modules: tuple[str, ...], stats: InputStats) -> dict[str, torch.Tensor]:
+        names = [prefix + m for m in modules if prefix + m in specs]
+        if not names:
+            return {}
+        part = quantize_layer(layer, prefix, LayerStats(sites={prefix + site: stats}, site_modules={prefix + site: names}),
+                              {m: specs[m] for m in names}, options)
+        outcome.qtensors.update(part.qtensors)
+        outcome.outliers.update(part.outliers)
+        outcome.notes.extend(part.notes)
+        weights = {}
+        for module, qt in part.qtensors.items():
+            w = qt.dequantize(torch.float32)
+            if module in part.outliers:
+                w = w + unpack_outliers(part.outliers[module], qt.shape)
+            weights[module[len(prefix):]] = w
+        return weights
+
+    run_staged(lm, layer, index, hidden, quantize_site)
+    outcome.qtensors = {m: outcome.qtensors[m] for m in specs if m in outcome.qtensors}
+    outcome.outliers = {m: outcome.outliers[m] for m in specs if m in outcome.outliers}
+    return outcome
+
+
 def options_from(context_options: dict, method: str) -> QuantOptions:
     known = {f for f in QuantOptions.__dataclass_fields__ if f != "method"}
     return QuantOptions(method=method, **{k: v for k, v in context_options.items() if k in known})
@@ -251,19 +281,28 @@ def make_layer_method(context):
         i = part.index
         prefix = lm.layer_prefix(i)
         layer = lm.load_layer(i)
+        moved = False  # whether `hidden` already holds this layer's quantized outputs
         if work is not None and work.has_layer(i):
             outcome = LayerOutcome.from_tensors(*work.load_layer(i))
         else:
             if stats_file is not None:
                 sites = stats_file.layer_sites(prefix)
                 stats = LayerStats(sites={s: stats_file.site(s) for s in sites}, site_modules=sites)
+            elif options.method == "gptq" and stageable(layer):
+                outcome = _quantize_staged(lm, layer, i, hidden, part.specs, options)
+                moved = True
             else:
                 stats = collect_stats(lm, layer, i, hidden, write_outputs=False)
-            outcome = quantize_layer(layer, prefix, stats, part.specs, options)
+            if not moved:
+                outcome = quantize_layer(layer, prefix, stats, part.specs, options)
             if work is not None:
                 work.save_layer(i, *outcome.to_tensors())
                 outcome = LayerOutcome.from_tensors(*work.load_layer(i))
-        if hidden is not None and i >= snapshot_at:
+        if moved:
+            if work is not None and i + 1 < lm.num_layers and time.monotonic() - last_snapshot[0] >= snapshot_every_s:
+                work.save_hidden(hidden, i + 1)
+                last_snapshot[0] = time.monotonic()
+        elif hidden is not None and i >= snapshot_at:
             layer = lm.load_layer(i)  # a fresh float layer, then exactly the saved changes
             apply_outcome(layer, prefix, outcome)
             propagate(lm, layer, i, hidden)

@@ -85,13 +85,12 @@ class StatsAccumulator:
             # only the batch's result is rounded to bf16 (2^-9 relative), and those roundings
             # average out over the batches (see docs/calibrate.md for the measured effect).
             self.xtx += (x.T @ x).double()
-            x = x.float()
         else:
             x = x.float()
             self.xtx += (x.T @ x).double()
         a = x.abs()
-        self.abs_sum += a.sum(0).double()
-        self.max_abs = torch.maximum(self.max_abs, a.amax(0))
+        self.abs_sum += a.sum(0, dtype=torch.float32).double()
+        self.max_abs = torch.maximum(self.max_abs, a.amax(0).float())
         self.tokens += x.shape[0]
 
     def finish(self) -> InputStats:

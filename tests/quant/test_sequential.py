@@ -37,23 +37,22 @@ def test_deterministic_and_resumable(tiny_model, tmp_path, method, monkeypatch):
     _quantize(model, b, method, text=text)
     assert _digest(a) == _digest(b)
 
-    # Kill the run after layer 1's result is saved; the rerun continues from the work folder.
-    import lowbit.quant.sequential as seq
+    # Kill the run right after layer 1's result is saved; the rerun continues from the work folder
+    # (replaying layer 1 from its saved result, where gptq computed it stage by stage).
+    from lowbit.quant.workdir import WorkDir
 
-    real = seq.propagate
-    calls = []
+    real = WorkDir.save_layer
 
-    def dying(lm, layer, index, hidden, *args):
-        calls.append(index)
-        if index == 1 and len(calls) == 2:
+    def dying(self, index, tensors, meta):
+        real(self, index, tensors, meta)
+        if index == 1:
             raise KeyboardInterrupt
-        return real(lm, layer, index, hidden, *args)
 
-    monkeypatch.setattr(seq, "propagate", dying)
+    monkeypatch.setattr(WorkDir, "save_layer", dying)
     with pytest.raises(KeyboardInterrupt):
         _quantize(model, c, method, text=text, snapshot_every_s=0.0)
     assert not c.exists() and work_dir_for(c).is_dir()
-    monkeypatch.setattr(seq, "propagate", real)
+    monkeypatch.setattr(WorkDir, "save_layer", real)
     _quantize(model, c, method, text=text, snapshot_every_s=0.0)
     assert _digest(c) == _digest(a)
     assert not work_dir_for(c).exists()
