@@ -4,9 +4,12 @@
     python bench/plots.py --measure    # first rerun the measurements (about 20 minutes on 2 cores)
 
 Pictures:
-  quality_vs_bits.png   PPL and KLD vs bits per weight, every format x method
-                        (bench/results/quality.json from bench/quality.py; calibration.json, if a
-                        calibration benchmark wrote one in the same shape, adds GPTQ/AWQ rows)
+  quality_vs_bits.png   PPL and KLD vs bits per weight, every format x method, for SmolLM2
+                        (bench/results/calibration.json from bench/calibration.py: every method,
+                        marker per method, hollow + line for kept outliers; plus the RTN rows of
+                        bench/results/quality.json from bench/quality.py for formats the
+                        calibration run left out, when both used the same ctx and chunks)
+  quality_vs_bits_MODEL.png  the same for each bench/results/calibration-MODEL.json (e.g. Gemma-3)
   decode_vs_batch.png   decode tok/s vs batch size, measured by `lowbit bench`, against plan's
                         roofline (bench/results/decode_vs_batch.json from bench/decode_vs_batch.py)
   kv_memory.png         KV cache memory vs context length, reserved vs paged, bf16 vs fp8 / int8,
@@ -51,19 +54,44 @@ def family(fmt: str) -> str:
 FAMILY_COLORS = {"bf16": "black", "int8": "tab:blue", "fp8": "tab:orange", "int4": "tab:green", "nf4": "tab:red",
                  "mxfp4": "tab:purple", "nvfp4": "tab:brown"}
 METHOD_MARKERS = {"rtn": "o", "gptq": "s", "awq": "^", "awq+gptq": "D"}
+FORMAT_PALETTE = ["tab:green", "tab:red", "tab:purple", "tab:brown", "tab:orange", "tab:blue", "tab:olive", "tab:cyan",
+                  "tab:pink", "tab:gray", "darkgreen", "navy"]
+LABELLED_POINTS = 14  # beyond this many points the picture uses legends instead of a label per point
+QUALITY_MODEL = "smollm2-135m"  # bench/quality.py's model: its rows carry no model name
 
 
-def quality_rows() -> tuple[list[dict], str]:
+def calibration_json(model: str) -> Path:
+    """bench/calibration.py's default rows file for a model."""
+    return RESULTS / ("calibration.json" if model == QUALITY_MODEL else f"calibration-{model}.json")
+
+
+def quality_models() -> list[str]:
+    """Models with quality rows: SmolLM2 (quality.json or calibration.json) and every calibration-MODEL.json."""
+    models = [QUALITY_MODEL] if (RESULTS / "quality.json").exists() or calibration_json(QUALITY_MODEL).exists() else []
+    return models + sorted(p.stem[len("calibration-"):] for p in RESULTS.glob("calibration-*.json"))
+
+
+def quality_rows(model: str = QUALITY_MODEL) -> tuple[list[dict], str]:
+    """The model's rows: bench/calibration.py's (every method, RTN included) plus bench/quality.py's
+    RTN rows for formats the calibration run did not cover, when both used the same eval settings."""
     rows, notes = [], []
-    for name in ("quality.json", "calibration.json"):
-        path = RESULTS / name
-        if not path.exists():
-            continue
-        data = json.loads(path.read_text())
-        notes.append(f"ctx {data.get('ctx')}, {data.get('chunks')} chunks")
-        for row in data["rows"]:
-            rows.append({**row, "method": row.get("method", "rtn")})
-    return rows, "; ".join(dict.fromkeys(notes))
+    calib_path = calibration_json(model)
+    calib = json.loads(calib_path.read_text()) if calib_path.exists() else None
+    if calib is not None:
+        rows = [{**r, "method": r.get("method", "rtn"), "outliers_pct": r.get("outliers_pct", 0)} for r in calib["rows"]]
+        notes.append(f"ctx {calib.get('ctx')}, {calib.get('chunks_run', calib.get('chunks'))} chunks, "
+                     f"calibrated on {calib.get('calibration')}")
+    quality_path = RESULTS / "quality.json"
+    if model == QUALITY_MODEL and quality_path.exists():
+        data = json.loads(quality_path.read_text())
+        same_eval = calib is None or (data.get("ctx"), data.get("chunks")) == (calib.get("ctx"), calib.get("chunks_run", calib.get("chunks")))
+        if same_eval:
+            covered = {r["format"] for r in rows}
+            extra = [{**r, "method": r.get("method", "rtn"), "outliers_pct": 0} for r in data["rows"] if r["format"] not in covered]
+            rows += extra
+            if calib is None:
+                notes.append(f"ctx {data.get('ctx')}, {data.get('chunks')} chunks")
+    return rows, "; ".join(notes)
 
 
 def _label_points(ax, points: list[dict], key: str) -> None:
@@ -82,23 +110,49 @@ def _label_points(ax, points: list[dict], key: str) -> None:
 
 
 def _point_label(row: dict) -> str:
-    return row["format"] if row["method"] == "rtn" else f"{row['format']} {row['method']}"
+    label = row["format"] if row["method"] == "rtn" else f"{row['format']} {row['method']}"
+    return f"{label} +{row['outliers_pct']:g}%" if row.get("outliers_pct") else label
 
 
-def plot_quality(out: Path) -> bool:
-    rows, note = quality_rows()
+def _format_colors(points: list[dict], labelled: bool) -> dict[str, str]:
+    """One colour per format label; by family when each point is labelled anyway (the old picture)."""
+    formats = list(dict.fromkeys(r["format"] for r in points))
+    if labelled:
+        return {f: FAMILY_COLORS.get(family(f), "gray") for f in formats}
+    return {f: FORMAT_PALETTE[i % len(FORMAT_PALETTE)] for i, f in enumerate(formats)}
+
+
+def plot_quality(out: Path, model: str = QUALITY_MODEL) -> bool:
+    rows, note = quality_rows(model)
     if not rows:
         return False
-    fig, (ax_ppl, ax_kld) = plt.subplots(1, 2, figsize=(11, 4.4))
+    fig, (ax_ppl, ax_kld) = plt.subplots(1, 2, figsize=(11, 4.8))
     base = next((r for r in rows if r["format"] == "bf16"), None)
     points = sorted((r for r in rows if r["format"] != "bf16"), key=lambda r: r["linear_bpw"])
+    labelled = len(points) <= LABELLED_POINTS
+    colors = _format_colors(points, labelled)
     for row in points:
-        color = FAMILY_COLORS.get(family(row["format"]), "gray")
+        color = colors[row["format"]]
         marker = METHOD_MARKERS.get(row["method"], "x")
-        ax_ppl.plot(row["linear_bpw"], row["ppl"], marker, color=color)
-        ax_kld.errorbar(row["linear_bpw"], row["kld"], yerr=row.get("kld_err"), fmt=marker, color=color, capsize=2)
-    for ax, key in ((ax_ppl, "ppl"), (ax_kld, "kld")):
-        _label_points(ax, points, key)
+        # kept outliers: the same method's marker, hollow
+        face = "none" if row.get("outliers_pct") else color
+        ax_ppl.plot(row["linear_bpw"], row["ppl"], marker, color=color, mfc=face)
+        ax_kld.errorbar(row["linear_bpw"], row["kld"], yerr=row.get("kld_err"), fmt=marker, color=color, mfc=face, capsize=2)
+    # an outlier sweep is one line per format x method, from 0 % up
+    series: dict[tuple, list[dict]] = {}
+    for row in points:
+        series.setdefault((row["format"], row["method"]), []).append(row)
+    for (fmt, _), members in series.items():
+        if any(r.get("outliers_pct") for r in members) and len(members) > 1:
+            members = sorted(members, key=lambda r: r.get("outliers_pct", 0))
+            for ax, key in ((ax_ppl, "ppl"), (ax_kld, "kld")):
+                ax.plot([r["linear_bpw"] for r in members], [r[key] for r in members], "-", color=colors[fmt], lw=0.7, alpha=0.6)
+    if labelled:
+        for ax, key in ((ax_ppl, "ppl"), (ax_kld, "kld")):
+            _label_points(ax, points, key)
+    else:
+        fmt_handles = [plt.Line2D([], [], marker="o", ls="", color=c, label=f) for f, c in colors.items()]
+        ax_ppl.legend(handles=fmt_handles, title="format", fontsize=7, loc="upper right", ncol=2)
     if base:
         ax_ppl.axhline(base["ppl"], color="black", lw=0.8, ls="--")
         ax_ppl.annotate(f"bf16 {base['ppl']:.2f}", (ax_ppl.get_xlim()[0], base["ppl"]), xytext=(4, 3),
@@ -107,14 +161,17 @@ def plot_quality(out: Path) -> bool:
                title="perplexity")
     ax_kld.set(xlabel="bits per weight (quantized Linears, scales included)", ylabel="mean KL divergence vs bf16",
                title="KL divergence", yscale="log")
-    methods = sorted({r["method"] for r in rows if r["format"] != "bf16"})
+    methods = list(dict.fromkeys(m for m in METHOD_MARKERS if any(r["method"] == m for r in points)))
+    methods += sorted({r["method"] for r in points} - set(methods))
     handles = [plt.Line2D([], [], marker=METHOD_MARKERS.get(m, "x"), ls="", color="gray", label=m) for m in methods]
+    if any(r.get("outliers_pct") for r in points):
+        handles.append(plt.Line2D([], [], marker="o", ls="-", lw=0.7, color="gray", mfc="none", label="+ outliers kept in bf16"))
     ax_kld.legend(handles=handles, title="method", fontsize=8, loc="upper right")
     low, high = min(r["linear_bpw"] for r in points), max(r["linear_bpw"] for r in points)
     for ax in (ax_ppl, ax_kld):
         ax.grid(alpha=0.3)
-        ax.set_xlim(low - 0.3, high + 1.2)  # room for the labels right of the points
-    fig.suptitle(f"SmolLM2-135M-Instruct on wiki-eval ({note}): quality vs size", fontsize=11)
+        ax.set_xlim(low - 0.3, high + (1.2 if labelled else 0.5))  # room for the labels right of the points
+    fig.suptitle(f"{model} on wiki-eval ({note}): quality vs size", fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=DPI)
     plt.close(fig)
@@ -180,6 +237,15 @@ def plot_kv(out: Path) -> bool:
 PICTURES = {"quality_vs_bits.png": plot_quality, "decode_vs_batch.png": plot_decode, "kv_memory.png": plot_kv}
 
 
+def pictures() -> dict:
+    """Every picture to draw: the fixed ones plus quality_vs_bits_MODEL.png per other calibrated model."""
+    out = dict(PICTURES)
+    for model in quality_models():
+        if model != QUALITY_MODEL:
+            out[f"quality_vs_bits_{model}.png"] = lambda path, m=model: plot_quality(path, m)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--measure", action="store_true", help="rerun the measurement scripts first")
@@ -192,7 +258,7 @@ def main() -> None:
             subprocess.run([sys.executable, str(BENCH / script), *rest], check=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for name, draw in PICTURES.items():
+    for name, draw in pictures().items():
         if draw(out / name):
             print(out / name)
         else:
