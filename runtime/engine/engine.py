@@ -271,8 +271,10 @@ class Engine:
                              seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens)
 
     def _draft_len(self, seq: Sequence) -> int:
+        # k adapts within [1, num_speculative_tokens]: a verify's cost grows with its rows (on CPU in
+        # steps of 4, kernels/int4_dot.c), so growing past the requested k cost more than it won.
         k = self._adaptive.setdefault(
-            seq.request_id, AdaptiveK(self.num_speculative_tokens, 1, 2 * self.num_speculative_tokens)).k
+            seq.request_id, AdaptiveK(self.num_speculative_tokens, 1, self.num_speculative_tokens)).k
         room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
         return max(0, min(k, room))
 

@@ -17,7 +17,7 @@ def test_equals_float32_matmul_of_bf16_activations(label):
         qt = quantized(label, n, k)
         pw = prepare(qt, "cpu")
         assert pw.path == "cpu-int4dot"
-        for m in (1, 2, 5, 16, 33):  # 33: the prefill route (bf16 weights, float32 GEMM)
+        for m in (1, 2, 3, 4, 5, 8, 16, 33):  # 4-row passes, ragged ones; 33: the prefill route (bf16 weights)
             x = torch.randn(m, k).to(torch.bfloat16).float()
             tol = 1e-5 if m <= cpu_int4dot.FUSED_MAX_ROWS else 2e-5
             assert rel_err(qmatmul(x, pw), oracle(x, qt)) < tol, (label, n, k, m)
