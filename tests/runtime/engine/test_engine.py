@@ -110,7 +110,9 @@ def test_speculative_greedy_equals_plain(draft, engine_llama_dir, engine_llama_d
     assert stats.spec_draft_tokens > 0
     assert 1.0 <= stats.spec_mean_accepted_length <= 7.0
     if draft == "self:int8":  # a near-lossless copy agrees almost always, if its own KV cache is right
-        assert stats.spec_accepted_tokens / stats.spec_draft_tokens > 0.95
+        # (k <= 3 per pass: each of the few disagreements costs a larger share of the drafts than
+        # when k could grow to 6; a stale draft KV cache gives well under 0.5)
+        assert stats.spec_accepted_tokens / stats.spec_draft_tokens > 0.9
 
 
 def test_gemma3_sliding_window_paged_equals_contiguous(engine_gemma3_dir, monkeypatch):
