@@ -88,10 +88,12 @@ def run_staged(
         acc = None
         for start, end in batches:
             x = inputs(start, end)
-            _check_finite(x, f"entering {lm.layer_prefix(index)}{site}", start)
             if acc is None:
                 acc = StatsAccumulator(x.shape[-1])
             acc.add(x)
+        if not acc.finite():  # only now look for the sample, so the common case pays one check
+            for start, end in batches:
+                _check_finite(inputs(start, end), f"entering {lm.layer_prefix(index)}{site}", start)
         for name, weight in quantize(site, modules, acc.finish()).items():
             fwd.get_submodule(name).weight.data = weight.to(fwd.get_submodule(name).weight.dtype)
 

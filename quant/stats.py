@@ -63,6 +63,9 @@ class InputStats:
         )
 
 
+_HESSIAN_BLOCK = 512
+
+
 class StatsAccumulator:
     """Running sums for one site; `add(x)` with x [..., K] in any float dtype, `finish()` → InputStats.
 
@@ -80,25 +83,33 @@ class StatsAccumulator:
 
     def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1])
-        if x.dtype == torch.bfloat16:
-            # bf16 inputs multiply exactly with float32 accumulation at twice the float32 speed;
-            # only the batch's result is rounded to bf16 (2^-9 relative), and those roundings
-            # average out over the batches (see docs/calibrate.md for the measured effect).
-            self.xtx += (x.T @ x).double()
-        else:
+        if x.dtype != torch.bfloat16:
             x = x.float()
-            self.xtx += (x.T @ x).double()
+        # bf16 inputs multiply exactly with float32 accumulation at twice the float32 speed; only
+        # the batch's product is rounded to bf16 (2^-9 relative), and those roundings average out
+        # over the batches. Σxxᵀ is symmetric, so only the blocks on and above the diagonal are
+        # computed (2/3 of the work at K = 1536); `finish` mirrors them.
+        k = x.shape[1]
+        for i in range(0, k, _HESSIAN_BLOCK):
+            block = x[:, i : i + _HESSIAN_BLOCK]
+            self.xtx[i : i + _HESSIAN_BLOCK, i:] += (block.T @ x[:, i:]).double()
         a = x.abs()
         self.abs_sum += a.sum(0, dtype=torch.float32).double()
         self.max_abs = torch.maximum(self.max_abs, a.amax(0).float())
         self.tokens += x.shape[0]
 
+    def finite(self) -> bool:
+        """False once any input so far held a NaN or inf (they reach Σxxᵀ)."""
+        return bool(torch.isfinite(torch.diagonal(self.xtx)).all() and torch.isfinite(self.xtx).all())
+
     def finish(self) -> InputStats:
         n = max(self.tokens, 1)
+        upper = torch.triu(self.xtx)
+        xtx = upper + torch.triu(upper, 1).T
         return InputStats(
-            hessian=(self.xtx / n).float(),
+            hessian=(xtx / n).float(),
             mean_abs=(self.abs_sum / n).float(),
-            sq_mean=(torch.diagonal(self.xtx) / n).float(),  # Σx² is diag(Σxxᵀ)
+            sq_mean=(torch.diagonal(xtx) / n).float(),  # Σx² is diag(Σxxᵀ)
             max_abs=self.max_abs.clone(),
             tokens=self.tokens,
         )

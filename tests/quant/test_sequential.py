@@ -76,3 +76,24 @@ def test_calib_stats_quantize_every_format(tiny_model, tmp_path):
     for fmt in ("nvfp4", "int8"):  # int4 is covered above; these add a global scale and per-row scales
         summary = quantize_model(model, fmt, out_dir=tmp_path / fmt, method="awq+gptq", method_options={"calib": str(stats)})
         assert summary.notes == []
+
+
+@pytest.mark.parametrize("where, message", [
+    ("model.layers.1.input_layernorm.weight", r"non-finite activations .* entering model\.layers\.1\.self_attn\.q_proj"),
+    ("model.layers.1.post_attention_layernorm.weight", r"non-finite activations .* entering model\.layers\.1\.mlp\.gate_proj"),
+])
+def test_gptq_staged_refuses_non_finite_activations(tiny_model, tmp_path, where, message):
+    # GPTQ calibrates site by site (quant/staged.py); an inf norm weight poisons that site's input,
+    # which must stop the run with one line naming the site, and no output.
+    from safetensors.torch import load_file, save_file
+
+    path = tiny_model("llama", with_tokenizer=True)
+    weights = load_file(path / "model.safetensors")
+    weights[where][0] = float("inf")
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    text = tmp_path / "calib.txt"
+    text.write_text(TEXT)
+    out = tmp_path / "q"
+    with pytest.raises(LowbitError, match=message):
+        _quantize(path, out, text=text)
+    assert not out.exists()
