@@ -11,7 +11,9 @@ quant/sequential.quantize_layer and its dequantized weights (plus kept outliers)
 float32 copy of the model, which is scored on wiki-eval against the float model. The float model
 runs once; its logits are kept on disk (--workdir) and replayed as the base of every KL divergence.
 
-Configurations: every format × method without outliers; with --outliers, each percentage > 0 for
+Methods: rtn is `lowbit quantize --method rtn` (no statistics); with kept outliers it is
+quant/sequential's rtn, whose scale search is weighted by E[x²]. Configurations: every format ×
+method without outliers; with --outliers, each percentage > 0 for
 the --outlier-formats × --outlier-methods (default: all of them); with --best, extra
 FORMAT:METHOD:PERCENT triples (the "best recipe" candidates). Bits/weight are over the quantized
 Linears, scales included, each kept outlier counted at 48 bits.
@@ -119,9 +121,12 @@ def quantized_copy(model_dir: Path, stats_path: Path, spec_label: str, method: s
     for i, layer in enumerate(model.model.layers):
         prefix = lm.layer_prefix(i)
         sites = stats_file.layer_sites(prefix)
-        stats = LayerStats(sites={s: stats_file.site(s) for s in sites}, site_modules=sites)
         specs = {m: spec for mods in sites.values() for m in mods}
-        outcome = quantize_layer(layer, prefix, stats, specs, options)
+        if method == "rtn" and not outliers:
+            outcome = plain_rtn(layer, prefix, specs)
+        else:
+            stats = LayerStats(sites={s: stats_file.site(s) for s in sites}, site_modules=sites)
+            outcome = quantize_layer(layer, prefix, stats, specs, options)
         apply_outcome(layer, prefix, outcome)
         notes += outcome.notes
         for module, qt in outcome.qtensors.items():
@@ -130,6 +135,25 @@ def quantized_copy(model_dir: Path, stats_path: Path, spec_label: str, method: s
             bits += (qt.bits_per_weight + extra) * n
             params += n
     return model, bits / params, time.perf_counter() - began, notes
+
+
+def plain_rtn(layer, prefix: str, specs: dict):
+    """What `lowbit quantize --method rtn` does to one layer: no calibration statistics (quantize_layer's
+    rtn would weight the scale search by E[x²]), nvfp4's global scale shared by fused Linears."""
+    from lowbit.quant.rtn import quantize_rtn, shared_global_scale
+    from lowbit.quant.sequential import FUSED, LayerOutcome
+
+    global_scales = {}
+    for fused in FUSED:
+        members = [prefix + name for name in fused]
+        if all(m in specs for m in members) and len({specs[m] for m in members}) == 1:
+            weights = [layer.get_submodule(name).weight.data.float() for name in fused]
+            scale = shared_global_scale(weights, specs[members[0]])
+            if scale is not None:
+                global_scales.update(dict.fromkeys(members, scale))
+    qtensors = {m: quantize_rtn(layer.get_submodule(m[len(prefix):]).weight.data.float(), spec, global_scale=global_scales.get(m))
+                for m, spec in specs.items()}
+    return LayerOutcome(qtensors=qtensors)
 
 
 def _row_key(row: dict) -> tuple[str, str, float]:
