@@ -15,6 +15,7 @@ already-processed layers below it. A killed run resumes from the work folder.
 from __future__ import annotations
 
 import copy
+import ctypes
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -125,6 +126,7 @@ class LayerwiseModel:
 
     def release_layer(self, index: int) -> None:
         self.model.model.layers[index].to("meta")
+        _return_freed_memory()
 
     def rope(self, index: int, t: int, dtype: torch.dtype, device=None):
         """(cos, sin, attention context) for layer `index` on windows of t tokens from position 0."""
@@ -135,6 +137,27 @@ class LayerwiseModel:
     def run_layer(self, layer: nn.Module, index: int, x: torch.Tensor) -> torch.Tensor:
         cos, sin, ctx = self.rope(index, x.shape[1], x.dtype, x.device)
         return layer(x, cos, sin, ctx, None)
+
+
+def _return_freed_memory() -> None:
+    """Give the heap's free pages back to the system (glibc only).
+
+    Each layer allocates and frees tens of MB of activations in sizes glibc serves from the heap
+    (its mmap threshold rises after the first large frees), and the freed pages would otherwise
+    stay resident: peak RSS grew by ~20 MB a layer before this (1.75 → 1.34 GB on SmolLM2).
+    """
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL("libc.so.6")
+            _libc.malloc_trim
+        except (OSError, AttributeError):
+            _libc = False
+    if _libc:
+        _libc.malloc_trim(0)
+
+
+_libc = None
 
 
 def calibration_samples(tokenizer, text: str, samples: int, seqlen: int, seed: int, what: str = "text") -> torch.Tensor:
