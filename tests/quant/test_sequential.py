@@ -97,3 +97,29 @@ def test_gptq_staged_refuses_non_finite_activations(tiny_model, tmp_path, where,
     with pytest.raises(LowbitError, match=message):
         _quantize(path, out, text=text)
     assert not out.exists()
+
+
+def test_gptq_staged_gemma3_resumes_to_the_same_bytes(tiny_model, tmp_path, monkeypatch):
+    # Gemma-3's sandwich norms (post-attention, pre/post-FFN) and sliding windows go through the
+    # site-by-site pass; a resumed run replays finished layers through the plain layer forward, so
+    # equal bytes mean the stages computed exactly what the layer computes.
+    from lowbit.quant.workdir import WorkDir
+
+    model = tiny_model("gemma3", with_tokenizer=True)
+    text = tmp_path / "calib.txt"
+    text.write_text(TEXT)
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    _quantize(model, whole, "gptq", text=text)
+    real = WorkDir.save_layer
+
+    def dying(self, index, tensors, meta):
+        real(self, index, tensors, meta)
+        if index == 0:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(WorkDir, "save_layer", dying)
+    with pytest.raises(KeyboardInterrupt):
+        _quantize(model, resumed, "gptq", text=text, snapshot_every_s=1e9)
+    monkeypatch.setattr(WorkDir, "save_layer", real)
+    _quantize(model, resumed, "gptq", text=text, snapshot_every_s=1e9)
+    assert _digest(resumed) == _digest(whole)
