@@ -67,6 +67,7 @@ static inline float bf16_to_f32(uint16_t h) {
 #ifdef HAVE_I4DOT
 #define INLINE static inline __attribute__((always_inline))
 #define NT 4 /* output rows per tile */
+#define PREFETCH_TILES 2
 #define MT 4 /* x rows per pass: 4 x 4 accumulators, 8 x vectors, the unpacked block */
 
 /* Output rows n0..n0+NB against x rows m0..m0+MB; out[m * NB + nb]. Each unpacked block of 64
@@ -167,6 +168,13 @@ int lowbit_i4_matmul(const I4Weight *w, const void *x, int x_bf16, int64_t ldx_i
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t n0 = t * NT;
         float out[NT * MT];
+        /* Rows are a few hundred bytes, too short for the hardware prefetcher to ramp up on
+           each, so fetch the tile PREFETCH_TILES ahead while this one computes. */
+        if (t + PREFETCH_TILES < tiles) {
+            const uint8_t *ahead = w->codes + (n0 + PREFETCH_TILES * NT) * w->row_bytes;
+            const int64_t n_ahead = (w->N - n0 - PREFETCH_TILES * NT) < NT ? (w->N - n0 - PREFETCH_TILES * NT) : NT;
+            for (int64_t off = 0; off < n_ahead * w->row_bytes; off += 64) _mm_prefetch((const char *)(ahead + off), _MM_HINT_T0);
+        }
         for (int64_t m0 = 0; m0 < M; m0 += MT) {
             const int mb = M - m0 >= MT ? MT : (int)(M - m0);
             if (n0 + NT <= w->N) {
