@@ -113,6 +113,10 @@ _MATMULS = {
 
 def qmatmul(x: torch.Tensor, prepared: PreparedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias) for x [..., K] in bf16/fp16/fp32; y has x's dtype."""
+    if prepared.path == "cpu-int4dot" and bias is None and (x.dtype is torch.bfloat16 or x.dtype is torch.float32):
+        y = cpu_int4dot.decode_matmul(x, prepared)
+        if y is not None:
+            return y
     n, k = prepared.shape
     if x.shape[-1] != k:
         raise LowbitError(f"matmul input has {x.shape[-1]} features but the {prepared.label} weight expects {k}")
