@@ -32,7 +32,7 @@ from lowbit.quant.qtensor import PART_NAMES, QTensor
 from lowbit.quant.registry import get_format
 from lowbit.quant.rtn import shared_global_scale
 from lowbit.quant.spec import FormatSpec
-from lowbit.quant.staged import run_staged, stageable
+from lowbit.quant.staged import replay_staged, run_staged, stageable
 from lowbit.quant.stats import InputStats, StatsFile
 
 METHODS = ("rtn", "gptq", "awq", "awq+gptq")
@@ -282,13 +282,14 @@ def make_layer_method(context):
         prefix = lm.layer_prefix(i)
         layer = lm.load_layer(i)
         moved = False  # whether `hidden` already holds this layer's quantized outputs
+        staged = stats_file is None and options.method == "gptq" and stageable(layer)
         if work is not None and work.has_layer(i):
             outcome = LayerOutcome.from_tensors(*work.load_layer(i))
         else:
             if stats_file is not None:
                 sites = stats_file.layer_sites(prefix)
                 stats = LayerStats(sites={s: stats_file.site(s) for s in sites}, site_modules=sites)
-            elif options.method == "gptq" and stageable(layer):
+            elif staged:
                 outcome = _quantize_staged(lm, layer, i, hidden, part.specs, options)
                 moved = True
             else:
@@ -305,7 +306,8 @@ def make_layer_method(context):
         elif hidden is not None and i >= snapshot_at:
             layer = lm.load_layer(i)  # a fresh float layer, then exactly the saved changes
             apply_outcome(layer, prefix, outcome)
-            propagate(lm, layer, i, hidden)
+            # a staged layer moves `hidden` by the stages' own arithmetic (quant/staged.py)
+            (replay_staged if staged else propagate)(lm, layer, i, hidden)
             if work is not None and i + 1 < lm.num_layers and time.monotonic() - last_snapshot[0] >= snapshot_every_s:
                 work.save_hidden(hidden, i + 1)
                 last_snapshot[0] = time.monotonic()

@@ -11,8 +11,9 @@ model feeds it ("true sequential"), and each part of the layer is computed once 
 output and the MLP activations are kept between stages instead of recomputed. The two-pass
 scheme (float pass for statistics, quantized pass to move on) costs a whole extra forward.
 
-The stages compute exactly what `propagate` computes (the same ops on the same values, batch by
-batch), so a resumed run that replays saved layers through `propagate` reaches the same bytes.
+Attention runs through quant/causal_attention.py (a third faster than SDPA on CPU here), so the
+stages no longer compute bit for bit what `propagate` computes: a resumed run replays its saved
+layers with `replay_staged` (the same stages without statistics) and so reaches the same bytes.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from lowbit.quant.causal_attention import BlockCausalAttention
 from lowbit.quant.calibrate import DEFAULT_BATCH_TOKENS, LayerwiseModel, _batches, _check_finite
 from lowbit.quant.stats import InputStats, StatsAccumulator
 
@@ -74,22 +76,28 @@ def run_staged(
     layer: nn.Module,
     index: int,
     hidden: torch.Tensor,
-    quantize: QuantizeSite,
+    quantize: QuantizeSite | None,
     *,
     batch_tokens: int = DEFAULT_BATCH_TOKENS,
 ) -> None:
-    """Quantize the layer site by site (see the module docstring); `hidden` becomes its output."""
+    """Quantize the layer site by site (see the module docstring); `hidden` becomes its output.
+    With quantize=None the layer (already quantized) only moves `hidden`, by the same arithmetic."""
     fwd = lm.forward_copy(layer)
     post_attn, pre_ffn, post_ffn = _norms(fwd)
     batches = list(_batches(hidden.shape[0], hidden.shape[1], batch_tokens))
     cos, sin, ctx = lm.rope(index, hidden.shape[1], hidden.dtype)
+    attention_kernel = BlockCausalAttention()
 
     def stage(site: str, modules: tuple[str, ...], inputs: Callable[[int, int], torch.Tensor]) -> None:
+        if quantize is None:
+            for start, end in batches:
+                inputs(start, end)
+            return
         acc = None
         for start, end in batches:
             x = inputs(start, end)
             if acc is None:
-                acc = StatsAccumulator(x.shape[-1])
+                acc = StatsAccumulator(x.shape[-1], moments=False)  # GPTQ reads only H
             acc.add(x)
         if not acc.finite():  # only now look for the sample, so the common case pays one check
             for start, end in batches:
@@ -98,13 +106,14 @@ def run_staged(
             fwd.get_submodule(name).weight.data = weight.to(fwd.get_submodule(name).weight.dtype)
 
     with torch.inference_mode():
-        stage(*SITES[0], lambda s, e: fwd.input_layernorm(hidden[s:e]))
+        if quantize is not None:  # the normed input feeds only the statistics
+            stage(*SITES[0], lambda s, e: fwd.input_layernorm(hidden[s:e]))
 
         attn_out = torch.empty(*hidden.shape[:2], fwd.self_attn.o_proj.in_features, dtype=hidden.dtype)
 
         def attention(s, e):
             with _swapped(fwd.self_attn, "o_proj", nn.Identity()):
-                attn_out[s:e] = fwd.self_attn(fwd.input_layernorm(hidden[s:e]), cos, sin, ctx, None)
+                attn_out[s:e] = fwd.self_attn(fwd.input_layernorm(hidden[s:e]), cos, sin, ctx, attention_kernel)
             return attn_out[s:e]
 
         stage(*SITES[1], attention)
@@ -133,5 +142,14 @@ def run_staged(
             if post_ffn is not None:
                 m = post_ffn(m)
             out = hidden[s:e] + m
-            _check_finite(out, f"after layer {index}", s)
+            # One float32 sum is finite when every element is (the exact check runs only if not).
+            if not torch.isfinite(out.sum(dtype=torch.float32)):
+                _check_finite(out, f"after layer {index}", s)
             hidden[s:e] = out
+
+
+def replay_staged(lm: LayerwiseModel, layer: nn.Module, index: int, hidden: torch.Tensor, *,
+                  batch_tokens: int = DEFAULT_BATCH_TOKENS) -> None:
+    """hidden ← layer(hidden) for a layer that `run_staged` quantized earlier (its weights put back),
+    computed exactly as `run_staged` moved `hidden`, so a resumed run reaches the same bytes."""
+    run_staged(lm, layer, index, hidden, None, batch_tokens=batch_tokens)

@@ -1,0 +1,68 @@
+"""Causal self-attention over whole calibration windows, faster on CPU than SDPA's flash kernel.
+
+Calibration runs every window from position 0 with no cache, so attention is a plain causal
+(optionally sliding-window) product over [T, T]. On 2 CPU cores SDPA's bf16 flash kernel reaches
+~35 GFLOP/s on SmolLM2's shapes (16 windows of 512 tokens: 69 ms a layer); this module computes
+the scores block by block of 64 queries, each block only against the keys it can see (5/8 of the
+full product at T = 512), with q/k/v's grouped heads sharing their key head without a copy, the
+softmax in float32 and the products in bf16 (HF's eager arithmetic): 47 ms for the same work.
+
+`BlockCausalAttention` plugs into runtime.attention.attend through its hook for caches that run
+their own attention (`paged = True`, `attend(q, k, v, layer, scale, window)`); it keeps nothing
+between calls but the masks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+QUERY_BLOCK = 64
+SAMPLE_CHUNK = 4  # windows per product: the scores of 4 x 512 keys stay in the caches
+
+
+class BlockCausalAttention:
+    """Pass as the `cache` of SelfAttention.forward for windows that start at position 0."""
+
+    paged = True  # runtime.attention.attend calls self.attend
+
+    def __init__(self):
+        self._masks: dict[tuple[int, int, int | None], tuple[int, int, int, torch.Tensor | None]] = {}
+
+    def _block(self, j0: int, j1: int, window: int | None):
+        """(first key, first masked key, end of masked keys, mask [j1-j0, masked keys] or None) of queries j0..j1."""
+        key = (j0, j1, window)
+        if key not in self._masks:
+            k0 = 0 if window is None else max(0, j0 - window + 1)
+            q_pos = torch.arange(j0, j1)[:, None]
+            k_pos = torch.arange(k0, j1)[None, :]
+            hidden = k_pos > q_pos
+            if window is not None:
+                hidden |= k_pos <= q_pos - window
+            cols = hidden.any(0).nonzero().flatten()
+            if cols.numel() == 0:
+                self._masks[key] = (k0, 0, 0, None)
+            else:
+                c0, c1 = int(cols[0]), int(cols[-1]) + 1
+                self._masks[key] = (k0, c0, c1, hidden[:, c0:c1].contiguous())
+        return self._masks[key]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
+               window: int | None) -> torch.Tensor:
+        """q [B, H, T, D], k/v [B, kv_heads, T, D] from position 0 → out [B, H, T, D]."""
+        b, h, t, d = q.shape
+        kv = k.shape[1]
+        group = h // kv
+        qs = (q * scale).view(b, kv, group, t, d)
+        out = torch.empty(b, kv, group, t, d, dtype=q.dtype)
+        for s0 in range(0, b, SAMPLE_CHUNK):
+            s1 = min(b, s0 + SAMPLE_CHUNK)
+            for j0 in range(0, t, QUERY_BLOCK):
+                j1 = min(t, j0 + QUERY_BLOCK)
+                k0, c0, c1, mask = self._block(j0, j1, window)
+                keys = k[s0:s1, :, None, k0:j1].transpose(-1, -2)  # [b, kv, 1, D, keys]
+                scores = torch.matmul(qs[s0:s1, :, :, j0:j1], keys)  # [b, kv, group, block, keys]
+                if mask is not None:
+                    scores[..., c0:c1].masked_fill_(mask, float("-inf"))
+                probs = torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype)
+                out[s0:s1, :, :, j0:j1] = torch.matmul(probs, v[s0:s1, :, None, k0:j1])
+        return out.view(b, h, t, d)

@@ -1,0 +1,39 @@
+"""The calibration attention (quant/causal_attention.py) against float64 masked softmax attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowbit.quant.causal_attention import QUERY_BLOCK, BlockCausalAttention
+
+
+def reference(q, k, v, scale, window):
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    t = q.shape[2]
+    pos = torch.arange(t)
+    allowed = pos[None, :] <= pos[:, None]
+    if window is not None:
+        allowed &= pos[None, :] > pos[:, None] - window
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, -1) @ v
+
+
+@pytest.mark.parametrize(
+    "batch,heads,kv_heads,t,window",
+    [(5, 9, 3, 3 * QUERY_BLOCK + 7, None), (2, 4, 1, 2 * QUERY_BLOCK + 2, 50), (3, 2, 2, 17, None), (1, 2, 1, 130, 1)],
+)
+def test_matches_masked_softmax_attention(batch, heads, kv_heads, t, window):
+    gen = torch.Generator().manual_seed(t)
+    d = 32
+    q, k, v = (torch.randn(batch, h, t, d, generator=gen).bfloat16() for h in (heads, kv_heads, kv_heads))
+    out = BlockCausalAttention().attend(q, k, v, 0, d**-0.5, window)
+    ref = reference(q, k, v, d**-0.5, window)
+    assert out.shape == (batch, heads, t, d) and out.dtype == torch.bfloat16
+    # bf16 scores and probabilities: errors of a few bf16 ulps of values of size ~1
+    err = (out.double() - ref).abs()
+    assert err.max() < 0.05 and err.mean() < 4e-3, (err.max(), err.mean())
+    if window == 1:  # each query sees only itself
+        assert torch.equal(out, v.repeat_interleave(heads // kv_heads, 1))
