@@ -41,6 +41,17 @@ static inline float r16(float f) {
     return ld(&h, 0, 1);
 }
 
+#if defined(__AVX512F__)
+#define HAVE_AVX512_ATTN 1
+#include <immintrin.h>
+/* 16 pool values from element i on, as float32 (bf16 widened exactly by a 16-bit shift). */
+static inline __m512 load16(const void *p, int64_t i, int bf16) {
+    if (!bf16) return _mm512_loadu_ps((const float *)p + i);
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+#endif
+
 /* x (D values at src) rotated into out[D] (float32). */
 static inline void rotate(const void *src, int64_t off, const void *cs, const void *sn, int64_t coff, int64_t D,
                           int bf16, float *out) {
@@ -59,6 +70,16 @@ static inline void rotate(const void *src, int64_t off, const void *cs, const vo
 }
 
 #define MAXD 512
+
+/* Pool slot of position j: block_size is a power of two in the engine (16 by default), where a
+   shift and mask replace two 64-bit divisions per position. */
+static inline int64_t slot_of(const int64_t *bt, int64_t j, int64_t block_size) {
+    if ((block_size & (block_size - 1)) == 0) {
+        const int sh = __builtin_ctzll((unsigned long long)block_size);
+        return (bt[j >> sh] << sh) + (j & (block_size - 1));
+    }
+    return bt[j / block_size] * block_size + j % block_size;
+}
 
 int lowbit_paged_decode(const void *q, int64_t ldq, const void *k, int64_t ldk, const void *v, int64_t ldv,
                         const void *cs, const void *sn, int dtype, const int64_t *pos, const int64_t *slots,
@@ -99,8 +120,21 @@ int lowbit_paged_decode(const void *q, int64_t ldq, const void *k, int64_t ldk, 
             const int64_t p = pos[t], lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
             const int64_t *bt = tables + item[t] * nb;
             float mx = -INFINITY;
+#ifdef HAVE_AVX512_ATTN
+            if (D % 16 == 0) { /* same sums as below, 16 lanes at a time (the pool read dominates) */
+                for (int64_t j = lo; j <= p; j++) {
+                    const int64_t base = slot_of(bt, j, block_size) * row + kh * D;
+                    __m512 lanes = _mm512_setzero_ps();
+                    for (int64_t d = 0; d < D; d += 16)
+                        lanes = _mm512_add_ps(lanes, _mm512_mul_ps(_mm512_loadu_ps(qv + d), load16(kpool, base + d, bf16)));
+                    const float s = _mm512_reduce_add_ps(lanes) * scale;
+                    sc[j - lo] = s;
+                    if (s > mx) mx = s;
+                }
+            } else
+#endif
             for (int64_t j = lo; j <= p; j++) {
-                const int64_t base = (bt[j / block_size] * block_size + j % block_size) * row + kh * D;
+                const int64_t base = slot_of(bt, j, block_size) * row + kh * D;
                 float lanes[16] = {0};
                 for (int64_t d = 0; d < D; d++) lanes[d & 15] += qv[d] * ld(kpool, base + d, bf16);
                 float s = 0.0f;
@@ -111,10 +145,22 @@ int lowbit_paged_decode(const void *q, int64_t ldq, const void *k, int64_t ldk, 
             }
             float total = 0.0f;
             for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
+#ifdef HAVE_AVX512_ATTN
+            if (D % 16 == 0) {
+                for (int64_t j = lo; j <= p; j++) {
+                    const float e = expf(sc[j - lo] - mx);
+                    total += e;
+                    const int64_t base = slot_of(bt, j, block_size) * row + kh * D;
+                    const __m512 ev = _mm512_set1_ps(e);
+                    for (int64_t d = 0; d < D; d += 16)
+                        _mm512_storeu_ps(acc + d, _mm512_add_ps(_mm512_loadu_ps(acc + d), _mm512_mul_ps(ev, load16(vpool, base + d, bf16))));
+                }
+            } else
+#endif
             for (int64_t j = lo; j <= p; j++) {
                 const float e = expf(sc[j - lo] - mx);
                 total += e;
-                const int64_t base = (bt[j / block_size] * block_size + j % block_size) * row + kh * D;
+                const int64_t base = slot_of(bt, j, block_size) * row + kh * D;
                 for (int64_t d = 0; d < D; d++) acc[d] += e * ld(vpool, base + d, bf16);
             }
             const float inv = 1.0f / total;
