@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowbit.errors import LowbitError
+from lowbit.kernels import cpu_rowops
 from lowbit.runtime.config import ModelConfig
 from lowbit.runtime.layers import RMSNorm, apply_rotary
 from lowbit.runtime.linear import make_linear
@@ -129,22 +130,30 @@ class SelfAttention(nn.Module):
 
     fused_qkv = None  # set by runtime/models/fusion.py (never a registered child: names stay HF's)
 
+    def _head_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """Per-head RMSNorm of x [..., heads * head_dim]."""
+        if cpu_rowops.usable(x, norm.weight):
+            return cpu_rowops.rmsnorm(x, norm.weight, norm.eps, norm.unit_offset, heads=x.shape[-1] // self.head_dim)
+        return norm(x.view(*x.shape[:-1], -1, self.head_dim)).view(x.shape)
+
     def forward(self, x, cos, sin, ctx: AttentionContext, cache: KVCache | None) -> torch.Tensor:
         b, t, _ = x.shape
         d = self.head_dim
+        fused = getattr(cache, "rotate_and_attend", None) if b == 1 else None
+        if fused is not None:
+            x = x[0]  # the engine's one flattened sequence as rows [T, hidden]: q/k/v come out 2-D
         if self.fused_qkv is not None:
             q, k, v = self.fused_qkv(x).split(self.fused_qkv.sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.q_norm is not None:
-            q = self.q_norm(q.view(b, t, -1, d)).view(b, t, -1)
-            k = self.k_norm(k.view(b, t, -1, d)).view(b, t, -1)
-        fused = getattr(cache, "rotate_and_attend", None)
-        if fused is not None and b == 1:
+            q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
+        if fused is not None:
             # the engine's CPU decode kernel: RoPE, KV write and attention in one call
-            out = fused(q[0], k[0], v[0], cos, sin, self.layer, self.scale, self.window)
+            out = fused(q, k, v, cos, sin, self.layer, self.scale, self.window)
             if out is not None:
-                return self.o_proj(out.view(b, t, -1))
+                return self.o_proj(out)[None]
+            q, k, v = q[None], k[None], v[None]
         q = apply_rotary(q.view(b, t, -1, d).transpose(1, 2), cos, sin)
         k = apply_rotary(k.view(b, t, -1, d).transpose(1, 2), cos, sin)
         v = v.view(b, t, -1, d).transpose(1, 2)

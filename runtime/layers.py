@@ -1,7 +1,9 @@
 """Building blocks shared by the model families: RMSNorm, rotary embeddings, activations, gated MLP.
 
 The arithmetic follows Hugging Face's reference order (norms in float32, cos/sin cast to the model
-dtype) so fp32 logits agree to rounding and bf16 runs round the same way.
+dtype) so fp32 logits agree to rounding and bf16 runs round the same way. On CPU without autograd,
+norms and the gated activation run as one C call each (kernels/cpu_rowops.py), which rounds where
+the torch code below rounds; with autograd (or elsewhere) the torch code runs.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowbit.errors import LowbitError
+from lowbit.kernels import cpu_rowops
 from lowbit.runtime.config import RopeConfig
 from lowbit.runtime.linear import make_linear
 
@@ -28,6 +31,12 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_rowops.usable(x, self.weight):
+            return cpu_rowops.rmsnorm(x, self.weight, self.eps, self.unit_offset)
+        return self.reference(x)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The torch arithmetic (autograd, GPUs, other dtypes): float32 statistics, HF's rounding."""
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:
@@ -36,6 +45,15 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}, unit_offset={self.unit_offset}"
+
+
+def rowops_norms(x: torch.Tensor, *norms: RMSNorm) -> bool:
+    """Whether x and these norms can take the fused C row ops together (one eps and offset rule)."""
+    first = norms[0]
+    for norm in norms:
+        if norm.eps != first.eps or norm.unit_offset != first.unit_offset or not cpu_rowops.usable(x, norm.weight):
+            return False
+    return True
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -67,22 +85,26 @@ class Rotary:
     def __init__(self, rope: RopeConfig, head_dim: int):
         self.inv_freq = rope_inv_freq(rope, head_dim)
         self.cos = self.sin = torch.empty(0)
+        self._typed: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _grow(self, needed: int, device: torch.device) -> None:
         size = max(4096, 1 << (needed - 1).bit_length())
         inv_freq = self.inv_freq.to(device)
         freqs = torch.arange(size, device=device, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
         self.cos, self.sin = freqs.cos(), freqs.sin()
+        self._typed = {}
 
     def cos_sin(self, positions: torch.Tensor, max_position: int, dtype: torch.dtype):
         """cos, sin of shape [B or 1, 1, T, head_dim/2] for positions [T] or [B, T]."""
         if max_position >= self.cos.shape[0] or self.cos.device != positions.device:
             self._grow(max_position + 1, positions.device)
+        # tables rounded to the dtype once (rounding commutes with indexing), not every forward
+        typed = self._typed.get(dtype)
+        if typed is None:
+            typed = self._typed[dtype] = (self.cos.to(dtype), self.sin.to(dtype))
         if positions.dim() == 1:
             positions = positions[None]
-        cos = self.cos[positions].to(dtype)[:, None]
-        sin = self.sin[positions].to(dtype)[:, None]
-        return cos, sin
+        return typed[0][positions][:, None], typed[1][positions][:, None]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -123,13 +145,19 @@ class GatedMLP(nn.Module):
         self.up_proj = make_linear(hidden, intermediate, bias)
         self.down_proj = make_linear(intermediate, hidden, bias)
         self.act = activation(act)
+        self.act_name = act if act in cpu_rowops.ACTS else None  # computed by the C row op when usable
 
     fused_gate_up = None  # set by runtime/models/fusion.py (never a registered child)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_gate_up is not None:
-            gate, up = self.fused_gate_up(x).split(self.fused_gate_up.sizes, dim=-1)
+            joined = self.fused_gate_up(x)
+            if self.act_name is not None and cpu_rowops.usable(joined):
+                return self.down_proj(cpu_rowops.act_mul(joined, None, self.act_name))  # reads both halves in place
+            gate, up = joined.split(self.fused_gate_up.sizes, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
+            if self.act_name is not None and up.dtype == gate.dtype and cpu_rowops.usable(gate) and cpu_rowops.usable(up):
+                return self.down_proj(cpu_rowops.act_mul(gate, up, self.act_name))
         # act() returns a fresh tensor, so multiplying into it in place saves one allocation
         return self.down_proj(self.act(gate).mul_(up))

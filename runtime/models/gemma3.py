@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from torch import nn
 
+from lowbit.kernels import cpu_rowops
 from lowbit.runtime.attention import SelfAttention
 from lowbit.runtime.config import ModelConfig
-from lowbit.runtime.layers import GatedMLP, RMSNorm
+from lowbit.runtime.layers import GatedMLP, RMSNorm, rowops_norms
 from lowbit.runtime.models.base import CausalLM
 
 
@@ -27,8 +28,16 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(hidden, eps, unit_offset=True)
 
     def forward(self, x, cos, sin, ctx, cache):
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, ctx, cache))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        a = self.self_attn(self.input_layernorm(x), cos, sin, ctx, cache)
+        post_attn, pre_ffn, post_ffn = self.post_attention_layernorm, self.pre_feedforward_layernorm, self.post_feedforward_layernorm
+        if rowops_norms(x, post_attn, pre_ffn, post_ffn):
+            # x + norm(a) and the MLP's pre-norm in one C call, then x + norm(m) into the new x
+            x, h = cpu_rowops.add_rmsnorm(x, a, pre_ffn.weight, pre_ffn.eps, pre_ffn.unit_offset, r_weight=post_attn.weight)
+            x, _ = cpu_rowops.add_rmsnorm(x, self.mlp(h), None, post_ffn.eps, post_ffn.unit_offset, r_weight=post_ffn.weight,
+                                        inplace=True)
+            return x
+        x = x + post_attn(a)
+        return x + post_ffn(self.mlp(pre_ffn(x)))
 
 
 class Gemma3ForCausalLM(CausalLM):

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from torch import nn
 
+from lowbit.kernels import cpu_rowops
 from lowbit.runtime.attention import SelfAttention
 from lowbit.runtime.config import ModelConfig
-from lowbit.runtime.layers import GatedMLP, RMSNorm
+from lowbit.runtime.layers import GatedMLP, RMSNorm, rowops_norms
 from lowbit.runtime.models.base import CausalLM
 
 
@@ -23,8 +24,14 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, cos, sin, ctx, cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        a = self.self_attn(self.input_layernorm(x), cos, sin, ctx, cache)
+        norm = self.post_attention_layernorm
+        if rowops_norms(x, norm):
+            # residual add and the MLP's norm in one C call; the new x is ours to add into
+            x, h = cpu_rowops.add_rmsnorm(x, a, norm.weight, norm.eps, norm.unit_offset)
+            return x.add_(self.mlp(h))
+        x = x + a
+        return x + self.mlp(norm(x))
 
 
 class LlamaForCausalLM(CausalLM):

@@ -1,0 +1,187 @@
+/* Per-row elementwise ops of a decoder layer, one C call each instead of ~8 small torch ops:
+   RMSNorm, residual add fused with the next RMSNorm, and the gated activation silu(g)*u /
+   gelu_tanh(g)*u.
+
+   Numbers follow the torch reference of runtime/layers.py: a row is read in its dtype, RMSNorm's
+   statistics are float32 (h = x; h * 1/sqrt(sum(h*h)/dim + eps)), and every value is rounded to
+   the row's dtype (round-to-nearest-even for bf16) exactly where torch's ops round it:
+     Llama:       out = w * bf16(h)            (the product rounded again)
+     unit offset: out = bf16(h * (1 + w))
+     add:         s = bf16(x + r)
+     act_mul:     out = bf16(bf16(act(g)) * u)
+   so only the float32 sum of squares (accumulated in 16 lanes, then a fixed tree) and the
+   activation's exp (a polynomial, within ~2 ulp of expf) differ from torch, in the last bits.
+
+   Batch invariance: each row (each head of a row for q/k norms) is computed alone in a fixed
+   order, so its result does not depend on how many rows are in the call or which thread runs it.
+   dtype: 0 float32, 1 bf16 (inputs, weights and outputs alike). Built without -ffast-math and in
+   ISO C mode (no FMA contraction), so vector and scalar lanes compute the same bits. */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define LANES 16
+/* Below this many elements a call runs on the calling thread: waking a team costs more. */
+#define PARALLEL_MIN_ELEMENTS (1 << 15)
+
+static inline float ld(const void *p, int64_t i, int bf16) {
+    if (!bf16) return ((const float *)p)[i];
+    uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t to_bf16_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float round_to(float f, int bf16) {
+    if (!bf16) return f;
+    uint32_t u = (uint32_t)to_bf16_bits(f) << 16;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline void st(void *p, int64_t i, float f, int bf16) {
+    if (bf16) ((uint16_t *)p)[i] = to_bf16_bits(f);
+    else ((float *)p)[i] = f;
+}
+
+/* 1/sqrt(mean(h^2) + eps) of n values at p: squares summed in LANES interleaved float32
+   accumulators, then a fixed tree. */
+static float inv_rms(const void *p, int64_t n, float eps, int bf16) {
+    float acc[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; j++) {
+            const float h = ld(p, i + j, bf16);
+            acc[j] += h * h;
+        }
+    for (int j = 0; i < n; i++, j++) {
+        const float h = ld(p, i, bf16);
+        acc[j] += h * h;
+    }
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int j = 0; j < w; j++) acc[j] += acc[j + w];
+    const float mean = acc[0] / (float)n;
+    return 1.0f / sqrtf(mean + eps);
+}
+
+/* The normed, weighted value of h (element i of a row whose 1/rms is r), rounded as torch does. */
+static inline float normed(float h, float r, const void *w, int64_t i, int unit_offset, int bf16) {
+    if (unit_offset) return round_to((h * r) * (1.0f + ld(w, i, bf16)), bf16);
+    return round_to(ld(w, i, bf16) * round_to(h * r, bf16), bf16);
+}
+
+/* out = norm(x) * weight for one row of n values (out may be x: each element is read before it is written). */
+static void norm_row(const void *x, int64_t n, const void *w, float eps, int unit_offset, int bf16, void *out) {
+    const float r = inv_rms(x, n, eps, bf16);
+    for (int64_t i = 0; i < n; i++) st(out, i, normed(ld(x, i, bf16), r, w, i, unit_offset, bf16), bf16);
+}
+
+static inline int team(int64_t elements, int threads) {
+    return elements >= PARALLEL_MIN_ELEMENTS && threads > 1 ? threads : 1;
+}
+
+/* rows x heads vectors of dim values: vector (r, h) at x + r * x_stride + h * dim (elements),
+   written at out + r * out_stride + h * dim (out may be x). */
+int lowbit_rmsnorm(const void *x, int64_t x_stride, int64_t rows, int64_t heads, int64_t dim, const void *w, float eps,
+                   int unit_offset, int dtype, void *out, int64_t out_stride, int threads) {
+    if (dim <= 0 || rows < 0 || heads <= 0) return 1;
+    const int bf16 = dtype == 1;
+    const size_t es = bf16 ? 2 : 4;
+    const int64_t total = rows * heads;
+#pragma omp parallel for num_threads(team(total * dim, threads)) schedule(static)
+    for (int64_t v = 0; v < total; v++) {
+        const int64_t r = v / heads, hd = v % heads;
+        norm_row((const char *)x + (size_t)(r * x_stride + hd * dim) * es, dim, w, eps, unit_offset, bf16,
+                 (char *)out + (size_t)(r * out_stride + hd * dim) * es);
+    }
+    return 0;
+}
+
+/* Residual step: s = x + (r_w ? norm(r, r_w) : r), rounded to the dtype, into sum_out (which may
+   be x); then out = norm(s, w) unless w is NULL. r_w and w share eps and unit_offset (one model's
+   norms). */
+int lowbit_add_rmsnorm(const void *x, int64_t x_stride, const void *r, int64_t r_stride, const void *r_w, int64_t rows,
+                       int64_t dim, const void *w, float eps, int unit_offset, int dtype, void *sum_out,
+                       int64_t sum_stride, void *out, int64_t out_stride, int threads) {
+    if (dim <= 0 || rows < 0) return 1;
+    const int bf16 = dtype == 1;
+    const size_t es = bf16 ? 2 : 4;
+#pragma omp parallel for num_threads(team(rows * dim, threads)) schedule(static)
+    for (int64_t row = 0; row < rows; row++) {
+        const void *xr = (const char *)x + (size_t)(row * x_stride) * es;
+        const void *rr = (const char *)r + (size_t)(row * r_stride) * es;
+        void *s = (char *)sum_out + (size_t)(row * sum_stride) * es;
+        if (r_w != NULL) {  /* Gemma's post-norm of the branch, rounded before the add (type_as) */
+            const float inv = inv_rms(rr, dim, eps, bf16);
+            for (int64_t i = 0; i < dim; i++)
+                st(s, i, round_to(ld(xr, i, bf16) + normed(ld(rr, i, bf16), inv, r_w, i, unit_offset, bf16), bf16), bf16);
+        } else {
+            for (int64_t i = 0; i < dim; i++) st(s, i, ld(xr, i, bf16) + ld(rr, i, bf16), bf16);
+        }
+        if (w != NULL) norm_row(s, dim, w, eps, unit_offset, bf16, (char *)out + (size_t)(row * out_stride) * es);
+    }
+    return 0;
+}
+
+/* exp(x): 2^n * p(f) with n = round(x / ln 2) and a degree-6 polynomial on |f| <= ln2/2
+   (relative error ~1e-7); inf above 88.72 and 0 below -87 (where float32 has only denormals).
+   Plain arithmetic and selects, so the loops that call it vectorize. */
+static inline float exp_approx(float x) {
+    const float xc = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = nearbyintf(xc * 1.44269504088896341f);
+    const float f = (xc - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
+    float p = 1.0f / 720.0f;
+    p = p * f + 1.0f / 120.0f;
+    p = p * f + 1.0f / 24.0f;
+    p = p * f + 1.0f / 6.0f;
+    p = p * f + 0.5f;
+    p = p * f + 1.0f;
+    p = p * f + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    const float y = p * scale;
+    return x > 88.72f ? INFINITY : (x < -87.0f ? 0.0f : y);
+}
+
+/* act 0: silu(g) = g / (1 + e^-g); act 1: gelu_tanh(g) = g / (1 + e^(-2u)), u = sqrt(2/pi)(g + 0.044715 g^3),
+   which is 0.5 g (1 + tanh u) rewritten. */
+static inline float activate(float g, int act) {
+    if (act == 0) return g / (1.0f + exp_approx(-g));
+    const float u = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+    return g / (1.0f + exp_approx(-2.0f * u));
+}
+
+#define ACT_CHUNK 256
+
+static void act_row(const void *g, const void *u, int64_t n, int act, int bf16, void *out) {
+    for (int64_t c = 0; c < n; c += ACT_CHUNK) {
+        const int64_t m = n - c < ACT_CHUNK ? n - c : ACT_CHUNK;
+        float y[ACT_CHUNK];
+        for (int64_t i = 0; i < m; i++) y[i] = round_to(activate(ld(g, c + i, bf16), act), bf16) * ld(u, c + i, bf16);
+        for (int64_t i = 0; i < m; i++) st(out, c + i, y[i], bf16);
+    }
+}
+
+/* out[r] = act(gate[r]) * up[r] for rows of n values (strides in elements; gate and up may be the
+   two halves of one joined row). */
+int lowbit_act_mul(const void *gate, int64_t gate_stride, const void *up, int64_t up_stride, int64_t rows, int64_t n,
+                   int act, int dtype, void *out, int64_t out_stride, int threads) {
+    if (n <= 0 || rows < 0 || act < 0 || act > 1) return 1;
+    const int bf16 = dtype == 1;
+    const size_t es = bf16 ? 2 : 4;
+#pragma omp parallel for num_threads(team(rows * n, threads)) schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        act_row((const char *)gate + (size_t)(r * gate_stride) * es, (const char *)up + (size_t)(r * up_stride) * es, n,
+                act, bf16, (char *)out + (size_t)(r * out_stride) * es);
+    return 0;
+}

@@ -1,0 +1,183 @@
+"""The C row ops (kernels/rowops.c) against torch's reference arithmetic and a float64 oracle, and
+their batch invariance (a row alone == the same row among others, bit for bit, threaded or not)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lowbit.kernels import cpu_rowops
+
+pytestmark = pytest.mark.skipif(not cpu_rowops.available(), reason="no C compiler")
+DTYPES = [torch.float32, torch.bfloat16]
+EPS = 1e-6
+
+
+def torch_norm(x, w, unit_offset):
+    """runtime/layers.py RMSNorm.reference, written out."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)
+    return (h * (1.0 + w.float())).type_as(x) if unit_offset else w * h.to(x.dtype)
+
+
+def f64_norm(x, w, unit_offset):
+    h = x.double()
+    h = h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + EPS)
+    return h * ((1.0 + w.double()) if unit_offset else w.double())
+
+
+def data(dtype, rows=5, dim=576, seed=0, unit_offset=False):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, dim, generator=g) * 3).to(dtype)
+    w = (torch.randn(dim, generator=g) * 0.2 + (0.0 if unit_offset else 1.0)).to(dtype)
+    return x, w
+
+
+def ulps_apart(a, b):
+    """Per element: how many representable values of a's dtype lie between a and b (same sign)."""
+    if a.dtype == torch.bfloat16:
+        ia, ib = a.view(torch.int16).int(), b.view(torch.int16).int()
+    else:
+        ia, ib = a.view(torch.int32).long(), b.view(torch.int32).long()
+    return (ia - ib).abs()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_rmsnorm_matches_torch_to_the_last_bit_of_the_sum(dtype, unit_offset):
+    x, w = data(dtype, unit_offset=unit_offset)
+    with torch.inference_mode():
+        out = cpu_rowops.rmsnorm(x, w, EPS, unit_offset)
+    ref = torch_norm(x, w, unit_offset)
+    assert out.dtype == dtype and out.shape == x.shape
+    exact = f64_norm(x, w, unit_offset)
+    if dtype == torch.float32:
+        # the float32 sum of squares is summed in another order: a few ulps of 1/rms, each as close to float64 as torch's
+        assert ulps_apart(out, ref).max() <= 4
+        assert ((out.double() - exact).abs() / exact.abs()).max() < 4e-7
+        assert ((ref.double() - exact).abs() / exact.abs()).max() < 4e-7
+    else:
+        assert ulps_apart(out, ref).max() <= 1
+        assert (out != ref).float().mean() < 0.02  # those few ulps rarely move a bf16 value
+        assert ((out.double() - exact).abs() / exact.abs()).max() < 2 * 2**-8  # two roundings to bf16
+
+
+def test_rmsnorm_per_head_of_strided_rows_in_place():
+    """q/k norms: heads of head_dim values inside rows of a joined q|k|v output, normed in place."""
+    heads, d = 4, 16
+    joined = torch.randn(3, heads * d + 32)
+    w = torch.randn(d) * 0.1 + 1
+    q = joined[:, : heads * d]
+    expected = torch_norm(q.reshape(3, heads, d), w, False).reshape(3, heads * d)
+    rest = joined[:, heads * d :].clone()
+    with torch.inference_mode():
+        out = cpu_rowops.rmsnorm(q, w, EPS, False, heads=heads, out=q)
+    assert out.data_ptr() == joined.data_ptr()
+    assert ulps_apart(joined[:, : heads * d], expected).max() <= 4
+    assert torch.equal(joined[:, heads * d :], rest)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rmsnorm_sum_is_torchs_add_and_norm_is_rmsnorm(dtype):
+    x, w = data(dtype, seed=1)
+    r, _ = data(dtype, seed=2)
+    with torch.inference_mode():
+        s, normed = cpu_rowops.add_rmsnorm(x, r, w, EPS, False)
+        alone = cpu_rowops.rmsnorm(x + r, w, EPS, False)
+    assert torch.equal(s, x + r)  # one rounding of the float32 sum, ties to even, as torch
+    assert torch.equal(normed, alone)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rmsnorm_with_branch_norm_is_gemmas_sandwich(dtype):
+    """x + norm(r, r_w) then norm(·, w), all (1 + w) norms; in place into x; w None skips the second norm."""
+    x, w = data(dtype, seed=3, unit_offset=True)
+    r, rw = data(dtype, seed=4, unit_offset=True)
+    with torch.inference_mode():
+        expected_s = x + cpu_rowops.rmsnorm(r, rw, EPS, True)
+        expected_n = cpu_rowops.rmsnorm(expected_s, w, EPS, True)
+        s, normed = cpu_rowops.add_rmsnorm(x.clone(), r, w, EPS, True, r_weight=rw)
+        x2 = x.clone()
+        s2, none = cpu_rowops.add_rmsnorm(x2, r, None, EPS, True, r_weight=rw, inplace=True)
+    assert torch.equal(s, expected_s) and torch.equal(normed, expected_n)
+    assert none is None and s2 is x2 and torch.equal(x2, expected_s)
+    ref = x + torch_norm(r, rw, True)
+    if dtype == torch.float32:
+        assert (s - ref).abs().max() < 1e-5
+    else:
+        assert (s != ref).float().mean() < 0.02
+
+
+def f64_act(g, act):
+    g = g.double()
+    if act == "silu":
+        return g / (1 + torch.exp(-g))
+    # 0.5 g (1 + tanh u) as g * sigmoid(2u): the same function without float64's cancellation for g << 0
+    return g * torch.sigmoid(2 * 0.7978845608028654 * (g + 0.044715 * g**3))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_act_mul_against_torch_and_float64(dtype, act):
+    g = torch.Generator().manual_seed(5)
+    gate = (torch.randn(4, 1536, generator=g) * 4).to(dtype)
+    gate[0, :6] = torch.tensor([-100.0, -90.0, 0.0, 90.0, 100.0, -1e-3]).to(dtype)  # the exp's clamps and zero
+    up = torch.randn(4, 1536, generator=g).to(dtype)
+    with torch.inference_mode():
+        out = cpu_rowops.act_mul(gate, up, act)
+    torch_act = F.silu if act == "silu" else (lambda t: F.gelu(t, approximate="tanh"))
+    ref = torch_act(gate).mul_(up)
+    if dtype == torch.float32:
+        exact = f64_act(gate, act) * up.double()
+        rel = (out.double() - exact).abs() / (exact.abs() + 1e-30)
+        if act == "gelu_tanh":
+            # far left, gelu ~ g e^(2u): float32's rounding of u costs ~|u| ulps relative, tiny absolutely
+            # (torch's 1 + tanh(u) returns 0 there)
+            assert (out.double() - exact).abs()[gate <= -5].max() < 4e-6
+            rel = rel[gate > -5] / 4
+        assert rel.max() < 1e-6
+        assert (out - ref).abs().max() < 1e-5
+    else:
+        # act(g) rounded to bf16, then the product rounded: torch's two roundings of values within ~1e-6
+        # (except where torch's 1 + tanh(u) cancels, g < -3)
+        kept = gate > -3 if act == "gelu_tanh" else torch.ones_like(gate, dtype=torch.bool)
+        assert ulps_apart(out, ref)[kept].max() <= 1
+        assert (out != ref)[kept].float().mean() < 0.02
+        exact = f64_act(gate, act) * up.double()
+        assert ((out.double() - exact).abs() / (exact.abs() + 1e-30)).max() < 2 * 2**-8
+
+
+def test_act_mul_of_joined_halves_equals_separate_tensors():
+    joined = torch.randn(3, 2 * 100).to(torch.bfloat16)
+    with torch.inference_mode():
+        a = cpu_rowops.act_mul(joined, None, "silu")
+        b = cpu_rowops.act_mul(joined[:, :100].contiguous(), joined[:, 100:].contiguous(), "silu")
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [5, 96])  # 96 x 576 crosses the threaded threshold
+def test_each_row_alone_equals_rows_together(dtype, rows):
+    x, w = data(dtype, rows=rows, seed=6)
+    r, rw = data(dtype, rows=rows, seed=7)
+    gate, _ = data(dtype, rows=rows, dim=1152, seed=8)
+    with torch.inference_mode():
+        together = (cpu_rowops.rmsnorm(x, w, EPS, False), *cpu_rowops.add_rmsnorm(x, r, w, EPS, True, r_weight=rw),
+                    cpu_rowops.act_mul(gate, None, "silu"), cpu_rowops.act_mul(gate, None, "gelu_tanh"))
+        for i in [0, rows // 2, rows - 1]:
+            alone = (cpu_rowops.rmsnorm(x[i : i + 1], w, EPS, False),
+                     *cpu_rowops.add_rmsnorm(x[i : i + 1], r[i : i + 1], w, EPS, True, r_weight=rw),
+                     cpu_rowops.act_mul(gate[i : i + 1], None, "silu"), cpu_rowops.act_mul(gate[i : i + 1], None, "gelu_tanh"))
+            for a, t in zip(alone, together):
+                assert torch.equal(a[0], t[i])
+
+
+def test_usable_only_without_autograd_on_cpu_float_weights_of_the_same_dtype():
+    x = torch.randn(2, 8)
+    w = torch.nn.Parameter(torch.ones(8))
+    assert not cpu_rowops.usable(x, w)  # grad mode on and w requires grad: torch records the graph
+    with torch.no_grad():
+        assert cpu_rowops.usable(x, w)
+        assert not cpu_rowops.usable(x.half(), w.half())
+        assert not cpu_rowops.usable(x.bfloat16(), w)
+    with torch.inference_mode():
+        assert cpu_rowops.usable(x, w)
