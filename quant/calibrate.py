@@ -14,6 +14,7 @@ already-processed layers below it. A killed run resumes from the work folder.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import time
@@ -53,7 +54,7 @@ class LayerwiseModel:
                 for name in f.keys():
                     self._file_of[name] = file
         self._handles: dict[Path, object] = {}
-        with torch.device("meta"):
+        with torch.device("meta"), _no_weight_init():
             self.model = build_model(self.config)
         self.num_layers = self.config.num_hidden_layers
         self.compute_dtype = dtype or self._stored_dtype()
@@ -139,6 +140,23 @@ class LayerwiseModel:
         return layer(x, cos, sin, ctx, None)
 
 
+_INIT_FILLS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_", "trunc_normal_")
+
+
+@contextlib.contextmanager
+def _no_weight_init():
+    """Skip nn.init's random fills while the module tree is built on the meta device: they fill
+    nothing there, but torch's meta normal_ imports torch._dynamo on first use (1.4 s)."""
+    saved = {name: getattr(nn.init, name) for name in _INIT_FILLS}
+    for name in _INIT_FILLS:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
 def _return_freed_memory() -> None:
     """Give the heap's free pages back to the system (glibc only).
 
@@ -160,16 +178,19 @@ def _return_freed_memory() -> None:
 _libc = None
 
 
-def calibration_samples(tokenizer, text: str, samples: int, seqlen: int, seed: int, what: str = "text") -> torch.Tensor:
+def calibration_samples(tokenizer, text: str, samples: int, seqlen: int, seed: int, what: str = "text",
+                        ids: list[int] | None = None) -> torch.Tensor:
     """`samples` windows of `seqlen` tokens, drawn without overlap from the text by `seed`.
 
     Each window starts with BOS when the tokenizer adds one, like every evaluation window does.
+    `ids`: the text already encoded (without BOS), e.g. from quant/token_cache.py.
     """
     if samples < 1 or seqlen < 2:
         raise UsageError(f"need at least 1 sample of at least 2 tokens, got --samples {samples} --seqlen {seqlen}")
     bos = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
     body = seqlen - len(bos)
-    ids = tokenizer.encode(text, add_bos=False)
+    if ids is None:
+        ids = tokenizer.encode(text, add_bos=False)
     windows = len(ids) // body
     if windows < samples:
         raise LowbitError(
@@ -339,12 +360,15 @@ def prepare_calibration(model: str | Path, data: str, samples: int = 128, seqlen
 
     from lowbit.data.text import load_text
     from lowbit.formats.resolve import resolve_model
+    from lowbit.quant.token_cache import encode_cached
     from lowbit.runtime.tokenizer import load_tokenizer
 
     path = resolve_model(model)
     lm = LayerwiseModel(path)
     text = load_text(data)
-    ids = calibration_samples(load_tokenizer(path), text, samples, seqlen, seed, what=f"calibration text '{data}'")
+    tokenizer = load_tokenizer(path)
+    encoded = encode_cached(tokenizer, Path(path) / "tokenizer.json", text)
+    ids = calibration_samples(tokenizer, text, samples, seqlen, seed, what=f"calibration text '{data}'", ids=encoded)
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     return CalibrationInputs(model=lm, ids=ids, data=str(data), data_hash=digest, seed=seed)
 

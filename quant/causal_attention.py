@@ -4,8 +4,8 @@ Calibration runs every window from position 0 with no cache, so attention is a p
 (optionally sliding-window) product over [T, T]. On 2 CPU cores SDPA's bf16 flash kernel reaches
 ~35 GFLOP/s on SmolLM2's shapes (16 windows of 512 tokens: 69 ms a layer); this module computes
 the scores block by block of 64 queries, each block only against the keys it can see (5/8 of the
-full product at T = 512), with q/k/v's grouped heads sharing their key head without a copy, the
-softmax in float32 and the products in bf16 (HF's eager arithmetic): 47 ms for the same work.
+full product at T = 512), the query heads of a group stacked against their shared key head, the
+softmax in float32 and the products in bf16 (HF's eager arithmetic): 38 ms for the same work.
 
 `BlockCausalAttention` plugs into runtime.attention.attend through its hook for caches that run
 their own attention (`paged = True`, `attend(q, k, v, layer, scale, window)`); it keeps nothing
@@ -56,13 +56,17 @@ class BlockCausalAttention:
         out = torch.empty(b, kv, group, t, d, dtype=q.dtype)
         for s0 in range(0, b, SAMPLE_CHUNK):
             s1 = min(b, s0 + SAMPLE_CHUNK)
+            n = s1 - s0
+            keys_t = k[s0:s1].transpose(-1, -2)  # [n, kv, D, T]
             for j0 in range(0, t, QUERY_BLOCK):
                 j1 = min(t, j0 + QUERY_BLOCK)
                 k0, c0, c1, mask = self._block(j0, j1, window)
-                keys = k[s0:s1, :, None, k0:j1].transpose(-1, -2)  # [b, kv, 1, D, keys]
-                scores = torch.matmul(qs[s0:s1, :, :, j0:j1], keys)  # [b, kv, group, block, keys]
+                # The group's query rows of this block stacked (a small copy), so each key head is
+                # read once by one product instead of broadcast over the group.
+                rows = qs[s0:s1, :, :, j0:j1].reshape(n, kv, group * (j1 - j0), d)
+                scores = torch.matmul(rows, keys_t[..., k0:j1])  # [n, kv, group * block, keys]
                 if mask is not None:
-                    scores[..., c0:c1].masked_fill_(mask, float("-inf"))
+                    scores.view(n, kv, group, j1 - j0, -1)[..., c0:c1].masked_fill_(mask, float("-inf"))
                 probs = torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype)
-                out[s0:s1, :, :, j0:j1] = torch.matmul(probs, v[s0:s1, :, None, k0:j1])
+                out[s0:s1, :, :, j0:j1] = torch.matmul(probs, v[s0:s1, :, k0:j1]).view(n, kv, group, j1 - j0, d)
         return out.view(b, h, t, d)

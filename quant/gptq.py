@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit.quant.groups import GroupScales, check_weight
+from lowbit.quant import intq
+from lowbit.quant.groups import GroupScales, check_weight, safe_divisor
 from lowbit.quant.qtensor import QTensor
 from lowbit.quant.registry import as_spec, get_format
 from lowbit.quant.spec import FormatSpec
@@ -165,7 +166,9 @@ def gptq_quantize_shared(
     values = torch.zeros_like(work)
     kept = torch.zeros_like(work) if any_keep else None
     codes = None
-    for b0 in range(0, k, block_size):
+    if keep_t is None and fmt.quantize_group_values is intq.quantize_group_values:
+        codes = _integer_loop(work, values, upper, scale_t, zero_t, spec, block_size)
+    for b0 in range(0, k if codes is None else 0, block_size):
         b1 = min(b0 + block_size, k)
         block = work[b0:b1].clone()
         errors = torch.empty_like(block)
@@ -212,6 +215,44 @@ def gptq_quantize_shared(
             fallback=False,
         ))
     return results
+
+
+def _integer_loop(work, values, upper, scale_t, zero_t, spec: FormatSpec, block_size: int) -> torch.Tensor:
+    """The column loop for integer grids, writing `values` and returning the codes [K, N] (uint8).
+
+    It computes what intq.quantize_group_values computes, (clamp(round(x / s) + z, 0, top) − z)·s,
+    as clamp(round(x / s), −z, top − z)·s, which is the same in float32 bit for bit (both sides are
+    exact integers below 2^24, and beyond that both clamp to the same bound), with the safe
+    divisor taken once for the matrix and the codes formed once at the end. The loop runs a
+    Python iteration per column, so it costs operations, not arithmetic: 7 a column instead of 16
+    (SmolLM2 GPTQ: ~3 s of ~10 s).
+    """
+    k = work.shape[0]
+    top = float((1 << spec.bits) - 1)
+    divisor = safe_divisor(scale_t)
+    if zero_t is None:
+        mid = float(1 << (spec.bits - 1))
+        lows, highs = [-mid] * k, [top - mid] * k
+    else:
+        mid = zero_t
+        lows, highs = list(-zero_t), list(top - zero_t)
+    ints = torch.empty_like(work)
+    for b0 in range(0, k, block_size):
+        b1 = min(b0 + block_size, k)
+        block = work[b0:b1].clone()
+        errors = torch.empty_like(block)
+        u = upper[b0:b1, b0:b1]
+        diag = torch.diagonal(u).tolist()
+        for i in range(b1 - b0):
+            j = b0 + i
+            col, t, err = block[i], ints[j], errors[i]
+            torch.div(col, divisor[j], out=t).round_().clamp_(lows[j], highs[j])
+            torch.sub(col, torch.mul(t, scale_t[j], out=values[j]), out=err).div_(diag[i])
+            if i + 1 < b1 - b0:
+                block[i + 1 :].addr_(u[i, i + 1 :], err, alpha=-1.0)
+        if b1 < k:
+            work[b1:].addmm_(upper[b0:b1, b1:].T, errors, alpha=-1.0)
+    return ints.add_(mid).to(torch.uint8)
 
 
 def _rtn_fallback(w, spec, hessian, global_scale, keep) -> GPTQResult:

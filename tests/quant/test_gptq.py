@@ -118,3 +118,24 @@ def test_kept_weights_are_exact_and_excluded():
     assert (result.kept[~keep] == 0).all() and (result.kept[keep] != 0).all()
     plain = gptq_quantize(w, spec, h).values
     assert output_error(w, result.values + result.kept, h) < 0.9 * output_error(w, plain, h)
+
+
+@pytest.mark.parametrize("fmt_name", ["int4-g16", "int4-asym-g16", "int3-g32", "int8", "int2-asym"])
+def test_integer_loop_is_the_generic_loop_bit_for_bit(fmt_name, monkeypatch):
+    """The integer-grid column loop (gptq._integer_loop) against the format-generic one."""
+    from lowbit.quant import gptq
+
+    spec = parse_spec(fmt_name)
+    h = correlated_hessian(80, seed=3)
+    w = 0.05 * torch.randn(12, 80, generator=torch.Generator().manual_seed(1))
+    w[3, :16] = 0.0  # an all-zero group: scale 0, the safe divisor
+    fast = gptq.gptq_quantize(w, spec, h, block_size=32)
+
+    class Generic:  # the same element quantizer under another name: the identity check fails
+        quantize_group_values = staticmethod(lambda *a: gptq.intq.quantize_group_values(*a))
+
+    monkeypatch.setattr(gptq, "intq", Generic)
+    slow = gptq.gptq_quantize(w, spec, h, block_size=32)
+    assert torch.equal(fast.qtensor.qweight, slow.qtensor.qweight)
+    assert torch.equal(fast.values, slow.values)
+    assert torch.equal(fast.qtensor.dequantize(), fast.values)
