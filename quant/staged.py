@@ -99,59 +99,68 @@ def run_staged(
             if acc is None:
                 acc = StatsAccumulator(x.shape[-1], moments=False)  # GPTQ reads only H
             acc.add(x)
-        if not acc.finite():  # only now look for the sample, so the common case pays one check
-            for start, end in batches:
-                _check_finite(inputs(start, end), f"entering {lm.layer_prefix(index)}{site}", start)
+            if not acc.finite():  # the diagonal's K values: find the sample only when it is needed
+                _check_finite(x, f"entering {lm.layer_prefix(index)}{site}", start)
         for name, weight in quantize(site, modules, acc.finish()).items():
             fwd.get_submodule(name).weight.data = weight.to(fwd.get_submodule(name).weight.dtype)
 
     with torch.inference_mode():
-        # Each norm's output is kept for the stage after the one that measured it: a norm costs a
-        # tenth of the layer on CPU, and recomputing two of them took ~5 s of a 128x512 run.
-        normed = torch.empty_like(hidden)
+        # One scratch buffer holds, for each batch of samples, first the input norm's output and
+        # the attention output side by side, then the pre-FFN norm's output, and last the MLP
+        # activation (which needs the most room): each is read before the next one overwrites it,
+        # so the norms are computed once (a norm is ~5% of a layer on CPU) and the layer's
+        # activations take no more memory than the MLP activation alone.
+        n_tokens, dim = hidden.shape[1], hidden.shape[2]
+        attn_dim = fwd.self_attn.o_proj.in_features
+        mlp_dim = fwd.mlp.down_proj.in_features
+        width = max(mlp_dim, dim + attn_dim)
+        scratch = torch.empty(hidden.shape[0] * n_tokens * width, dtype=hidden.dtype)
+
+        def region(s, e, offset, size):
+            base = s * n_tokens * width + offset * (e - s) * n_tokens
+            return scratch[base : base + size * (e - s) * n_tokens].view(e - s, n_tokens, size)
 
         def input_norm(s, e):
-            normed[s:e] = fwd.input_layernorm(hidden[s:e])
-            return normed[s:e]
+            normed = region(s, e, 0, dim)
+            normed.copy_(fwd.input_layernorm(hidden[s:e]))
+            return normed
 
         stage(*SITES[0], input_norm)
 
-        attn_out = torch.empty(*hidden.shape[:2], fwd.self_attn.o_proj.in_features, dtype=hidden.dtype)
-
         def attention(s, e):
+            out = region(s, e, dim, attn_dim)
             with _swapped(fwd.self_attn, "o_proj", nn.Identity()):
-                attn_out[s:e] = fwd.self_attn(normed[s:e], cos, sin, ctx, attention_kernel)
-            return attn_out[s:e]
+                out.copy_(fwd.self_attn(region(s, e, 0, dim), cos, sin, ctx, attention_kernel))
+            return out
 
         stage(*SITES[1], attention)
 
         def residual(s, e):
-            a = fwd.self_attn.o_proj(attn_out[s:e])
+            a = fwd.self_attn.o_proj(region(s, e, dim, attn_dim))
             if post_attn is not None:
                 a = post_attn(a)
             hidden[s:e] = hidden[s:e] + a
-            normed[s:e] = pre_ffn(hidden[s:e])
-            return normed[s:e]
+            normed = region(s, e, 0, dim)
+            normed.copy_(pre_ffn(hidden[s:e]))
+            return normed
 
         stage(*SITES[2], residual)
-        del attn_out
-
-        mlp_act = torch.empty(*hidden.shape[:2], fwd.mlp.down_proj.in_features, dtype=hidden.dtype)
 
         mlp = fwd.mlp
 
         def activation(s, e):
             # GatedMLP's torch arithmetic, act(gate) * up: the same bits as its fused C row op
             # (kernels/cpu_rowops.py), which at 8192 rows takes 17 ms against torch's 5 ms here.
-            x = normed[s:e]
-            mlp_act[s:e] = mlp.act(mlp.gate_proj(x)).mul_(mlp.up_proj(x))
-            return mlp_act[s:e]
+            x = region(s, e, 0, dim)
+            act = mlp.act(mlp.gate_proj(x)).mul_(mlp.up_proj(x))  # x is read before it is overwritten
+            out = region(s, e, 0, mlp_dim)
+            out.copy_(act)
+            return out
 
         stage(*SITES[3], activation)
-        del normed
 
         for s, e in batches:
-            m = fwd.mlp.down_proj(mlp_act[s:e])
+            m = fwd.mlp.down_proj(region(s, e, 0, mlp_dim))
             if post_ffn is not None:
                 m = post_ffn(m)
             out = hidden[s:e] + m
