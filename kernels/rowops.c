@@ -36,9 +36,8 @@ static inline float ld(const void *p, int64_t i, int bf16) {
 static inline uint16_t to_bf16_bits(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? (u >> 16) | 0x40u : rounded); /* NaN stays a quiet NaN */
 }
 
 static inline float round_to(float f, int bf16) {
@@ -53,9 +52,21 @@ static inline void st(void *p, int64_t i, float f, int bf16) {
     else ((float *)p)[i] = f;
 }
 
+/* Row functions take bf16 and unit_offset as arguments but are always inlined into callers that
+   pass constants (see DISPATCH), so each combination compiles to its own vectorized loops. */
+#define INLINE static inline __attribute__((always_inline))
+#define DISPATCH(call, bf16, flag)                             \
+    do {                                                       \
+        if (bf16) {                                            \
+            if (flag) { call(1, 1); } else { call(1, 0); }        \
+        } else {                                               \
+            if (flag) { call(0, 1); } else { call(0, 0); }        \
+        }                                                      \
+    } while (0)
+
 /* 1/sqrt(mean(h^2) + eps) of n values at p: squares summed in LANES interleaved float32
    accumulators, then a fixed tree. */
-static float inv_rms(const void *p, int64_t n, float eps, int bf16) {
+INLINE float inv_rms(const void *p, int64_t n, float eps, int bf16) {
     float acc[LANES] = {0};
     int64_t i = 0;
     for (; i + LANES <= n; i += LANES)
@@ -74,19 +85,53 @@ static float inv_rms(const void *p, int64_t n, float eps, int bf16) {
 }
 
 /* The normed, weighted value of h (element i of a row whose 1/rms is r), rounded as torch does. */
-static inline float normed(float h, float r, const void *w, int64_t i, int unit_offset, int bf16) {
+INLINE float normed(float h, float r, const void *w, int64_t i, int unit_offset, int bf16) {
     if (unit_offset) return round_to((h * r) * (1.0f + ld(w, i, bf16)), bf16);
     return round_to(ld(w, i, bf16) * round_to(h * r, bf16), bf16);
 }
 
 /* out = norm(x) * weight for one row of n values (out may be x: each element is read before it is written). */
-static void norm_row(const void *x, int64_t n, const void *w, float eps, int unit_offset, int bf16, void *out) {
+INLINE void norm_row(const void *x, int64_t n, const void *w, float eps, int unit_offset, int bf16, void *out) {
     const float r = inv_rms(x, n, eps, bf16);
     for (int64_t i = 0; i < n; i++) st(out, i, normed(ld(x, i, bf16), r, w, i, unit_offset, bf16), bf16);
 }
 
-static inline int team(int64_t elements, int threads) {
-    return elements >= PARALLEL_MIN_ELEMENTS && threads > 1 ? threads : 1;
+/* s = x + (r_w ? norm(r, r_w) : r) rounded to the dtype; then out = norm(s, w) unless w is NULL. */
+INLINE void add_norm_row(const void *x, const void *r, const void *r_w, int64_t n, const void *w, float eps,
+                         int unit_offset, int bf16, void *s, void *out) {
+    if (r_w != NULL) {  /* Gemma's post-norm of the branch, rounded before the add (type_as) */
+        const float inv = inv_rms(r, n, eps, bf16);
+        for (int64_t i = 0; i < n; i++)
+            st(s, i, ld(x, i, bf16) + normed(ld(r, i, bf16), inv, r_w, i, unit_offset, bf16), bf16);
+    } else {
+        for (int64_t i = 0; i < n; i++) st(s, i, ld(x, i, bf16) + ld(r, i, bf16), bf16);
+    }
+    if (w != NULL) norm_row(s, n, w, eps, unit_offset, bf16, out);
+}
+
+/* Whether a call is big enough to wake a team of threads (small ones run on the calling thread,
+   outside any OpenMP region). */
+static inline int threaded(int64_t elements, int threads) {
+    return elements >= PARALLEL_MIN_ELEMENTS && threads > 1;
+}
+
+typedef struct {
+    const char *x, *w;
+    char *out;
+    int64_t x_stride, out_stride, heads, dim;
+    float eps;
+    size_t es;
+} NormArgs;
+
+static void norm_vectors(const NormArgs *a, int64_t lo, int64_t hi, int bf16, int unit_offset) {
+#define NORM_VECTORS(B, U)                                                                              \
+    for (int64_t v = lo; v < hi; v++) {                                                                 \
+        const int64_t r = v / a->heads, hd = v % a->heads;                                              \
+        norm_row(a->x + (size_t)(r * a->x_stride + hd * a->dim) * a->es, a->dim, a->w, a->eps, U, B,     \
+                 a->out + (size_t)(r * a->out_stride + hd * a->dim) * a->es);                           \
+    }
+    DISPATCH(NORM_VECTORS, bf16, unit_offset);
+#undef NORM_VECTORS
 }
 
 /* rows x heads vectors of dim values: vector (r, h) at x + r * x_stride + h * dim (elements),
@@ -95,15 +140,33 @@ int lowbit_rmsnorm(const void *x, int64_t x_stride, int64_t rows, int64_t heads,
                    int unit_offset, int dtype, void *out, int64_t out_stride, int threads) {
     if (dim <= 0 || rows < 0 || heads <= 0) return 1;
     const int bf16 = dtype == 1;
-    const size_t es = bf16 ? 2 : 4;
+    const NormArgs a = {x, w, out, x_stride, out_stride, heads, dim, eps, bf16 ? 2 : 4};
     const int64_t total = rows * heads;
-#pragma omp parallel for num_threads(team(total * dim, threads)) schedule(static)
-    for (int64_t v = 0; v < total; v++) {
-        const int64_t r = v / heads, hd = v % heads;
-        norm_row((const char *)x + (size_t)(r * x_stride + hd * dim) * es, dim, w, eps, unit_offset, bf16,
-                 (char *)out + (size_t)(r * out_stride + hd * dim) * es);
+    if (!threaded(total * dim, threads)) {
+        norm_vectors(&a, 0, total, bf16, unit_offset);
+        return 0;
     }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t v = 0; v < total; v++) norm_vectors(&a, v, v + 1, bf16, unit_offset);
     return 0;
+}
+
+typedef struct {
+    const char *x, *r, *r_w, *w;
+    char *s, *out;
+    int64_t x_stride, r_stride, s_stride, out_stride, dim;
+    float eps;
+    size_t es;
+} AddNormArgs;
+
+static void add_norm_rows(const AddNormArgs *a, int64_t lo, int64_t hi, int bf16, int unit_offset) {
+#define ADD_NORM_ROWS(B, U)                                                                                   \
+    for (int64_t row = lo; row < hi; row++)                                                                   \
+        add_norm_row(a->x + (size_t)(row * a->x_stride) * a->es, a->r + (size_t)(row * a->r_stride) * a->es,   \
+                     a->r_w, a->dim, a->w, a->eps, U, B, a->s + (size_t)(row * a->s_stride) * a->es,           \
+                     a->out == NULL ? NULL : a->out + (size_t)(row * a->out_stride) * a->es);
+    DISPATCH(ADD_NORM_ROWS, bf16, unit_offset);
+#undef ADD_NORM_ROWS
 }
 
 /* Residual step: s = x + (r_w ? norm(r, r_w) : r), rounded to the dtype, into sum_out (which may
@@ -112,30 +175,22 @@ int lowbit_rmsnorm(const void *x, int64_t x_stride, int64_t rows, int64_t heads,
 int lowbit_add_rmsnorm(const void *x, int64_t x_stride, const void *r, int64_t r_stride, const void *r_w, int64_t rows,
                        int64_t dim, const void *w, float eps, int unit_offset, int dtype, void *sum_out,
                        int64_t sum_stride, void *out, int64_t out_stride, int threads) {
-    if (dim <= 0 || rows < 0) return 1;
+    if (dim <= 0 || rows < 0 || (w != NULL && out == NULL)) return 1;
     const int bf16 = dtype == 1;
-    const size_t es = bf16 ? 2 : 4;
-#pragma omp parallel for num_threads(team(rows * dim, threads)) schedule(static)
-    for (int64_t row = 0; row < rows; row++) {
-        const void *xr = (const char *)x + (size_t)(row * x_stride) * es;
-        const void *rr = (const char *)r + (size_t)(row * r_stride) * es;
-        void *s = (char *)sum_out + (size_t)(row * sum_stride) * es;
-        if (r_w != NULL) {  /* Gemma's post-norm of the branch, rounded before the add (type_as) */
-            const float inv = inv_rms(rr, dim, eps, bf16);
-            for (int64_t i = 0; i < dim; i++)
-                st(s, i, round_to(ld(xr, i, bf16) + normed(ld(rr, i, bf16), inv, r_w, i, unit_offset, bf16), bf16), bf16);
-        } else {
-            for (int64_t i = 0; i < dim; i++) st(s, i, ld(xr, i, bf16) + ld(rr, i, bf16), bf16);
-        }
-        if (w != NULL) norm_row(s, dim, w, eps, unit_offset, bf16, (char *)out + (size_t)(row * out_stride) * es);
+    const AddNormArgs a = {x, r, r_w, w, sum_out, out, x_stride, r_stride, sum_stride, out_stride, dim, eps, bf16 ? 2 : 4};
+    if (!threaded(rows * dim, threads)) {
+        add_norm_rows(&a, 0, rows, bf16, unit_offset);
+        return 0;
     }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t row = 0; row < rows; row++) add_norm_rows(&a, row, row + 1, bf16, unit_offset);
     return 0;
 }
 
 /* exp(x): 2^n * p(f) with n = round(x / ln 2) and a degree-6 polynomial on |f| <= ln2/2
    (relative error ~1e-7); inf above 88.72 and 0 below -87 (where float32 has only denormals).
    Plain arithmetic and selects, so the loops that call it vectorize. */
-static inline float exp_approx(float x) {
+INLINE float exp_approx(float x) {
     const float xc = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
     const float n = nearbyintf(xc * 1.44269504088896341f);
     const float f = (xc - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
@@ -155,7 +210,7 @@ static inline float exp_approx(float x) {
 
 /* act 0: silu(g) = g / (1 + e^-g); act 1: gelu_tanh(g) = g / (1 + e^(-2u)), u = sqrt(2/pi)(g + 0.044715 g^3),
    which is 0.5 g (1 + tanh u) rewritten. */
-static inline float activate(float g, int act) {
+INLINE float activate(float g, int act) {
     if (act == 0) return g / (1.0f + exp_approx(-g));
     const float u = 0.7978845608028654f * (g + 0.044715f * g * g * g);
     return g / (1.0f + exp_approx(-2.0f * u));
@@ -163,7 +218,7 @@ static inline float activate(float g, int act) {
 
 #define ACT_CHUNK 256
 
-static void act_row(const void *g, const void *u, int64_t n, int act, int bf16, void *out) {
+INLINE void act_row(const void *g, const void *u, int64_t n, int act, int bf16, void *out) {
     for (int64_t c = 0; c < n; c += ACT_CHUNK) {
         const int64_t m = n - c < ACT_CHUNK ? n - c : ACT_CHUNK;
         float y[ACT_CHUNK];
@@ -172,16 +227,34 @@ static void act_row(const void *g, const void *u, int64_t n, int act, int bf16, 
     }
 }
 
+typedef struct {
+    const char *g, *u;
+    char *out;
+    int64_t g_stride, u_stride, out_stride, n;
+    size_t es;
+} ActArgs;
+
+static void act_rows(const ActArgs *a, int64_t lo, int64_t hi, int bf16, int act) {
+#define ACT_ROWS(B, A)                                                                                      \
+    for (int64_t r = lo; r < hi; r++)                                                                       \
+        act_row(a->g + (size_t)(r * a->g_stride) * a->es, a->u + (size_t)(r * a->u_stride) * a->es, a->n, A, B, \
+                a->out + (size_t)(r * a->out_stride) * a->es);
+    DISPATCH(ACT_ROWS, bf16, act);
+#undef ACT_ROWS
+}
+
 /* out[r] = act(gate[r]) * up[r] for rows of n values (strides in elements; gate and up may be the
    two halves of one joined row). */
 int lowbit_act_mul(const void *gate, int64_t gate_stride, const void *up, int64_t up_stride, int64_t rows, int64_t n,
                    int act, int dtype, void *out, int64_t out_stride, int threads) {
     if (n <= 0 || rows < 0 || act < 0 || act > 1) return 1;
     const int bf16 = dtype == 1;
-    const size_t es = bf16 ? 2 : 4;
-#pragma omp parallel for num_threads(team(rows * n, threads)) schedule(static)
-    for (int64_t r = 0; r < rows; r++)
-        act_row((const char *)gate + (size_t)(r * gate_stride) * es, (const char *)up + (size_t)(r * up_stride) * es, n,
-                act, bf16, (char *)out + (size_t)(r * out_stride) * es);
+    const ActArgs a = {gate, up, out, gate_stride, up_stride, out_stride, n, bf16 ? 2 : 4};
+    if (!threaded(rows * n, threads)) {
+        act_rows(&a, 0, rows, bf16, act);
+        return 0;
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) act_rows(&a, r, r + 1, bf16, act);
     return 0;
 }

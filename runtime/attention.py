@@ -137,25 +137,25 @@ class SelfAttention(nn.Module):
         return norm(x.view(*x.shape[:-1], -1, self.head_dim)).view(x.shape)
 
     def forward(self, x, cos, sin, ctx: AttentionContext, cache: KVCache | None) -> torch.Tensor:
-        b, t, _ = x.shape
+        """x [B, T, hidden], or rows [T, hidden] of one flattened sequence (the engine's steps, see
+        DecoderModel.forward): the output has x's shape."""
+        rows = x.dim() == 2
+        b, t = (1, x.shape[0]) if rows else x.shape[:2]
         d = self.head_dim
-        fused = getattr(cache, "rotate_and_attend", None) if b == 1 else None
-        if fused is not None:
-            x = x[0]  # the engine's one flattened sequence as rows [T, hidden]: q/k/v come out 2-D
         if self.fused_qkv is not None:
             q, k, v = self.fused_qkv(x).split(self.fused_qkv.sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.q_norm is not None:
             q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
+        fused = getattr(cache, "rotate_and_attend", None) if rows else None
         if fused is not None:
             # the engine's CPU decode kernel: RoPE, KV write and attention in one call
             out = fused(q, k, v, cos, sin, self.layer, self.scale, self.window)
             if out is not None:
-                return self.o_proj(out)[None]
-            q, k, v = q[None], k[None], v[None]
+                return self.o_proj(out)
         q = apply_rotary(q.view(b, t, -1, d).transpose(1, 2), cos, sin)
         k = apply_rotary(k.view(b, t, -1, d).transpose(1, 2), cos, sin)
         v = v.view(b, t, -1, d).transpose(1, 2)
         out = attend(q, k, v, self.layer, ctx, cache, self.scale, self.window)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:-1], -1))

@@ -35,7 +35,10 @@ class DecoderModel(nn.Module):
         self.layer_rotary = [distinct.index(rope) for rope in ropes]
 
     def forward(self, input_ids, positions, max_position: int, cache: KVCache | None) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
+        # The engine's step is one flattened sequence over a cache that attends itself: the layers
+        # then work on rows [T, hidden], which spares a select/unsqueeze and two reshapes per matmul.
+        rows = input_ids.shape[0] == 1 and getattr(cache, "rotate_and_attend", None) is not None
+        h = self.embed_tokens(input_ids[0] if rows else input_ids)
         if self.scale_embeddings:
             # Gemma scales by sqrt(hidden) rounded to the model dtype, as its checkpoints were trained.
             h = h * torch.tensor(self.hidden_size**0.5, dtype=h.dtype).item()
@@ -44,7 +47,8 @@ class DecoderModel(nn.Module):
         for layer, which in zip(self.layers, self.layer_rotary):
             cos, sin = rotations[which]
             h = layer(h, cos, sin, ctx, cache)
-        return self.norm(h)
+        h = self.norm(h)
+        return h[None] if rows else h
 
 
 class CausalLM(nn.Module):
