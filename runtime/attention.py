@@ -143,7 +143,7 @@ class SelfAttention(nn.Module):
         b, t = (1, x.shape[0]) if rows else x.shape[:2]
         d = self.head_dim
         if self.fused_qkv is not None:
-            q, k, v = self.fused_qkv(x).split(self.fused_qkv.sizes, dim=-1)
+            q, k, v = self.fused_qkv.forward(x).split(self.fused_qkv.sizes, dim=-1)  # never hooked: not a child
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.q_norm is not None:

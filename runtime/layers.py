@@ -47,6 +47,14 @@ class RMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.eps}, unit_offset={self.unit_offset}"
 
 
+def add_pending(x: torch.Tensor, pending: tuple[torch.Tensor, RMSNorm | None] | None) -> torch.Tensor:
+    """x + r, or x + norm(r): a residual add a decoder layer left to its caller (see DecoderModel)."""
+    if pending is None:
+        return x
+    r, norm = pending
+    return x + (r if norm is None else norm(r))
+
+
 def rowops_norms(x: torch.Tensor, *norms: RMSNorm) -> bool:
     """Whether x and these norms can take the fused C row ops together (one eps and offset rule)."""
     first = norms[0]
@@ -151,7 +159,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_gate_up is not None:
-            joined = self.fused_gate_up(x)
+            joined = self.fused_gate_up.forward(x)  # never hooked: not a child module
             if self.act_name is not None and cpu_rowops.usable(joined):
                 return self.down_proj(cpu_rowops.act_mul(joined, None, self.act_name))  # reads both halves in place
             gate, up = joined.split(self.fused_gate_up.sizes, dim=-1)

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.modules import module as torch_module
 
+from lowbit.kernels import cpu_rowops
 from lowbit.runtime.attention import AttentionContext, KVCache
 from lowbit.runtime.config import ModelConfig
-from lowbit.runtime.layers import RMSNorm, Rotary
+from lowbit.runtime.layers import RMSNorm, Rotary, add_pending, rowops_norms
 from lowbit.runtime.linear import make_linear
 
 
@@ -44,11 +46,39 @@ class DecoderModel(nn.Module):
             h = h * torch.tensor(self.hidden_size**0.5, dtype=h.dtype).item()
         ctx = AttentionContext(cache.length if cache is not None else 0, input_ids.shape[1], h.device)
         rotations = [r.cos_sin(positions, max_position, h.dtype) for r in self.rotaries]
-        for layer, which in zip(self.layers, self.layer_rotary):
-            cos, sin = rotations[which]
-            h = layer(h, cos, sin, ctx, cache)
-        h = self.norm(h)
+        if self._defer_residuals(h):
+            # Each layer leaves its last residual add to the next layer's input norm (one C call
+            # for add + norm, into h in place); the final norm takes the last one.
+            pending = None
+            for layer, which in zip(self.layers, self.layer_rotary):
+                cos, sin = rotations[which]
+                h, pending = layer.forward_deferred(h, pending, cos, sin, ctx, cache)
+            h = self._final_norm(h, pending)
+        else:
+            for layer, which in zip(self.layers, self.layer_rotary):
+                cos, sin = rotations[which]
+                h = layer(h, cos, sin, ctx, cache)
+            h = self.norm(h)
         return h[None] if rows else h
+
+    def _defer_residuals(self, h: torch.Tensor) -> bool:
+        """CPU inference with the C row ops, layers that can defer, and no forward hooks that calling
+        forward_deferred would skip."""
+        if not self.layers or not hasattr(self.layers[0], "forward_deferred") or not cpu_rowops.usable(h, self.norm.weight):
+            return False
+        if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+            return False
+        return not any(layer._forward_hooks or layer._forward_pre_hooks for layer in self.layers)
+
+    def _final_norm(self, h: torch.Tensor, pending) -> torch.Tensor:
+        if pending is None:
+            return self.norm(h)
+        r, r_norm = pending
+        if not rowops_norms(h, self.norm, *(() if r_norm is None else (r_norm,))):
+            return self.norm(add_pending(h, pending))
+        norm = self.norm
+        return cpu_rowops.add_rmsnorm(h, r, norm.weight, norm.eps, norm.unit_offset,
+                                      r_weight=None if r_norm is None else r_norm.weight, inplace=True)[1]
 
 
 class CausalLM(nn.Module):

@@ -39,10 +39,11 @@ def test_c_row_ops_run_under_inference_and_match_the_torch_path(family, dtype, t
     with torch.inference_mode():
         fast = model(ids)
     layers = model.config.num_hidden_layers
-    if family == "llama":  # input norm + final norm; post-attention norm fused with the residual add
-        assert calls == {"rmsnorm": layers + 1, "add_rmsnorm": layers, "act_mul": layers}
-    else:  # + per-head q and k norms; both sandwich residuals fused
-        assert calls == {"rmsnorm": 3 * layers + 1, "add_rmsnorm": 2 * layers, "act_mul": layers}
+    # every residual add rides in a norm call: the first layer's input norm alone, then per layer
+    # (previous MLP residual + input norm) and (attention residual + MLP norm); the last MLP
+    # residual goes with the final norm. Gemma adds its per-head q and k norms.
+    qk = 2 * layers if family == "gemma3" else 0
+    assert calls == {"rmsnorm": 1 + qk, "add_rmsnorm": 2 * layers, "act_mul": layers}
     monkeypatch.setattr(cpu_rowops, "usable", lambda *args: False)
     with torch.inference_mode():
         slow = model(ids)
@@ -67,3 +68,21 @@ def test_autograd_keeps_the_torch_path_and_its_gradients(family, tiny_llama_dir,
     monkeypatch.setattr(cpu_rowops, "usable", lambda *args: False)
     with torch.no_grad():
         assert torch.equal(logits, model(_ids()))  # the torch path, bit for bit
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deferred_residuals_equal_layer_by_layer_bit_for_bit(family, dtype, tiny_llama_dir, tiny_gemma3_dir, monkeypatch):
+    """The C adds of the deferred path round like torch's adds: same logits as calling each layer,
+    which the model does when a layer has a forward hook (that must still fire)."""
+    model = load_model(tiny_llama_dir if family == "llama" else tiny_gemma3_dir, dtype=dtype)
+    ids = _ids()
+    with torch.inference_mode():
+        deferred = model(ids)
+        seen = []
+        handle = model.model.layers[1].register_forward_hook(lambda *args: seen.append(1))
+        calls = _counting(monkeypatch)
+        layered = model(ids)
+        handle.remove()
+    assert seen == [1] and calls["add_rmsnorm"] == model.config.num_hidden_layers * (2 if family == "gemma3" else 1)
+    assert torch.equal(deferred, layered)
