@@ -26,7 +26,11 @@ _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_flo
 
 @functools.cache
 def _lib():
-    lib = load_library()
+    return configure(load_library())
+
+
+def configure(lib):
+    """lib with the row ops' signatures set, or None without them."""
     if lib is None or not hasattr(lib, "lowbit_rmsnorm"):
         return None
     lib.lowbit_rmsnorm.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _F, _INT, _INT, _P, _I64, _INT]

@@ -181,3 +181,27 @@ def test_usable_only_without_autograd_on_cpu_float_weights_of_the_same_dtype():
         assert not cpu_rowops.usable(x.bfloat16(), w)
     with torch.inference_mode():
         assert cpu_rowops.usable(x, w)
+
+
+def test_portable_build_computes_the_same_bits(monkeypatch):
+    """No FMA contraction or reassociation: the AVX-512 build's vector lanes and the portable
+    build's (x86-64-v2) compute every value identically."""
+    from lowbit.kernels import native
+
+    portable = cpu_rowops.configure(native.load_library(portable=True))
+    if portable is None:
+        pytest.skip("no C compiler")
+    results = []
+    for lib in (cpu_rowops._lib(), portable):
+        monkeypatch.setattr(cpu_rowops, "_lib", lambda lib=lib: lib)
+        ops = []
+        for dtype in DTYPES:
+            x, w = data(dtype, rows=3, seed=9)
+            r, rw = data(dtype, rows=3, seed=10, unit_offset=True)
+            gate, _ = data(dtype, rows=3, dim=1000, seed=11)
+            with torch.inference_mode():
+                ops += [cpu_rowops.rmsnorm(x, w, EPS, False), *cpu_rowops.add_rmsnorm(x, r, rw, EPS, True, r_weight=rw),
+                        cpu_rowops.act_mul(gate, None, "silu"), cpu_rowops.act_mul(gate, None, "gelu_tanh")]
+        results.append(ops)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
