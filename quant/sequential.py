@@ -194,14 +194,17 @@ def _clip_if_better(w: torch.Tensor, spec: FormatSpec, st: InputStats, gscale) -
 def apply_outcome(layer: nn.Module, prefix: str, outcome: LayerOutcome) -> None:
     """Put the quantized weights (plus kept outliers) and changed dense tensors into the float layer,
     so the next layer is calibrated on what the quantized model computes."""
+    # Dense first: AWQ records the float weight of a Linear it folded a scale into (v_proj, up_proj),
+    # which that Linear's own quantized weight must replace, as the checkpoint does (quant/pipeline.py
+    # writes no dense copy of a quantized module).
+    for name, tensor in outcome.dense.items():
+        owner, _, leaf = name[len(prefix):].rpartition(".")
+        getattr(layer.get_submodule(owner), leaf).data = tensor.float().clone()
     for module, qt in outcome.qtensors.items():
         w = qt.dequantize(torch.float32)
         if module in outcome.outliers:
             w = w + unpack_outliers(outcome.outliers[module], qt.shape)
         layer.get_submodule(module[len(prefix):]).weight.data = w
-    for name, tensor in outcome.dense.items():
-        owner, _, leaf = name[len(prefix):].rpartition(".")
-        getattr(layer.get_submodule(owner), leaf).data = tensor.float().clone()
 
 
 def _quantize_staged(lm, layer: nn.Module, index: int, hidden: torch.Tensor, specs: dict[str, FormatSpec], options: QuantOptions) -> LayerOutcome:

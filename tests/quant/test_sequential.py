@@ -123,3 +123,43 @@ def test_gptq_staged_gemma3_resumes_to_the_same_bytes(tiny_model, tmp_path, monk
     monkeypatch.setattr(WorkDir, "save_layer", real)
     _quantize(model, resumed, "gptq", text=text, snapshot_every_s=1e9)
     assert _digest(resumed) == _digest(whole)
+
+
+@pytest.mark.parametrize("method", ["awq", "awq+gptq"])
+def test_apply_outcome_puts_in_what_the_checkpoint_holds(tiny_model, tmp_path, method):
+    # apply_outcome (the --data path's propagation, bench/calibration.py's float copies) must leave
+    # each Linear holding exactly the checkpoint's dequantized weight plus its side matrix, even when
+    # AWQ folded the next group's scale into that Linear (o_proj into v_proj, down_proj into up_proj).
+    from lowbit.formats.native import NativeReader
+    from lowbit.quant.calibrate import LayerStats
+    from lowbit.quant.outliers import unpack_outliers
+    from lowbit.quant.sequential import QuantOptions, apply_outcome, quantize_layer
+    from lowbit.quant.spec import parse_spec
+    from lowbit.quant.stats import StatsFile
+    from lowbit.runtime.loader import load_model
+
+    path = tiny_model("llama")
+    stats_path = tmp_path / "llama.stats"
+    calibrate(CalibrationInputs(model=LayerwiseModel(path), ids=torch.randint(3, 256, (2, 16)), data="r", data_hash="0", seed=0), stats_path)
+    out = tmp_path / "q"
+    quantize_model(path, "int4-asym-g32", out_dir=out, method=method, method_options={"calib": str(stats_path), "keep_outliers": 1.0})
+    reader = NativeReader(out)
+
+    model = load_model(path, dtype=torch.float32)
+    lm, stats_file, spec = LayerwiseModel(path), StatsFile(stats_path), parse_spec("int4-asym-g32")
+    folded_into_linear = 0
+    for i, layer in enumerate(model.model.layers):
+        prefix = lm.layer_prefix(i)
+        sites = stats_file.layer_sites(prefix)
+        outcome = quantize_layer(layer, prefix, LayerStats(sites={s: stats_file.site(s) for s in sites}, site_modules=sites),
+                                 {m: spec for mods in sites.values() for m in mods}, QuantOptions(method=method, keep_outliers=1.0))
+        folded_into_linear += sum(name[: -len(".weight")] in outcome.qtensors for name in outcome.dense)
+        apply_outcome(layer, prefix, outcome)
+        for module in outcome.qtensors:
+            qt = reader.quantized(module)
+            expected = qt.dequantize(torch.float32) + unpack_outliers(reader.outliers(module), qt.shape)
+            torch.testing.assert_close(layer.get_submodule(module[len(prefix):]).weight.data, expected, rtol=0, atol=0, msg=module)
+        for name in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+            torch.testing.assert_close(layer.get_submodule(name.rpartition(".")[0]).weight.data, reader.dense(prefix + name).float(),
+                                       rtol=0, atol=0)
+    assert folded_into_linear > 0  # the case above happened
