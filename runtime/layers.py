@@ -55,6 +55,17 @@ def add_pending(x: torch.Tensor, pending: tuple[torch.Tensor, RMSNorm | None] | 
     return x + (r if norm is None else norm(r))
 
 
+def add_pending_and_norm(x: torch.Tensor, pending: tuple[torch.Tensor, RMSNorm | None] | None,
+                         norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + pending's residual, norm of that) with the add riding in the C norm call; x is a tensor
+    the model made and is updated in place. The caller checked rowops_norms for these norms."""
+    if pending is None:
+        return x, norm(x)
+    r, r_norm = pending
+    return cpu_rowops.add_rmsnorm(x, r, norm.weight, norm.eps, norm.unit_offset,
+                                  r_weight=None if r_norm is None else r_norm.weight, inplace=True)
+
+
 def rowops_norms(x: torch.Tensor, *norms: RMSNorm) -> bool:
     """Whether x and these norms can take the fused C row ops together (one eps and offset rule)."""
     first = norms[0]

@@ -12,7 +12,7 @@ from torch import nn
 from lowbit.kernels import cpu_rowops
 from lowbit.runtime.attention import SelfAttention
 from lowbit.runtime.config import ModelConfig
-from lowbit.runtime.layers import GatedMLP, RMSNorm, add_pending, rowops_norms
+from lowbit.runtime.layers import GatedMLP, RMSNorm, add_pending, add_pending_and_norm, rowops_norms
 from lowbit.runtime.models.base import CausalLM
 
 
@@ -44,14 +44,10 @@ class Gemma3DecoderLayer(nn.Module):
         post-FFN-normed MLP output) to the caller; see LlamaDecoderLayer.forward_deferred."""
         norm_in = self.input_layernorm
         post_attn, pre_ffn, post_ffn = self.post_attention_layernorm, self.pre_feedforward_layernorm, self.post_feedforward_layernorm
-        r, r_norm = pending if pending is not None else (None, None)
+        r_norm = pending[1] if pending is not None else None
         if not rowops_norms(x, norm_in, post_attn, pre_ffn, post_ffn, *(() if r_norm is None else (r_norm,))):
             return self.forward(add_pending(x, pending), cos, sin, ctx, cache), None
-        if r is None:
-            h = norm_in(x)
-        else:
-            x, h = cpu_rowops.add_rmsnorm(x, r, norm_in.weight, norm_in.eps, norm_in.unit_offset,
-                                          r_weight=None if r_norm is None else r_norm.weight, inplace=True)
+        x, h = add_pending_and_norm(x, pending, norm_in)
         a = self.self_attn(h, cos, sin, ctx, cache)
         x, h = cpu_rowops.add_rmsnorm(x, a, pre_ffn.weight, pre_ffn.eps, pre_ffn.unit_offset, r_weight=post_attn.weight,
                                       inplace=True)

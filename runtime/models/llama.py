@@ -11,7 +11,7 @@ from torch import nn
 from lowbit.kernels import cpu_rowops
 from lowbit.runtime.attention import SelfAttention
 from lowbit.runtime.config import ModelConfig
-from lowbit.runtime.layers import GatedMLP, RMSNorm, add_pending, rowops_norms
+from lowbit.runtime.layers import GatedMLP, RMSNorm, add_pending, add_pending_and_norm, rowops_norms
 from lowbit.runtime.models.base import CausalLM
 
 
@@ -38,14 +38,10 @@ class LlamaDecoderLayer(nn.Module):
         returns (x', pending') whose sum is the layer's output. x is a tensor the model made and is
         updated in place; both adds ride in the C norm calls (DecoderModel's CPU inference path)."""
         norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
-        r, r_norm = pending if pending is not None else (None, None)
+        r_norm = pending[1] if pending is not None else None
         if not rowops_norms(x, norm_in, norm_post, *(() if r_norm is None else (r_norm,))):
             return self.forward(add_pending(x, pending), cos, sin, ctx, cache), None
-        if r is None:
-            h = norm_in(x)
-        else:
-            x, h = cpu_rowops.add_rmsnorm(x, r, norm_in.weight, norm_in.eps, norm_in.unit_offset,
-                                          r_weight=None if r_norm is None else r_norm.weight, inplace=True)
+        x, h = add_pending_and_norm(x, pending, norm_in)
         a = self.self_attn(h, cos, sin, ctx, cache)
         x, h = cpu_rowops.add_rmsnorm(x, a, norm_post.weight, norm_post.eps, norm_post.unit_offset, inplace=True)
         return x, (self.mlp(h), None)
