@@ -15,8 +15,10 @@ Methods: rtn is `lowbit quantize --method rtn` (no statistics); with kept outlie
 quant/sequential's rtn, whose scale search is weighted by E[x²]. Configurations: every format ×
 method without outliers; with --outliers, each percentage > 0 for
 the --outlier-formats × --outlier-methods (default: all of them); with --best, extra
-FORMAT:METHOD:PERCENT triples (the "best recipe" candidates). Bits/weight are over the quantized
-Linears, scales included, each kept outlier counted at 48 bits.
+FORMAT:METHOD:PERCENT triples (the "best recipe" candidates), where FORMAT may be `@FILE`, a
+`lowbit quantize --recipe` file (mixed precision: a format per module pattern; bench/recipes/).
+Bits/weight are over the quantized Linears, scales included, each kept outlier counted at 48
+bits, modules a recipe keeps dense at 16.
 
 Rows go to --json after each configuration (default bench/results/calibration.json for SmolLM2,
 bench/results/calibration-MODEL.json otherwise; bench/plots.py draws them) and --resume skips the
@@ -113,7 +115,8 @@ def quantized_copy(model_dir: Path, stats_path: Path, spec_label: str, method: s
     lm = LayerwiseModel(model_dir)
     stats_file = StatsFile(stats_path)
     stats_file.check(lm.identity())
-    spec = parse_spec(spec_label)
+    module_specs = recipe_specs(spec_label, stats_file) if spec_label.startswith("@") else None
+    spec = None if module_specs is not None else parse_spec(spec_label)
     options = QuantOptions(method=method, keep_outliers=outliers)
     bits = params = 0.0
     notes: list[str] = []
@@ -121,8 +124,14 @@ def quantized_copy(model_dir: Path, stats_path: Path, spec_label: str, method: s
     for i, layer in enumerate(model.model.layers):
         prefix = lm.layer_prefix(i)
         sites = stats_file.layer_sites(prefix)
-        specs = {m: spec for mods in sites.values() for m in mods}
-        if method == "rtn" and not outliers:
+        members = [m for mods in sites.values() for m in mods]
+        if module_specs is None:
+            specs = {m: spec for m in members}
+        else:
+            specs = {m: module_specs[m] for m in members if module_specs[m] is not None}
+            dense = [m for m in members if module_specs[m] is None]
+            bits += 16.0 * sum(layer.get_submodule(m[len(prefix):]).weight.numel() for m in dense)
+            params += sum(layer.get_submodule(m[len(prefix):]).weight.numel() for m in dense)
             outcome = plain_rtn(layer, prefix, specs)
         else:
             stats = LayerStats(sites={s: stats_file.site(s) for s in sites}, site_modules=sites)
@@ -135,6 +144,14 @@ def quantized_copy(model_dir: Path, stats_path: Path, spec_label: str, method: s
             bits += (qt.bits_per_weight + extra) * n
             params += n
     return model, bits / params, time.perf_counter() - began, notes
+
+
+def recipe_specs(label: str, stats_file) -> dict:
+    """module -> FormatSpec (None: dense) for every Linear with statistics, from the recipe file `@PATH`."""
+    from lowbit.quant.recipe import load_recipe, match_rules
+
+    rules = match_rules(load_recipe(label[1:]), [m for mods in stats_file.site_modules.values() for m in mods])
+    return {m: (rule.spec if rule is not None else None) for m, rule in rules.items()}
 
 
 def plain_rtn(layer, prefix: str, specs: dict):

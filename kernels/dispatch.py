@@ -8,7 +8,7 @@ Path choice (first that applies):
   CPU, per-channel int8                        cpu-int8    (kernels/cpu.py, torch's int8 op)
   CPU with AVX512-BF16, other 4-bit formats    cpu-bf16    (kernels/cpu_bf16.py, bf16 dot products)
   CPU, any 4-bit or 8-bit format               cpu-lut     (kernels/cpu_lut.py, compiled C kernel)
-  anything else (int2/int3 on CPU, no compiler) reference   (kernels/reference.py)
+  anything else (int2/3/5/6 on CPU, no compiler) reference   (kernels/reference.py)
 `LOWBIT_KERNEL` (or the `path` argument) forces one: reference | cpu | cpu-int4dot | cpu-int4 | cpu-int8 |
 cpu-bf16 | cpu-lut | triton ("cpu" means the best CPU path); a forced path that cannot run this weight
 raises a one-line LowbitError instead of silently running another.

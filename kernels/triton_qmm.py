@@ -3,7 +3,7 @@
 One kernel serves all formats because every format decodes the same way once its facts are
 read from the format layer (kernels/layout.py): element code c (a `bits`-wide field of the
 little-endian bit stream of row n, or one byte for 8-bit formats) is worth table[c], and
-w[n, k] = (table[c] - zero[n, j]) * scale[n, j] for j = k // group. The table (16 or 256
+w[n, k] = (table[c] - zero[n, j]) * scale[n, j] for j = k // group. The table (2**bits
 float32 values) holds int codes minus their zero point, NF4's code book, E2M1 or FP8 values.
 Scales are float32 [N, G], or for formats with one-byte scale codes (E8M0, E4M3) the stored
 bytes plus a 256-entry value table, so nvfp4/mxfp4 read what they store.
@@ -62,7 +62,7 @@ def _qmm_kernel(
             shift = bit % 8
             row = codes_ptr + rn[:, None] * ROW_BYTES
             word = tl.load(row + byte[None, :], mask=wmask, other=0).to(tl.int32)
-            if BITS == 3:  # a 3-bit field can straddle two bytes
+            if BITS == 3 or BITS == 5 or BITS == 6:  # such a field can straddle two bytes
                 nxt = tl.load(row + byte[None, :] + 1, mask=wmask & (byte[None, :] + 1 < ROW_BYTES), other=0)
                 word = word | (nxt.to(tl.int32) << 8)
             code = (word >> shift[None, :]) & ((1 << BITS) - 1)

@@ -32,6 +32,11 @@ _FORMATS: dict[str, tuple[str, int, bool, str]] = {
     "int3-asym": ("int", 3, False, "int"),
     "int4": ("int", 4, True, "int"),
     "int4-asym": ("int", 4, False, "int"),
+    # 5 and 6 bits: the mixed-precision step between int4 and int8 (llama.cpp's Q5/Q6 role)
+    "int5": ("int", 5, True, "int"),
+    "int5-asym": ("int", 5, False, "int"),
+    "int6": ("int", 6, True, "int"),
+    "int6-asym": ("int", 6, False, "int"),
     "int8": ("int", 8, True, "int"),
     "nf4": ("nf4", 4, True, "nf4"),
     "fp8": ("fp8", 8, True, "e4m3"),

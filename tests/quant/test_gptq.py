@@ -120,7 +120,7 @@ def test_kept_weights_are_exact_and_excluded():
     assert output_error(w, result.values + result.kept, h) < 0.9 * output_error(w, plain, h)
 
 
-@pytest.mark.parametrize("fmt_name", ["int4-g16", "int4-asym-g16", "int3-g32", "int8", "int2-asym"])
+@pytest.mark.parametrize("fmt_name", ["int4-g16", "int4-asym-g16", "int3-g32", "int5-g16", "int6-asym-g32", "int8", "int2-asym"])
 def test_integer_loop_is_the_generic_loop_bit_for_bit(fmt_name, monkeypatch):
     """The integer-grid column loop (gptq._integer_loop) against the format-generic one."""
     from lowbit.quant import gptq

@@ -41,7 +41,7 @@ def test_defaults_and_overrides():
 @pytest.mark.parametrize(
     "text, kwargs, message",
     [
-        ("int5", {}, "unknown format"),
+        ("int7", {}, "unknown format"),
         ("nf4-asym", {}, "unknown format"),
         ("int4-foo", {}, "unknown option"),
         ("mxfp4", {"group_size": 64}, "exactly 32"),
