@@ -132,6 +132,7 @@ def quantized_copy(model_dir: Path, stats_path: Path, spec_label: str, method: s
             dense = [m for m in members if module_specs[m] is None]
             bits += 16.0 * sum(layer.get_submodule(m[len(prefix):]).weight.numel() for m in dense)
             params += sum(layer.get_submodule(m[len(prefix):]).weight.numel() for m in dense)
+        if method == "rtn" and not outliers:
             outcome = plain_rtn(layer, prefix, specs)
         else:
             stats = LayerStats(sites={s: stats_file.site(s) for s in sites}, site_modules=sites)
