@@ -109,15 +109,21 @@ def quantize_layer(
     if options.method.startswith("awq"):
         for group in awq_mod.scale_groups(layer):
             members = [local.get(name) for name in group.linears]
-            if any(m is None for m in members):
-                continue  # a member stays dense: scaling it would change nothing worth the risk
-            site, st = by_module[members[0]]
-            weights = [layer.get_submodule(name).weight.data.float() for name in group.linears]
-            s, alpha, rel = awq_mod.search_scales(weights, [specs[m] for m in members], st, grid=options.awq_grid)
+            quantized = [(name, m) for name, m in zip(group.linears, members) if m is not None]
+            if not quantized:
+                continue
+            # The search scores only the quantized members; a dense member (a mixed-precision
+            # recipe) takes the folded scale losslessly and is written back as a changed tensor.
+            site, st = by_module[quantized[0][1]]
+            weights = [layer.get_submodule(name).weight.data.float() for name, _ in quantized]
+            s, alpha, rel = awq_mod.search_scales(weights, [specs[m] for _, m in quantized], st, grid=options.awq_grid)
             if alpha < 0:
                 continue
             awq_mod.fold_scale(layer, group, s)
             site_stats[site] = st.scaled(s)
+            for name, m in zip(group.linears, members):
+                if m is None:
+                    outcome.dense[f"{prefix}{name}.weight"] = layer.get_submodule(name).weight.data.float().clone()
             prev = layer.get_submodule(group.prev)
             outcome.dense[f"{prefix}{group.prev}.weight"] = prev.weight.data.float().clone()
             if isinstance(prev, nn.Linear) and prev.bias is not None:

@@ -163,3 +163,31 @@ def test_apply_outcome_puts_in_what_the_checkpoint_holds(tiny_model, tmp_path, m
             torch.testing.assert_close(layer.get_submodule(name.rpartition(".")[0]).weight.data, reader.dense(prefix + name).float(),
                                        rtol=0, atol=0)
     assert folded_into_linear > 0  # the case above happened
+
+
+@pytest.mark.parametrize("method", ["awq", "awq+gptq"])
+def test_awq_folds_into_a_dense_member_of_a_mixed_recipe(tiny_model, tmp_path, method):
+    # A recipe that keeps k_proj and gate_proj dense: AWQ still scales their groups (searched on the
+    # quantized members alone), and the dense members are written with the folded scale, so
+    # norm -> dense member computes what the float model did.
+    from lowbit.quant.recipe import parse_recipe
+    from lowbit.runtime.loader import load_model
+
+    path = tiny_model("llama")
+    stats_path = tmp_path / "llama.stats"
+    calibrate(CalibrationInputs(model=LayerwiseModel(path), ids=torch.randint(3, 256, (2, 16)), data="r", data_hash="0", seed=0), stats_path)
+    recipe = parse_recipe({"rules": [{"pattern": "*.k_proj", "format": "dense"}, {"pattern": "*.gate_proj", "format": "dense"},
+                                     {"pattern": "*", "format": "int4-asym-g32"}]})
+    out = tmp_path / "q"
+    quantize_model(path, recipe, out_dir=out, method=method, method_options={"calib": str(stats_path)})
+    float_model, quant_model = load_model(path, dtype=torch.float32), load_model(out, dtype=torch.float32)
+    h = torch.randn(5, float_model.config.hidden_size)
+    changed = 0
+    for a, b in zip(float_model.model.layers, quant_model.model.layers):
+        for norm, dense in (("input_layernorm", "self_attn.k_proj"), ("post_attention_layernorm", "mlp.gate_proj")):
+            assert isinstance(b.get_submodule(dense), torch.nn.Linear)
+            changed += not torch.equal(a.get_submodule(norm).weight, b.get_submodule(norm).weight.float())
+            with torch.no_grad():
+                torch.testing.assert_close(b.get_submodule(dense)(b.get_submodule(norm)(h)), a.get_submodule(dense)(a.get_submodule(norm)(h)),
+                                           rtol=1e-4, atol=1e-5)
+    assert changed > 0  # AWQ did fold a scale into some norm
