@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from lowbit.errors import UsageError
+from lowbit.kernels.cpu_f32 import use_invariant_linears
 from lowbit.runtime.engine.block_manager import BlockManager
 from lowbit.runtime.engine.detokenizer import IncrementalDetokenizer
 from lowbit.runtime.engine.drafter import ModelDrafter, NgramDrafter, parse_draft
@@ -118,6 +119,9 @@ class Engine:
         self.model_path = path
         self.model = load_model(path, self.dtype, self.device)
         fuse_projections(self.model)  # q/k/v and gate/up as one matmul where exact (int4dot weights)
+        if self.device.type == "cpu" and self.dtype is torch.float32:
+            # batch-invariant float32 Linears: a verify of 1 + k rows computes each row as a plain step does
+            use_invariant_linears(self.model)
         self.config = self.model.config
         self.tokenizer = load_tokenizer(path)
         if num_speculative_tokens < 1:
@@ -135,6 +139,8 @@ class Engine:
             from lowbit.runtime.engine.draft_models import load_draft_model
 
             draft_model = load_draft_model(draft_arg, self.tokenizer, self.dtype, self.device)
+        if draft_model is not None and self.device.type == "cpu" and self.dtype is torch.float32:
+            use_invariant_linears(draft_model)
 
         bytes_per_token = kv_bytes_per_token(self.config, self.dtype, kv_dtype)
         if draft_model is not None:

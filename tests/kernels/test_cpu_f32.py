@@ -1,0 +1,45 @@
+"""kernels/f32_dot.c through kernels/cpu_f32.py: float32 Linears at a few rows, batch-invariant."""
+
+import pytest
+import torch
+
+from lowbit.kernels import cpu_f32
+
+pytestmark = pytest.mark.skipif(not cpu_f32.available(), reason="no AVX-512 build on this machine")
+
+
+@pytest.mark.parametrize("n, k", [(33, 200), (64, 576), (7, 15), (130, 1536)])
+def test_matches_float64_and_every_row_count_gives_the_same_bits(n, k):
+    g = torch.Generator().manual_seed(n + k)
+    w, b, x = torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.randn(16, k, generator=g)
+    full = cpu_f32.matmul(x, w, b)
+    ref = x.double() @ w.double().T + b.double()
+    # float32 accumulation over k: error grows like sqrt(k) ulps of the terms
+    assert ((full.double() - ref).abs().max() / ref.abs().max()) < 1e-6
+    for m in range(1, 17):
+        for start in (0, 16 - m):
+            assert torch.equal(cpu_f32.matmul(x[start : start + m], w, b), full[start : start + m]), (m, start)
+
+
+def test_strided_rows_and_no_bias():
+    w = torch.randn(40, 96)[:, :80]  # rows 96 apart, 80 used
+    x = torch.randn(3, 100)[:, :80]
+    y = cpu_f32.matmul(x, w)
+    torch.testing.assert_close(y, (x.double() @ w.double().T).float(), rtol=1e-5, atol=1e-5)
+
+
+def test_invariant_linear_keeps_parameters_and_falls_back_where_it_must():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(48, 32), torch.nn.Linear(32, 48, bias=False))
+    model[1].weight = torch.nn.Parameter(model[0].weight.T.contiguous())  # any shared parameter stays shared
+    shared = model[1].weight
+    reference = [torch.nn.Linear.forward(m, torch.ones(1, m.in_features)) for m in model]
+    assert cpu_f32.use_invariant_linears(model) == 2
+    assert all(isinstance(m, cpu_f32.InvariantLinear) and isinstance(m, torch.nn.Linear) for m in model)
+    assert model[1].weight is shared
+    with torch.no_grad():
+        for m, ref in zip(model, reference):
+            torch.testing.assert_close(m(torch.ones(1, m.in_features)), ref, rtol=1e-5, atol=1e-5)
+        x = torch.randn(2, 20, 48)  # 40 rows: torch's route
+        torch.testing.assert_close(model(x), torch.nn.functional.linear(torch.nn.functional.linear(x, model[0].weight, model[0].bias), shared))
+    assert model[0](torch.randn(3, 48)).requires_grad  # training keeps torch's differentiable route
