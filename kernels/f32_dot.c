@@ -29,7 +29,7 @@ int lowbit_f32dot_available(void) {
 #ifdef HAVE_F32DOT
 #define INLINE static inline __attribute__((always_inline))
 #define NT 4 /* weight rows per tile */
-#define MT 4 /* x rows per pass: 16 accumulators, 4 x vectors, one weight vector */
+#define MT 6 /* x rows per pass: 24 accumulators, 6 x vectors, one weight vector (a verify of 1 + 4 or 1 + 5 rows is one pass) */
 
 INLINE void f32_tile(const int NB, const int MB, const float *w, int64_t ldw, int64_t K, const float *x, int64_t ldx,
                      float *out) {
@@ -64,7 +64,9 @@ INLINE void f32_pass(const int NB, int mb, const float *w, int64_t ldw, int64_t 
     case 1: f32_tile(NB, 1, w, ldw, K, x, ldx, out); break;
     case 2: f32_tile(NB, 2, w, ldw, K, x, ldx, out); break;
     case 3: f32_tile(NB, 3, w, ldw, K, x, ldx, out); break;
-    default: f32_tile(NB, 4, w, ldw, K, x, ldx, out); break;
+    case 4: f32_tile(NB, 4, w, ldw, K, x, ldx, out); break;
+    case 5: f32_tile(NB, 5, w, ldw, K, x, ldx, out); break;
+    default: f32_tile(NB, 6, w, ldw, K, x, ldx, out); break;
     }
 }
 #endif

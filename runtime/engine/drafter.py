@@ -90,7 +90,7 @@ class ModelDrafter:
         active = list(range(len(drafting)))
         step = 0
         while active:
-            logits = self.runner.run(works)
+            logits = self.runner.run(works).float()  # the draft may run in bf16; its probabilities are float32
             tokens, dists = choose(logits, [drafting[i][0] for i in active])
             for i, t, p in zip(active, tokens, dists):
                 drafts[i].append(t)

@@ -131,20 +131,21 @@ class Engine:
         draft_kind, draft_arg = parse_draft(draft)
         self.draft_kind = draft_kind
         draft_model = None
+        # A draft's precision only moves its acceptance rate, never the output (the target
+        # verifies every token), so a float32 target drafts in bf16: the fast kernels' dtype.
+        self.draft_dtype = torch.bfloat16 if self.dtype is torch.float32 else self.dtype
         if draft_kind == "self":
             from lowbit.runtime.engine.draft_models import quantized_copy
 
-            draft_model = quantized_copy(path, draft_arg, self.dtype, self.device)
+            draft_model = quantized_copy(path, draft_arg, self.draft_dtype, self.device)
         elif draft_kind == "model":
             from lowbit.runtime.engine.draft_models import load_draft_model
 
-            draft_model = load_draft_model(draft_arg, self.tokenizer, self.dtype, self.device)
-        if draft_model is not None and self.device.type == "cpu" and self.dtype is torch.float32:
-            use_invariant_linears(draft_model)
+            draft_model = load_draft_model(draft_arg, self.tokenizer, self.draft_dtype, self.device)
 
         bytes_per_token = kv_bytes_per_token(self.config, self.dtype, kv_dtype)
         if draft_model is not None:
-            bytes_per_token += kv_bytes_per_token(draft_model.config, self.dtype, None)
+            bytes_per_token += kv_bytes_per_token(draft_model.config, self.draft_dtype, None)
         limit = self.config.max_position_embeddings
         if kv_memory is None:
             # a share of free memory, but no more than max_num_seqs sequences of full length need
@@ -167,7 +168,7 @@ class Engine:
         if draft_kind == "ngram":
             self.drafter = NgramDrafter()
         elif draft_model is not None:
-            draft_cache = PagedKVCache(draft_model.config, num_blocks, block_size, self.dtype, self.device)
+            draft_cache = PagedKVCache(draft_model.config, num_blocks, block_size, self.draft_dtype, self.device)
             self.drafter = ModelDrafter(draft_model, draft_cache)
         else:
             self.drafter = None
