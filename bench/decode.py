@@ -2,10 +2,10 @@
 
 Rows: transformers bf16 batch 1; lowbit bf16 batch 1; lowbit int4 (RTN g128, in-memory, the
 batch-invariant cpu-int4dot kernel, q/k/v and gate/up joined) batch 1 and 16 concurrent requests; speculative decoding (n-gram and self:int4 drafts)
-against plain fp32 greedy decoding, and n-gram drafts for the int4 target against plain int4,
-with the outputs checked identical.
+against plain fp32 greedy decoding (plus any --draft, e.g. a GPTQ int4 checkpoint of the same
+model), and n-gram drafts for the int4 target against plain int4, with the outputs checked identical.
 
-    python bench/decode.py --threads 1 [--gen-tokens 64] [--json]
+    python bench/decode.py --threads 1 [--gen-tokens 64] [--draft CHECKPOINT] [--json]
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ def main() -> None:
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--draft", action="append", default=[],
+                    help="an extra draft for the float32 target (e.g. a calibrated int4 checkpoint of the same model); repeatable")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     gen = args.gen_tokens
@@ -76,7 +78,7 @@ def main() -> None:
     rows.append(("lowbit fp32", 1, plain["decode_tok_s"]))
     del fp32
     spec = {}
-    for draft in ("ngram", "self:int4"):
+    for draft in ("ngram", "self:int4", *args.draft):
         engine = Engine(MODEL, dtype="float32", max_num_seqs=1, max_model_len=1024, draft=draft)
         passes0, stats0 = engine.spec_stats.num_passes, engine.stats()
         r = lowbit_decode(engine, prompt, gen)
