@@ -10,6 +10,9 @@ the number of rows in the call, so a row's output is bit-identical whether it ru
 among 1 + k rows of a speculative verify. Up to FUSED_MAX_ROWS rows read the weight once; more
 (prefill) decode the weight to bf16 once and use torch's GEMM (not batch-invariant, not needed).
 
+Layout (kernels/int4_dot.c): output rows in tiles of 16 (one per vector lane), four tiles
+interleaved chunk by chunk, K zero-padded to whole 64s; scales as [tiles, groups, 16].
+
 `concat` joins prepared weights of the same input width along the output dimension (q/k/v,
 gate/up), so one call reads all of them.
 """
@@ -27,6 +30,7 @@ from lowbit.kernels.prepared import PreparedWeight
 from lowbit.quant.qtensor import QTensor
 
 FUSED_MAX_ROWS = 16
+TILE_ROWS = 16  # output rows per tile of the C kernel: one per vector lane
 PATH = "cpu-int4dot"
 
 
@@ -34,10 +38,10 @@ class I4WeightStruct(ctypes.Structure):
     """The C kernel's `I4Weight` (kernels/int4_dot.c)."""
 
     _fields_ = [
-        ("codes", ctypes.c_void_p), ("row_bytes", ctypes.c_int64), ("table", ctypes.c_void_p),
+        ("codes", ctypes.c_void_p), ("tile_bytes", ctypes.c_int64), ("table", ctypes.c_void_p),
         ("scales", ctypes.c_void_p), ("szs", ctypes.c_void_p),
-        ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("blocks", ctypes.c_int64), ("groups", ctypes.c_int64),
-        ("bpg", ctypes.c_int32),
+        ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("chunks", ctypes.c_int64), ("groups", ctypes.c_int64),
+        ("cpg", ctypes.c_int32),
     ]
 
 
@@ -70,34 +74,63 @@ def supports(qt: QTensor) -> bool:
     return _integer_table(qt) is not None
 
 
-def _struct(tensors: dict, n: int, k: int, groups: int, bpg: int) -> dict:
+def tile_codes(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [N, K] -> [ceil(N / 64), 32 * Kp] (Kp: K rounded up to 64; padding is code 0):
+    tiles of 16 rows, four interleaved chunk by chunk ([N / 64, Kp / 4, 4, 32]); per tile and
+    chunk of 4 k, byte 2i+p = row i's code k+p | code k+2+p << 4."""
+    n, k = codes.shape
+    quads, kp = -(-n // (4 * TILE_ROWS)), -(-k // 64) * 64
+    c = torch.nn.functional.pad(codes, (0, kp - k, 0, quads * 4 * TILE_ROWS - n))
+    # [quad, tile, row i, chunk, half h, p]: row 64 quad + 16 tile + i, k = 4 chunk + 2h + p
+    c = c.reshape(quads, 4, TILE_ROWS, kp // 4, 2, 2)
+    packed = c[..., 0, :] | (c[..., 1, :] << 4)
+    return packed.permute(0, 3, 1, 2, 4).reshape(quads, kp * 32).contiguous()
+
+
+def untile_codes(tiled: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The inverse of `tile_codes`: uint8 codes [n, k]."""
+    quads, chunks = tiled.shape[0], tiled.shape[1] // 128
+    b = tiled.reshape(quads, chunks, 4, TILE_ROWS, 2).permute(0, 2, 3, 1, 4)
+    return torch.stack([b & 15, b >> 4], dim=-2).reshape(quads * 4 * TILE_ROWS, chunks * 4)[:n, :k]
+
+
+def tile_groups(v: torch.Tensor) -> torch.Tensor:
+    """float32 per-group values [N, G] -> [ceil(N / 16), G, 16] (padding rows 0)."""
+    n, g = v.shape
+    tiles = -(-n // TILE_ROWS)
+    v = torch.nn.functional.pad(v.float(), (0, 0, 0, tiles * TILE_ROWS - n))
+    return v.reshape(tiles, TILE_ROWS, g).permute(0, 2, 1).contiguous()
+
+
+def untile_groups(v: torch.Tensor, n: int) -> torch.Tensor:
+    return v.permute(0, 2, 1).reshape(-1, v.shape[1])[:n]
+
+
+def _struct(tensors: dict, n: int, k: int, groups: int, cpg: int) -> dict:
     codes = tensors["codes"]
     szs = tensors.get("szs")
     struct = I4WeightStruct(
-        codes.data_ptr(), codes.shape[1], tensors["table"].data_ptr(), tensors["scales"].data_ptr(),
-        None if szs is None else szs.data_ptr(), n, k, codes.shape[1] // 32, groups, bpg,
+        codes.data_ptr(), codes.shape[1] // 4, tensors["table"].data_ptr(), tensors["scales"].data_ptr(),
+        None if szs is None else szs.data_ptr(), n, k, codes.shape[1] // 128, groups, cpg,
     )
     # The struct holds raw pointers into `tensors`, which the PreparedWeight keeps alive.
-    return {"struct": struct, "ref": ctypes.byref(struct), "groups": groups, "bpg": bpg}
+    return {"struct": struct, "ref": ctypes.byref(struct), "groups": groups, "cpg": cpg}
 
 
 def prepare(qt: QTensor, prefill: PreparedWeight | None = None) -> PreparedWeight:
-    from lowbit.kernels.cpu_bf16 import repack64
-
     qt = qt.to("cpu")
     n, k = qt.shape
     gs = layout.group_scales(qt)
     table = _integer_table(qt)
-    codes = repack64(layout.codes(qt))
-    blocks = codes.shape[1] // 32
+    codes = tile_codes(layout.codes(qt))
     groups = gs.scale.shape[1]
-    bpg = blocks if groups == 1 else gs.group_size // 64
+    cpg = codes.shape[1] // 128 if groups == 1 else gs.group_size // 4
     table32 = torch.zeros(32, dtype=torch.bfloat16)
     table32[:16] = table.to(torch.bfloat16)
-    tensors = {"codes": codes, "table": table32, "scales": gs.scale.float().contiguous()}
+    tensors = {"codes": codes, "table": table32, "scales": tile_groups(gs.scale)}
     if gs.zero is not None:
-        tensors["szs"] = (gs.scale.double() * gs.zero.double()).float().contiguous()
-    params = _struct(tensors, n, k, groups, bpg)
+        tensors["szs"] = tile_groups((gs.scale.double() * gs.zero.double()).float())
+    params = _struct(tensors, n, k, groups, cpg)
     if prefill is None:
         from lowbit.kernels import cpu_bf16
 
@@ -111,19 +144,22 @@ def concat(parts: list[PreparedWeight]) -> PreparedWeight:
     """One prepared weight whose output rows are those of `parts`, in order (same K and grouping)."""
     first = parts[0]
     k = first.shape[1]
-    if any(p.path != PATH or p.shape[1] != k or p.params["bpg"] != first.params["bpg"]
+    if any(p.path != PATH or p.shape[1] != k or p.params["cpg"] != first.params["cpg"]
            or p.params["groups"] != first.params["groups"] or not torch.equal(p.tensors["table"], first.tensors["table"])
            for p in parts):
         raise ValueError("only int4dot weights with the same input width, grouping and code table can be joined")
     n = sum(p.shape[0] for p in parts)
+    # Tiles of 16 rows: a part whose rows do not fill its last tile shifts the rest, so re-tile.
     tensors = {
-        "codes": torch.cat([p.tensors["codes"] for p in parts]).contiguous(),
+        "codes": tile_codes(torch.cat([untile_codes(p.tensors["codes"], p.shape[0], k) for p in parts])),
         "table": first.tensors["table"],
-        "scales": torch.cat([p.tensors["scales"] for p in parts]).contiguous(),
+        "scales": tile_groups(torch.cat([untile_groups(p.tensors["scales"], p.shape[0]) for p in parts])),
     }
     if any("szs" in p.tensors for p in parts):
-        tensors["szs"] = torch.cat([p.tensors.get("szs", torch.zeros_like(p.tensors["scales"])) for p in parts]).contiguous()
-    params = _struct(tensors, n, k, first.params["groups"], first.params["bpg"])
+        szs = [untile_groups(p.tensors["szs"], p.shape[0]) if "szs" in p.tensors else torch.zeros(p.shape[0], first.params["groups"])
+               for p in parts]
+        tensors["szs"] = tile_groups(torch.cat(szs))
+    params = _struct(tensors, n, k, first.params["groups"], first.params["cpg"])
     params["prefill"] = None
     prefills = [p.params.get("prefill") for p in parts]
     if all(p is not None for p in prefills):

@@ -1,26 +1,35 @@
 /* CPU matmul for integer 4-bit codes through bf16 dot products (AVX512-BF16 `vdpbf16ps`), with
    arithmetic per row of x that does not depend on how many rows are in the call:
-   y[m, n] = sum_j s[n, j] * (sum_{k in group j} T[c[n, k]] * xb[m, k]) - sum_j sz[n, j] * xsum[m, j]
+   y[m, n] = sum_j (s[n, j] * (sum_{k in group j} T[c[n, k]] * xb[m, k]) - sz[n, j] * xsum[m, j])
 
    T[c] is an integer table (0..15 or -8..7), exact in bf16, so every product T * xb is exact in
    float32; xb is x rounded to bf16 and xsum[m, j] the float32 sum of xb over group j; s is the
    group scale and sz = s * z its scale times zero point (NULL when symmetric). The result is the
    float32 dequantize-then-matmul of bf16-rounded activations up to float32 summation order.
 
+   Layout (a GEMM microkernel's): the 16 lanes of a vector are 16 OUTPUT rows. Each `vdpbf16ps`
+   multiplies, per lane, one k pair (w[n, k], w[n, k + 1]) by the pair (x[m, k], x[m, k + 1])
+   broadcast to every lane, so a group's dot products of 16 rows sit in one accumulator per x
+   row, the scale is one vector FMA, and nothing is reduced horizontally. kernels/cpu_int4dot.py
+   repacks the codes in tiles of 16 output rows, K zero-padded to a multiple of 64: per 4 k (a
+   chunk, 32 bytes), byte 2i+p holds row i's code k+p in the low nibble and k+2+p in the high
+   one, so one widening load, a mask or a shift and a table lookup give the pair vectors (k, k+1)
+   and (k+2, k+3). Four tiles (64 rows, padded) are interleaved chunk by chunk
+   ([N / 64, chunks, 4, 32]): one row of x then reads one sequential stream of 128 bytes per
+   chunk (four separate streams, one per tile, were 15 % slower at one row). Scales (and sz)
+   are [tiles, G, 16].
+
    Batch invariance (what makes speculative verification exact): every (m, n) is accumulated in
-   one fixed order - blocks of 64 in order, low 32 elements then high 32 into one accumulator
-   per group, the group folded into a running vector with one FMA, a fixed horizontal sum at the
-   end - whatever M is and however rows are tiled, and x rows are converted and summed alone.
+   one fixed order - chunks in order, pair (k, k+1) then (k+2, k+3) into one accumulator per
+   group, the group folded into a running vector with one FMA (and the zero point with one
+   more) - whatever M is and however rows and tiles are grouped; x rows are converted and summed
+   alone. How many tiles run side by side (TT) depends on the rows in the pass, never the order.
 
-   Layout: codes repacked by kernels/cpu_int4dot.py in 64-element blocks of 32 bytes (byte i:
-   element i low nibble, element 32 + i high nibble), rows zero-padded to whole blocks; groups
-   are multiples of 64 (or one group per row).
-
-   Cost (measured on the 2-core EPYC): one row is bound by the two dependent dot products per
-   block and accumulator, not by unpacking (a variant that skipped unpacking was no faster), and
-   more rows by loads and dot-product throughput, so x rows go through a tile MT at a time, each
-   unpacked block feeding MT rows from registers: M = 3/4/5 cost ~1.9/2.5/3.5x one row
-   (2.5/3.0/4.0x in pairs of rows). The weight is read from memory once per call. */
+   Cost (2-core EPYC, Zen 4: one 512-bit vdpbf16ps per cycle per core): one row is bound by the
+   weight read; TT tiles side by side give it independent accumulator chains and read whole
+   cache lines. Many rows are
+   bound by the dot products: one unpacked chunk feeds up to 16 rows from registers (16
+   accumulators; the group totals live in memory, touched once per group). */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -30,15 +39,18 @@
 #define HAVE_I4DOT 1
 #include <immintrin.h>
 #endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 typedef struct {
-    const uint8_t *codes;  /* [N, row_bytes] */
-    int64_t row_bytes;     /* 32 * blocks */
+    const uint8_t *codes;  /* [ceil(tiles / 4), chunks, 4, 32] */
+    int64_t tile_bytes;    /* chunks * 32: a group of four tiles takes 4 * tile_bytes */
     const uint16_t *table; /* [32] bf16 value of each code (entries 16..31 unused) */
-    const float *scales;   /* [N, G] */
-    const float *szs;      /* [N, G] scale * zero point, or NULL */
-    int64_t N, K, blocks, G;
-    int32_t bpg;           /* blocks per group (group / 64); blocks for one group per row */
+    const float *scales;   /* [tiles, G, 16] */
+    const float *szs;      /* [tiles, G, 16] scale * zero point, or NULL */
+    int64_t N, K, chunks, G;
+    int32_t cpg;           /* chunks per group (group / 4); chunks for one group per row */
 } I4Weight;
 
 int lowbit_i4_available(void) {
@@ -49,90 +61,144 @@ int lowbit_i4_available(void) {
 #endif
 }
 
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
-    u += 0x7FFFu + ((u >> 16) & 1u);                                           /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 #ifdef HAVE_I4DOT
 #define INLINE static inline __attribute__((always_inline))
-#define NT 4 /* output rows per tile */
-#define PREFETCH_TILES 2
-#define MT 4 /* x rows per pass: 4 x 4 accumulators, 8 x vectors, the unpacked block */
+#define ROWS 16  /* output rows per tile: one per lane */
+#define MAXMB 16 /* x rows per pass: 16 accumulators */
+#define STRIDE 128 /* bytes from one chunk of a tile to its next: four tiles interleaved */
+/* Prefetch distance in the stream of codes (bytes ahead; one to two 128-byte chunks per 4-16
+   ns of dot products, so this is ~20-60 ns early; 0 to rely on the hardware prefetcher alone). */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 512
+#endif
 
-/* Output rows n0..n0+NB against x rows m0..m0+MB; out[m * NB + nb]. Each unpacked block of 64
-   codes (two bf16 vectors) feeds all MB rows from registers, and the MB x vectors feed all NB
-   output rows. */
-INLINE void tile(const int NB, const int MB, const I4Weight *w, int64_t n0, const uint16_t *xb, int64_t ldx,
-                 const float *xsum, int64_t m0, float *out) {
+/* Tiles t0..t0+TT-1 (within one group of four) against x rows m0..m0+MB-1; tot[(t * MB + m) * 16 + lane]. xq holds x as
+   bf16, interleaved by chunk: xq[(c * M + m) * 4 + i] = xb[m, 4c + i]. */
+INLINE void tiles(const int TT, const int MB, const I4Weight *w, int64_t t0, const uint16_t *xq, int64_t M,
+                  const float *xsum, int64_t m0, float *tot) {
     const __m512i tab = _mm512_loadu_si512((const void *)w->table);
     const __m512i low = _mm512_set1_epi16(15);
-    const int64_t G = w->G, blocks = w->blocks;
-    __m512 tot[NT][MT];
-    float zt[NT][MT];
-    for (int nb = 0; nb < NB; nb++)
-        for (int m = 0; m < MB; m++) { tot[nb][m] = _mm512_setzero_ps(); zt[nb][m] = 0.0f; }
-    int64_t b = 0;
+    const int64_t G = w->G, C = w->chunks;
+    const uint8_t *base = w->codes + (t0 / 4) * 4 * w->tile_bytes + (t0 % 4) * 32;
+    for (int i = 0; i < TT * MB; i++) _mm512_storeu_ps(tot + i * 16, _mm512_setzero_ps());
+    int64_t c = 0;
     for (int64_t j = 0; j < G; j++) {
-        int64_t b_end = (j + 1) * w->bpg;
-        if (b_end > blocks || j == G - 1) b_end = blocks;
-        __m512 acc[NT][MT];
-        for (int nb = 0; nb < NB; nb++)
-            for (int m = 0; m < MB; m++) acc[nb][m] = _mm512_setzero_ps();
-        for (; b < b_end; b++) {
-            __m512bh xl[MT], xh[MT];
-            for (int m = 0; m < MB; m++) {
-                const uint16_t *xr = xb + (m0 + m) * ldx + b * 64;
-                xl[m] = (__m512bh)_mm512_loadu_si512((const void *)xr);
-                xh[m] = (__m512bh)_mm512_loadu_si512((const void *)(xr + 32));
+        const int64_t c_end = j == G - 1 ? C : (j + 1) * w->cpg;
+        __m512 acc[4][MAXMB];
+        for (int t = 0; t < TT; t++)
+            for (int m = 0; m < MB; m++) acc[t][m] = _mm512_setzero_ps();
+        for (; c < c_end; c++) {
+            __m512bh wl[4], wh[4];
+            if (PREFETCH_BYTES) {
+                _mm_prefetch((const char *)(base + c * STRIDE + PREFETCH_BYTES), _MM_HINT_T0);
+                _mm_prefetch((const char *)(base + c * STRIDE + PREFETCH_BYTES + 64), _MM_HINT_T0);
             }
-            for (int nb = 0; nb < NB; nb++) {
-                __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w->codes + (n0 + nb) * w->row_bytes + b * 32)));
-                __m512bh wl = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(raw, low), tab);
-                __m512bh wh = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 4), tab);
+            for (int t = 0; t < TT; t++) {
+                __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(base + c * STRIDE + t * 32)));
+                wl[t] = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(raw, low), tab);
+                wh[t] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 4), tab);
+            }
+            const uint16_t *xc = xq + (c * M + m0) * 4;
+            if (TT == 1) {
+                /* one dot product per x pair: an embedded broadcast saves a vpbroadcastd each
+                   (gcc does not fold it here; ~7 % at 16 rows) */
                 for (int m = 0; m < MB; m++) {
-                    acc[nb][m] = _mm512_dpbf16_ps(acc[nb][m], wl, xl[m]);
-                    acc[nb][m] = _mm512_dpbf16_ps(acc[nb][m], wh, xh[m]);
+                    __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc[0][m]) : "v"(wl[0]), "m"(*(const int32_t *)(xc + m * 4)));
+                    __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc[0][m]) : "v"(wh[0]), "m"(*(const int32_t *)(xc + m * 4 + 2)));
+                }
+            } else for (int m = 0; m < MB; m++) {
+                int32_t p0, p1;
+                memcpy(&p0, xc + m * 4, 4);
+                memcpy(&p1, xc + m * 4 + 2, 4);
+                const __m512bh xl = (__m512bh)_mm512_set1_epi32(p0), xh = (__m512bh)_mm512_set1_epi32(p1);
+                for (int t = 0; t < TT; t++) {
+                    acc[t][m] = _mm512_dpbf16_ps(acc[t][m], wl[t], xl);
+                    acc[t][m] = _mm512_dpbf16_ps(acc[t][m], wh[t], xh);
                 }
             }
         }
-        for (int nb = 0; nb < NB; nb++) {
-            const float s = w->scales[(n0 + nb) * G + j];
-            for (int m = 0; m < MB; m++) tot[nb][m] = _mm512_fmadd_ps(_mm512_set1_ps(s), acc[nb][m], tot[nb][m]);
-            if (w->szs) {
-                const float sz = w->szs[(n0 + nb) * G + j];
-                for (int m = 0; m < MB; m++) zt[nb][m] += sz * xsum[(m0 + m) * G + j];
+        for (int t = 0; t < TT; t++) {
+            const __m512 s = _mm512_loadu_ps(w->scales + ((t0 + t) * G + j) * ROWS);
+            for (int m = 0; m < MB; m++) {
+                float *tp = tot + (t * MB + m) * 16;
+                __m512 v = _mm512_fmadd_ps(acc[t][m], s, _mm512_loadu_ps(tp));
+                if (w->szs)
+                    v = _mm512_fnmadd_ps(_mm512_loadu_ps(w->szs + ((t0 + t) * G + j) * ROWS),
+                                         _mm512_set1_ps(xsum[(m0 + m) * G + j]), v);
+                _mm512_storeu_ps(tp, v);
             }
         }
     }
-    for (int nb = 0; nb < NB; nb++)
-        for (int m = 0; m < MB; m++) out[m * NB + nb] = _mm512_reduce_add_ps(tot[nb][m]) - zt[nb][m];
 }
 
-/* One pass of mb (1..MT) rows; a constant MB per case so each compiles to its own loop. */
-INLINE void pass(const int NB, int mb, const I4Weight *w, int64_t n0, const uint16_t *xb, int64_t ldx,
-                 const float *xsum, int64_t m0, float *out) {
-    switch (mb) {
-    case 1: tile(NB, 1, w, n0, xb, ldx, xsum, m0, out); break;
-    case 2: tile(NB, 2, w, n0, xb, ldx, xsum, m0, out); break;
-    case 3: tile(NB, 3, w, n0, xb, ldx, xsum, m0, out); break;
-    default: tile(NB, 4, w, n0, xb, ldx, xsum, m0, out); break;
+/* One pass: a constant TT and MB per case, so each compiles to its own fully unrolled loop. */
+#define MB_CASE(TT, MB) case MB: tiles(TT, MB, w, t0, xq, M, xsum, m0, tot); break;
+#define MB_UPTO4(TT) MB_CASE(TT, 1) MB_CASE(TT, 2) MB_CASE(TT, 3) MB_CASE(TT, 4)
+#define MB_5TO8(TT) MB_CASE(TT, 5) MB_CASE(TT, 6) MB_CASE(TT, 7) MB_CASE(TT, 8)
+static void pass(int tt, int mb, const I4Weight *w, int64_t t0, const uint16_t *xq, int64_t M, const float *xsum,
+                 int64_t m0, float *tot) {
+    if (tt == 4) {
+        switch (mb) { MB_UPTO4(4) }
+    } else if (tt == 3) {
+        switch (mb) { MB_UPTO4(3) }
+    } else if (tt == 2) {
+        switch (mb) { MB_UPTO4(2) MB_5TO8(2) }
+    } else {
+        switch (mb) {
+            MB_UPTO4(1) MB_5TO8(1)
+            MB_CASE(1, 9) MB_CASE(1, 10) MB_CASE(1, 11) MB_CASE(1, 12)
+            MB_CASE(1, 13) MB_CASE(1, 14) MB_CASE(1, 15) MB_CASE(1, 16)
+        }
     }
 }
 
-static void store(float v, void *y, int y_bf16, int64_t idx) {
-    if (y_bf16) ((uint16_t *)y)[idx] = f32_to_bf16(v);
-    else ((float *)y)[idx] = v;
+/* Tiles side by side for a pass of mb rows: enough independent accumulators to cover the dot
+   product's latency, at most 16 in all. */
+static int tiles_for(int mb) { return mb <= 4 ? 4 : mb <= 8 ? 2 : 1; }
+
+/* float32 -> bf16, round to nearest even, NaN kept NaN; 16 at a time (n <= 16 read, masked). */
+static inline __m256i to_bf16(const float *src, int n) {
+    const __m512i u = _mm512_castps_si512(_mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1u), src));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                                      _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    r = _mm512_srli_epi32(r, 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x7F800000));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* Row m of x as bf16 into row (K padded with zeros to kp), and its group sums (a fixed order:
+   16 lanes along k, then a fixed horizontal sum) when the weight has zero points. */
+static void convert_row(const I4Weight *w, const void *x, int x_bf16, int64_t ldx_in, int64_t m, int64_t kp,
+                        uint16_t *row, float *xsum) {
+    const int64_t K = w->K;
+    if (x_bf16) {
+        memcpy(row, (const uint16_t *)x + m * ldx_in, (size_t)K * 2);
+    } else {
+        const float *src = (const float *)x + m * ldx_in;
+        for (int64_t k = 0; k < K; k += 16) {
+            const int n = K - k < 16 ? (int)(K - k) : 16;
+            _mm256_mask_storeu_epi16(row + k, (__mmask16)((1u << n) - 1u), to_bf16(src + k, n));
+        }
+    }
+    memset(row + K, 0, (size_t)(kp - K) * 2);
+    if (!w->szs) return;
+    for (int64_t j = 0; j < w->G; j++) {
+        const int64_t k0 = j * w->cpg * 4, k1 = j == w->G - 1 ? kp : k0 + w->cpg * 4;
+        __m512 s = _mm512_setzero_ps();
+        for (int64_t k = k0; k < k1; k += 16)
+            s = _mm512_add_ps(s, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + k))), 16)));
+        xsum[m * w->G + j] = _mm512_reduce_add_ps(s);
+    }
+}
+
+/* The 16 output rows of tile t for x row m (lanes past N are not written). */
+static inline void store_tile(const float *v, void *y, int y_bf16, int64_t ldy, int64_t m, int64_t t, int64_t N) {
+    const int64_t n0 = t * ROWS;
+    const __mmask16 mask = N - n0 >= ROWS ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n0)) - 1u);
+    const __m512 r = _mm512_loadu_ps(v);
+    if (y_bf16) _mm256_mask_storeu_epi16((uint16_t *)y + m * ldy + n0, mask, (__m256i)_mm512_cvtneps_pbh(r));
+    else _mm512_mask_storeu_ps((float *)y + m * ldy + n0, mask, r);
 }
 #endif
 
@@ -144,53 +210,51 @@ int lowbit_i4_matmul(const I4Weight *w, const void *x, int x_bf16, int64_t ldx_i
     (void)w; (void)x; (void)x_bf16; (void)ldx_in; (void)M; (void)y; (void)y_bf16; (void)ldy; (void)threads;
     return -1;
 #else
-    const int64_t K = w->K, G = w->G, width = w->blocks * 64;
-    /* 64 bytes past the row: rows whose stride is a multiple of 4 KiB would share L1 sets */
-    const int64_t ldx = width + ((width * 2) % 4096 == 0 ? 32 : 0);
-    uint16_t *xb = aligned_alloc(64, (size_t)((M * ldx * 2 + 63) / 64 * 64));
-    float *xsum = malloc((size_t)(M * G) * sizeof(float));
-    if (!xb || !xsum) { free(xb); free(xsum); return -2; }
-    for (int64_t m = 0; m < M; m++) {
-        uint16_t *row = xb + m * ldx;
-        if (x_bf16) memcpy(row, (const uint16_t *)x + m * ldx_in, (size_t)K * 2);
-        else for (int64_t k = 0; k < K; k++) row[k] = f32_to_bf16(((const float *)x)[m * ldx_in + k]);
-        memset(row + K, 0, (size_t)(ldx - K) * 2);
-        for (int64_t j = 0; j < G; j++) {
-            int64_t k0 = j * w->bpg * 64, k1 = j == G - 1 ? K : k0 + w->bpg * 64;
-            if (k1 > K) k1 = K;
-            float s = 0.0f;
-            for (int64_t k = k0; k < k1; k++) s += bf16_to_f32(row[k]);
-            xsum[m * G + j] = s;
+    const int64_t G = w->G, C = w->chunks, kp = C * 4;
+    const int64_t n_tiles = (w->N + ROWS - 1) / ROWS;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+#ifdef _OPENMP
+        const int64_t nth = omp_get_num_threads(), id = omp_get_thread_num();
+#else
+        const int64_t nth = 1, id = 0;
+#endif
+        /* contiguous ranges of tiles: each thread streams one stretch of the codes */
+        const int64_t ta = n_tiles * id / nth, tb = n_tiles * (id + 1) / nth;
+        float tot[4 * MAXMB * 16];
+        /* Each thread converts x for itself: reading a buffer another core just wrote, line by
+           line inside the dot-product loop, cost ~10 us per call at 16 rows (cross-core misses);
+           a bulk copy of x streams. */
+        uint16_t *rows = NULL, *xq = NULL;
+        float *xsum = NULL;
+        if (ta < tb) {
+            rows = malloc((size_t)(M * kp) * 2);
+            xq = aligned_alloc(64, (size_t)((M * kp * 2 + 63) / 64 * 64));
+            xsum = malloc((size_t)(M * G) * sizeof(float) + 4);
+            if (!rows || !xq || !xsum) failed = 1;
         }
-    }
-    const int64_t tiles = (w->N + NT - 1) / NT;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t n0 = t * NT;
-        float out[NT * MT];
-        /* Rows are a few hundred bytes, too short for the hardware prefetcher to ramp up on
-           each, so fetch the tile PREFETCH_TILES ahead while this one computes. */
-        if (t + PREFETCH_TILES < tiles) {
-            const uint8_t *ahead = w->codes + (n0 + PREFETCH_TILES * NT) * w->row_bytes;
-            const int64_t n_ahead = (w->N - n0 - PREFETCH_TILES * NT) < NT ? (w->N - n0 - PREFETCH_TILES * NT) : NT;
-            for (int64_t off = 0; off < n_ahead * w->row_bytes; off += 64) _mm_prefetch((const char *)(ahead + off), _MM_HINT_T0);
-        }
-        for (int64_t m0 = 0; m0 < M; m0 += MT) {
-            const int mb = M - m0 >= MT ? MT : (int)(M - m0);
-            if (n0 + NT <= w->N) {
-                pass(NT, mb, w, n0, xb, ldx, xsum, m0, out);
-                for (int m = 0; m < mb; m++)
-                    for (int i = 0; i < NT; i++) store(out[m * NT + i], y, y_bf16, (m0 + m) * ldy + n0 + i);
-            } else {
-                for (int64_t n = n0; n < w->N; n++) {
-                    pass(1, mb, w, n, xb, ldx, xsum, m0, out);
-                    for (int m = 0; m < mb; m++) store(out[m], y, y_bf16, (m0 + m) * ldy + n);
+        if (ta < tb && !failed) {
+            for (int64_t m = 0; m < M; m++) convert_row(w, x, x_bf16, ldx_in, m, kp, rows + m * kp, xsum);
+            for (int64_t c = 0; c < C; c++)
+                for (int64_t m = 0; m < M; m++) memcpy(xq + (c * M + m) * 4, rows + m * kp + c * 4, 8);
+            for (int64_t m0 = 0; m0 < M; m0 += MAXMB) {
+                const int mb = M - m0 >= MAXMB ? MAXMB : (int)(M - m0);
+                const int tt_max = tiles_for(mb);
+                for (int64_t t = ta; t < tb;) {
+                    int tt = tb - t < tt_max ? (int)(tb - t) : tt_max;
+                    if (t % 4 + tt > 4) tt = 4 - (int)(t % 4); /* stay within a group of four */
+                    pass(tt, mb, w, t, xq, M, xsum, m0, tot);
+                    for (int i = 0; i < tt; i++)
+                        for (int m = 0; m < mb; m++) store_tile(tot + (i * mb + m) * 16, y, y_bf16, ldy, m0 + m, t + i, w->N);
+                    t += tt;
                 }
             }
         }
+        free(rows);
+        free(xq);
+        free(xsum);
     }
-    free(xb);
-    free(xsum);
-    return 0;
+    return failed ? -2 : 0;
 #endif
 }

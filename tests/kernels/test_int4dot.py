@@ -47,3 +47,33 @@ def test_joined_weights_equal_their_parts():
     assert rel_err(qmatmul(x, joined), torch.cat([oracle(x, q) for q in (a, b, c)], dim=-1)) < 1e-2
     with pytest.raises(ValueError):
         cpu_int4dot.concat([parts[0], prepare(quantized("int4-asym-g64", 8, 128), "cpu")])
+
+
+@pytest.mark.parametrize("label", ["int4-g64", "int4", "int4-asym-g64", "int4-asym", "int4-channel"])
+@pytest.mark.parametrize("n,k", [(17, 130), (53, 257), (80, 64)])
+def test_odd_shapes_match_oracle_and_every_row_count(label, n, k):
+    # Output rows padded to tiles of 16 (and groups of four tiles), K to whole 64s and to chunks
+    # of 4, ragged last groups: each row of an M-row call equals the float64 dequantize-then-
+    # matmul of bf16-rounded x (1e-5: float32 sums over K <= 257 exact products, cases.py) and
+    # is bit-identical to that row alone, for every M the fused kernel takes.
+    qt = quantized(label, n, k)
+    pw = prepare(qt, "cpu")
+    assert pw.path == "cpu-int4dot"
+    x = torch.randn(cpu_int4dot.FUSED_MAX_ROWS, k).to(torch.bfloat16).float()  # float32 out
+    alone = torch.cat([qmatmul(x[i : i + 1], pw) for i in range(x.shape[0])])
+    assert rel_err(alone, oracle(x, qt)) < 1e-5, label
+    for m in range(1, cpu_int4dot.FUSED_MAX_ROWS + 1):
+        assert torch.equal(qmatmul(x[:m], pw), alone[:m]), (label, m)
+
+
+def test_tiled_layout_round_trips():
+    codes = torch.randint(0, 16, (53, 130), dtype=torch.uint8)
+    tiled = cpu_int4dot.tile_codes(codes)
+    assert tiled.shape == (1, 32 * 192)  # 53 rows -> one group of four 16-row tiles; K -> 192
+    assert torch.equal(cpu_int4dot.untile_codes(tiled, 53, 130), codes)
+    # byte 2i+p of chunk c of tile t: row 16t + i, code 4c + p low, 4c + 2 + p high
+    t, c, i, p = 2, 5, 7, 1
+    byte = int(tiled[0, (c * 4 + t) * 32 + 2 * i + p])
+    assert byte == int(codes[16 * t + i, 4 * c + p]) | int(codes[16 * t + i, 4 * c + 2 + p]) << 4
+    scales = torch.randn(53, 3)
+    assert torch.equal(cpu_int4dot.untile_groups(cpu_int4dot.tile_groups(scales), 53), scales)
