@@ -56,7 +56,7 @@ def test_human_summary_and_recipe_with_skip(tiny_float_model, tmp_path, capsys):
 @pytest.mark.parametrize(
     "extra, code, message",
     [
-        (["--format", "int5"], 2, "unknown format"),
+        (["--format", "int7"], 2, "unknown format"),
         (["--format", "mxfp4", "--group-size", "64"], 2, "blocks of exactly 32"),
         (["--format", "int4", "--group-size", "100"], 2, "group size 100"),
         (["--format", "fp8-tensor", "--group-size", "128"], 2, "group"),

@@ -61,7 +61,7 @@ def test_checkpoint_directory(tmp_path, capsys):
     "args, needle",
     [
         (["llama-3-8b", "--gpu", "tpu"], "unknown GPU"),
-        (["llama-3-8b", "-f", "int5"], "unknown format"),
+        (["llama-3-8b", "-f", "int7"], "unknown format"),
         (["llama-3-8b", "--draft", "llama-3-8b"], "--draft needs --acceptance"),
         (["llama-3-8b", "--draft", "llama-3-8b", "--acceptance", "1.5"], "(0, 1]"),
         (["llama-3-8b", "--draft", "llama-3-8b", "--acceptance", "0"], "(0, 1]"),

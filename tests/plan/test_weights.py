@@ -54,4 +54,4 @@ def test_group_size_applies_where_the_format_takes_one():
     assert plan_format("int4", 64).label == "int4-g64"
     assert plan_format("mxfp4", 64).spec == parse_spec("mxfp4")  # fixed blocks of 32
     with pytest.raises(UsageError, match="unknown format"):
-        plan_format("int5")
+        plan_format("int7")

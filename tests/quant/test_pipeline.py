@@ -155,7 +155,7 @@ def test_recipe_pattern_matching_nothing_is_an_error(tiny_float_model, tmp_path)
 @pytest.mark.parametrize(
     "rules, message",
     [
-        ([{"pattern": "*", "format": "int5"}], "unknown format"),
+        ([{"pattern": "*", "format": "int7"}], "unknown format"),
         ([{"pattern": "*", "format": "mxfp4", "group_size": 64}], "blocks of exactly 32"),
         ([{"pattern": "*", "format": "int4", "group_size": 48}], "group size 48"),
         ([{"pattern": "*", "format": "int4", "colour": 3}], "unknown key"),
@@ -217,7 +217,7 @@ def test_bad_inputs_leave_nothing_behind(tiny_float_model, tmp_path):
     src = tiny_float_model("llama")
     out = tmp_path / "q"
     with pytest.raises(UsageError, match="unknown format"):
-        quantize_model(src, "int5", out_dir=out)
+        quantize_model(src, "int7", out_dir=out)
     with pytest.raises(LowbitError, match="model not found"):
         quantize_model(tmp_path / "missing", "int4", out_dir=out)
     with pytest.raises(UsageError, match="would overwrite the model"):
