@@ -81,6 +81,29 @@ static inline int64_t slot_of(const int64_t *bt, int64_t j, int64_t block_size) 
     return bt[j / block_size] * block_size + j % block_size;
 }
 
+#ifdef HAVE_AVX512_ATTN
+/* The weighted sum of values for one (row, head) with the NV accumulator vectors held in
+   registers (a constant NV per call site; an array indexed at run time would live in memory and
+   chain every position through store-to-load forwarding). Same operations in the same order as
+   the generic loop, so the same bits. Returns the softmax denominator. */
+static inline __attribute__((always_inline)) float values(const int NV, const float *sc, int64_t lo, int64_t p, float mx,
+                                                          const int64_t *bt, int64_t block_size, int64_t row, int64_t off,
+                                                          const void *vpool, int bf16, float *acc) {
+    __m512 a[16];
+    for (int i = 0; i < NV; i++) a[i] = _mm512_setzero_ps();
+    float total = 0.0f;
+    for (int64_t j = lo; j <= p; j++) {
+        const float e = expf(sc[j - lo] - mx);
+        total += e;
+        const int64_t base = slot_of(bt, j, block_size) * row + off;
+        const __m512 ev = _mm512_set1_ps(e);
+        for (int i = 0; i < NV; i++) a[i] = _mm512_add_ps(a[i], _mm512_mul_ps(ev, load16(vpool, base + 16 * i, bf16)));
+    }
+    for (int i = 0; i < NV; i++) _mm512_storeu_ps(acc + 16 * i, a[i]);
+    return total;
+}
+#endif
+
 int lowbit_paged_decode(const void *q, int64_t ldq, const void *k, int64_t ldk, const void *v, int64_t ldv,
                         const void *cs, const void *sn, int dtype, const int64_t *pos, const int64_t *slots,
                         const int64_t *item, const int64_t *tables, int64_t nb, void *kpool, void *vpool,
@@ -146,7 +169,11 @@ int lowbit_paged_decode(const void *q, int64_t ldq, const void *k, int64_t ldk, 
             float total = 0.0f;
             for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
 #ifdef HAVE_AVX512_ATTN
-            if (D % 16 == 0) {
+            if (D == 64 || D == 128 || D == 256) {
+                total = D == 64 ? values(4, sc, lo, p, mx, bt, block_size, row, kh * D, vpool, bf16, acc)
+                      : D == 128 ? values(8, sc, lo, p, mx, bt, block_size, row, kh * D, vpool, bf16, acc)
+                                 : values(16, sc, lo, p, mx, bt, block_size, row, kh * D, vpool, bf16, acc);
+            } else if (D % 16 == 0) {
                 for (int64_t j = lo; j <= p; j++) {
                     const float e = expf(sc[j - lo] - mx);
                     total += e;
