@@ -9,9 +9,10 @@
    window), reading slots through the sequence's block table: scores in float32, max-subtracted
    softmax, weighted sum of values, output rounded once to the stored dtype.
 
-   Every (row, head) is computed alone, in a fixed order, from the pool's contents: the output of
-   a row does not depend on the other rows of the step (batch invariance, which keeps speculative
-   verification exact). dtype: 0 float32, 1 bf16 (q/k/v/cos/sin/out and the pool alike). */
+   Every (row, head) gets the same operations in the same order whatever else is in the step
+   (the query heads of a GQA group share each key and value read, but keep their own sums): the
+   output of a row does not depend on the other rows of the step (batch invariance, which keeps
+   speculative verification exact). dtype: 0 float32, 1 bf16 (q/k/v/cos/sin/out and the pool alike). */
 
 #include <math.h>
 #include <stdint.h>
@@ -41,35 +42,8 @@ static inline float r16(float f) {
     return ld(&h, 0, 1);
 }
 
-#if defined(__AVX512F__)
-#define HAVE_AVX512_ATTN 1
-#include <immintrin.h>
-/* 16 pool values from element i on, as float32 (bf16 widened exactly by a 16-bit shift). */
-static inline __m512 load16(const void *p, int64_t i, int bf16) {
-    if (!bf16) return _mm512_loadu_ps((const float *)p + i);
-    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-}
-#endif
-
-/* x (D values at src) rotated into out[D] (float32). */
-static inline void rotate(const void *src, int64_t off, const void *cs, const void *sn, int64_t coff, int64_t D,
-                          int bf16, float *out) {
-    const int64_t half = D / 2;
-    for (int64_t i = 0; i < half; i++) {
-        float x1 = ld(src, off + i, bf16), x2 = ld(src, off + half + i, bf16);
-        float c = ld(cs, coff + i, bf16), s = ld(sn, coff + i, bf16);
-        if (bf16) { /* bf16 rounds each product and sum, as torch's bf16 elementwise ops do */
-            out[i] = r16(r16(x1 * c) - r16(x2 * s));
-            out[half + i] = r16(r16(x2 * c) + r16(x1 * s));
-        } else {
-            out[i] = x1 * c - x2 * s;
-            out[half + i] = x2 * c + x1 * s;
-        }
-    }
-}
-
 #define MAXD 512
+#define MAXG 64 /* query heads per KV head */
 
 /* Pool slot of position j: block_size is a power of two in the engine (16 by default), where a
    shift and mask replace two 64-bit divisions per position. */
@@ -81,28 +55,238 @@ static inline int64_t slot_of(const int64_t *bt, int64_t j, int64_t block_size) 
     return bt[j / block_size] * block_size + j % block_size;
 }
 
-#ifdef HAVE_AVX512_ATTN
-/* The weighted sum of values for one (row, head) with the NV accumulator vectors held in
-   registers (a constant NV per call site; an array indexed at run time would live in memory and
-   chain every position through store-to-load forwarding). Same operations in the same order as
-   the generic loop, so the same bits. Returns the softmax denominator. */
-static inline __attribute__((always_inline)) float values(const int NV, const float *sc, int64_t lo, int64_t p, float mx,
-                                                          const int64_t *bt, int64_t block_size, int64_t row, int64_t off,
-                                                          const void *vpool, int bf16, float *acc) {
-    __m512 a[16];
-    for (int i = 0; i < NV; i++) a[i] = _mm512_setzero_ps();
-    float total = 0.0f;
-    for (int64_t j = lo; j <= p; j++) {
-        const float e = expf(sc[j - lo] - mx);
-        total += e;
-        const int64_t base = slot_of(bt, j, block_size) * row + off;
-        const __m512 ev = _mm512_set1_ps(e);
-        for (int i = 0; i < NV; i++) a[i] = _mm512_add_ps(a[i], _mm512_mul_ps(ev, load16(vpool, base + 16 * i, bf16)));
-    }
-    for (int i = 0; i < NV; i++) _mm512_storeu_ps(acc + 16 * i, a[i]);
-    return total;
+#if defined(__AVX512F__)
+#define HAVE_AVX512_ATTN 1
+#include <immintrin.h>
+/* 16 pool values from element i on, as float32 (bf16 widened exactly by a 16-bit shift). */
+static inline __m512 load16(const void *p, int64_t i, int bf16) {
+    if (!bf16) return _mm512_loadu_ps((const float *)p + i);
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+/* Each lane rounded to bf16 (nearest even, NaN kept quiet) exactly as st() does, as float32. */
+static inline __m512 round16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                  _mm512_set1_epi32(0x7F800000));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* e^x for x <= 0 (softmax numerators after the max is subtracted): Cody-Waite reduction by
+   ln 2 and a degree-7 polynomial, within ~1 ulp of expf; below -87 the result is ~1e-38, which
+   no sum of ones notices. 16 lanes per call instead of 16 calls into libm. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-6f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
 }
 #endif
+
+/* x (D values at src) rotated into out[D] (float32). bf16 rounds each product and sum, as
+   torch's bf16 elementwise ops do; float32 rounds them too (no fused multiply-add), as torch. */
+static inline void rotate(const void *src, int64_t off, const void *cs, const void *sn, int64_t coff, int64_t D,
+                          int bf16, float *out) {
+    const int64_t half = D / 2;
+    int64_t i = 0;
+#ifdef HAVE_AVX512_ATTN
+    for (; i + 16 <= half; i += 16) {
+        const __m512 x1 = load16(src, off + i, bf16), x2 = load16(src, off + half + i, bf16);
+        const __m512 c = load16(cs, coff + i, bf16), s = load16(sn, coff + i, bf16);
+        __m512 a, b;
+        if (bf16) {
+            a = round16(_mm512_sub_ps(round16(_mm512_mul_ps(x1, c)), round16(_mm512_mul_ps(x2, s))));
+            b = round16(_mm512_add_ps(round16(_mm512_mul_ps(x2, c)), round16(_mm512_mul_ps(x1, s))));
+        } else {
+            a = _mm512_sub_ps(_mm512_mul_ps(x1, c), _mm512_mul_ps(x2, s));
+            b = _mm512_add_ps(_mm512_mul_ps(x2, c), _mm512_mul_ps(x1, s));
+        }
+        _mm512_storeu_ps(out + i, a);
+        _mm512_storeu_ps(out + half + i, b);
+    }
+#endif
+    for (; i < half; i++) {
+        float x1 = ld(src, off + i, bf16), x2 = ld(src, off + half + i, bf16);
+        float c = ld(cs, coff + i, bf16), s = ld(sn, coff + i, bf16);
+        if (bf16) {
+            out[i] = r16(r16(x1 * c) - r16(x2 * s));
+            out[half + i] = r16(r16(x2 * c) + r16(x1 * s));
+        } else {
+            out[i] = x1 * c - x2 * s;
+            out[half + i] = x2 * c + x1 * s;
+        }
+    }
+}
+
+/* Software prefetch. A step's keys and values come from DRAM (30 layers of a 16-sequence step
+   outgrow the caches), scattered over blocks: without prefetching, a 16-row step of SmolLM2 read
+   them at ~6 GB/s, a quarter of the streaming rate. */
+#define PREFETCH_AHEAD 8         /* positions */
+#define PREFETCH_VALUES_MAX 1024 /* positions whose values the key pass fetches for the value pass */
+
+static inline void prefetch_row(const void *pool, int64_t elem, int64_t bytes, int esize) {
+    const char *a = (const char *)pool + elem * esize;
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(a + b, 0, 3);
+}
+
+/* Query-key scores of heads qv[0..hc) (D floats each) against positions lo..p of one KV head:
+   sc[g * ml + j - lo] = (q_g . k_j) * scale. Each key row is read once for the hc heads; the
+   keys PREFETCH_AHEAD positions on, and (for contexts up to PREFETCH_VALUES_MAX) this position's
+   values are prefetched. */
+static void scores(const float *qv, int64_t hc, int64_t D, int64_t lo, int64_t p, const int64_t *bt, int64_t block_size,
+                   int64_t row, int64_t off, const void *kpool, const void *vpool, int bf16, float scale, float *sc,
+                   int64_t ml) {
+    const int esize = bf16 ? 2 : 4;
+    const int64_t bytes = D * esize;
+    const int fetch_values = p - lo < PREFETCH_VALUES_MAX;
+    for (int64_t j = lo; j < lo + PREFETCH_AHEAD && j <= p; j++) prefetch_row(kpool, slot_of(bt, j, block_size) * row + off, bytes, esize);
+#ifdef HAVE_AVX512_ATTN
+    if (D % 16 == 0) {
+        for (int64_t j = lo; j <= p; j++) {
+            const int64_t base = slot_of(bt, j, block_size) * row + off;
+            if (j + PREFETCH_AHEAD <= p) prefetch_row(kpool, slot_of(bt, j + PREFETCH_AHEAD, block_size) * row + off, bytes, esize);
+            if (fetch_values) prefetch_row(vpool, base, bytes, esize);
+            for (int64_t g = 0; g < hc; g++) {
+                __m512 lanes = _mm512_setzero_ps();
+                for (int64_t d = 0; d < D; d += 16)
+                    lanes = _mm512_add_ps(lanes, _mm512_mul_ps(_mm512_loadu_ps(qv + g * D + d), load16(kpool, base + d, bf16)));
+                sc[g * ml + j - lo] = _mm512_reduce_add_ps(lanes) * scale;
+            }
+        }
+        return;
+    }
+#endif
+    for (int64_t j = lo; j <= p; j++) {
+        const int64_t base = slot_of(bt, j, block_size) * row + off;
+        if (j + PREFETCH_AHEAD <= p) prefetch_row(kpool, slot_of(bt, j + PREFETCH_AHEAD, block_size) * row + off, bytes, esize);
+        if (fetch_values) prefetch_row(vpool, base, bytes, esize);
+        for (int64_t g = 0; g < hc; g++) {
+            float lanes[16] = {0};
+            for (int64_t d = 0; d < D; d++) lanes[d & 15] += qv[g * D + d] * ld(kpool, base + d, bf16);
+            float s = 0.0f;
+            for (int i = 0; i < 16; i++) s += lanes[i];
+            sc[g * ml + j - lo] = s * scale;
+        }
+    }
+}
+
+/* sc[0..n) -> exp(sc - max) in place; returns their sum (the softmax denominator). */
+static float softmax_numerators(float *sc, int64_t n) {
+    float mx = -INFINITY;
+    for (int64_t i = 0; i < n; i++) mx = sc[i] > mx ? sc[i] : mx;
+#ifdef HAVE_AVX512_ATTN
+    const __m512 m = _mm512_set1_ps(mx);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + i), m));
+        _mm512_mask_storeu_ps(sc + i, k, e);
+        sum = _mm512_mask_add_ps(sum, k, sum, e);
+    }
+    return _mm512_reduce_add_ps(sum);
+#else
+    float total = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        sc[i] = expf(sc[i] - mx);
+        total += sc[i];
+    }
+    return total;
+#endif
+}
+
+#ifdef HAVE_AVX512_ATTN
+/* acc[g * D ..] = sum_j e[g * ml + j - lo] * v_j for HC heads and D = 16 * NV, the HC * NV
+   accumulator vectors held in registers (constant HC, NV per call site: an array indexed at run
+   time would live in memory and chain every position through store-to-load forwarding). Each
+   value row is read once for the HC heads. */
+static inline __attribute__((always_inline)) void values_regs(const int NV, const int HC, const float *e, int64_t ml,
+                                                             int64_t lo, int64_t p, const int64_t *bt, int64_t block_size,
+                                                             int64_t row, int64_t off, const void *vpool, int bf16, float *acc) {
+    __m512 a[24];
+    for (int i = 0; i < HC * NV; i++) a[i] = _mm512_setzero_ps();
+    const int64_t bytes = 16 * NV * (bf16 ? 2 : 4);
+    for (int64_t j = lo; j <= p; j++) {
+        const int64_t base = slot_of(bt, j, block_size) * row + off;
+        if (j + PREFETCH_AHEAD <= p) prefetch_row(vpool, slot_of(bt, j + PREFETCH_AHEAD, block_size) * row + off, bytes, bf16 ? 2 : 4);
+        __m512 v[16];
+        for (int i = 0; i < NV; i++) v[i] = load16(vpool, base + 16 * i, bf16);
+        for (int g = 0; g < HC; g++) {
+            const __m512 ev = _mm512_set1_ps(e[g * ml + j - lo]);
+            for (int i = 0; i < NV; i++) a[g * NV + i] = _mm512_add_ps(a[g * NV + i], _mm512_mul_ps(ev, v[i]));
+        }
+    }
+    for (int g = 0; g < HC; g++)
+        for (int i = 0; i < NV; i++) _mm512_storeu_ps(acc + g * 16 * NV + 16 * i, a[g * NV + i]);
+}
+#endif
+
+/* Largest head count per values_regs call for head size D (0: no register version). */
+static int64_t regs_heads(int64_t D) {
+#ifdef HAVE_AVX512_ATTN
+    return D == 64 ? 5 : D == 128 ? 2 : D == 256 ? 1 : 0;
+#else
+    (void)D;
+    return 0;
+#endif
+}
+
+/* The weighted value sums of hc heads into acc[hc * D]; the same operations per head whatever
+   hc is, so the bits do not depend on how heads are grouped. */
+static void values(const float *e, int64_t hc, int64_t ml, int64_t D, int64_t lo, int64_t p, const int64_t *bt,
+                   int64_t block_size, int64_t row, int64_t off, const void *vpool, int bf16, float *acc) {
+#ifdef HAVE_AVX512_ATTN
+    if (regs_heads(D) >= hc) {
+#define VR(NV, HC) values_regs(NV, HC, e, ml, lo, p, bt, block_size, row, off, vpool, bf16, acc)
+        if (D == 64) {
+            switch (hc) {
+            case 1: VR(4, 1); return;
+            case 2: VR(4, 2); return;
+            case 3: VR(4, 3); return;
+            case 4: VR(4, 4); return;
+            default: VR(4, 5); return;
+            }
+        }
+        if (D == 128) {
+            if (hc == 1) VR(8, 1); else VR(8, 2);
+            return;
+        }
+        VR(16, 1);
+        return;
+#undef VR
+    }
+#endif
+    for (int64_t i = 0; i < hc * D; i++) acc[i] = 0.0f;
+    for (int64_t j = lo; j <= p; j++) {
+        const int64_t base = slot_of(bt, j, block_size) * row + off;
+        for (int64_t g = 0; g < hc; g++) {
+            const float w = e[g * ml + j - lo];
+            float *a = acc + g * D;
+#ifdef HAVE_AVX512_ATTN
+            if (D % 16 == 0) {
+                const __m512 ev = _mm512_set1_ps(w);
+                for (int64_t d = 0; d < D; d += 16)
+                    _mm512_storeu_ps(a + d, _mm512_add_ps(_mm512_loadu_ps(a + d), _mm512_mul_ps(ev, load16(vpool, base + d, bf16))));
+                continue;
+            }
+#endif
+            for (int64_t d = 0; d < D; d++) a[d] += w * ld(vpool, base + d, bf16);
+        }
+    }
+}
 
 int lowbit_paged_decode(const void *q, int64_t ldq, const void *k, int64_t ldk, const void *v, int64_t ldv,
                         const void *cs, const void *sn, int dtype, const int64_t *pos, const int64_t *slots,
@@ -110,90 +294,61 @@ int lowbit_paged_decode(const void *q, int64_t ldq, const void *k, int64_t ldk, 
                         void *out, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
                         int64_t window, float scale, int threads) {
     const int bf16 = dtype == 1;
-    const int64_t half = D / 2, row = KVH * D;
-    if (D > MAXD || D % 2) return -1;
-    /* 1. rotate k and write k, v into the pool */
+    const int64_t half = D / 2, row = KVH * D, esize = bf16 ? 2 : 4;
+    const int64_t group = H / KVH;
+    if (D > MAXD || D % 2 || group > MAXG || group * KVH != H) return -1;
+    /* 1. rotate k and write k, v into the pool (bf16 rotations are already rounded, so the
+       store below only drops zero bits) */
     for (int64_t t = 0; t < T; t++) {
         float buf[MAXD];
         for (int64_t h = 0; h < KVH; h++) {
-            if (cs) rotate(k, t * ldk + h * D, cs, sn, t * half, D, bf16, buf);
-            else for (int64_t d = 0; d < D; d++) buf[d] = ld(k, t * ldk + h * D + d, bf16);
-            for (int64_t d = 0; d < D; d++) {
-                st(kpool, slots[t] * row + h * D + d, buf[d], bf16);
-                st(vpool, slots[t] * row + h * D + d, ld(v, t * ldv + h * D + d, bf16), bf16);
+            char *kdst = (char *)kpool + (slots[t] * row + h * D) * esize;
+            if (cs) {
+                rotate(k, t * ldk + h * D, cs, sn, t * half, D, bf16, buf);
+                for (int64_t d = 0; d < D; d++) st(kdst, d, buf[d], bf16);
+            } else {
+                memcpy(kdst, (const char *)k + (t * ldk + h * D) * esize, (size_t)(D * esize));
             }
+            memcpy((char *)vpool + (slots[t] * row + h * D) * esize, (const char *)v + (t * ldv + h * D) * esize,
+                   (size_t)(D * esize));
         }
     }
-    /* 2. attention per (row, query head) */
+    /* 2. attention per (row, KV head, chunk of its query heads): the chunk's heads share each
+       key and value read. Few rows (batch 1) take one head per chunk so both threads get work;
+       a head's result is the same whatever its chunk. */
     int64_t maxlen = 1;
     for (int64_t t = 0; t < T; t++) maxlen = pos[t] + 1 > maxlen ? pos[t] + 1 : maxlen;
-    const int64_t group = H / KVH;
+    int64_t hc = regs_heads(D) > 0 ? (regs_heads(D) < group ? regs_heads(D) : group) : (group < 8 ? group : 8);
+    if (T * KVH * ((group + hc - 1) / hc) < 4 * threads) hc = 1;
+    const int64_t chunks = (group + hc - 1) / hc, nwork = T * KVH * chunks;
     int fail = 0;
 #pragma omp parallel num_threads(threads)
     {
-        float *sc = malloc((size_t)maxlen * sizeof(float));
-        float qv[MAXD], acc[MAXD];
-        if (!sc) fail = 1;
+        float *sc = malloc((size_t)(hc * maxlen) * sizeof(float));
+        float *qv = malloc((size_t)(hc * D) * sizeof(float));
+        float *acc = malloc((size_t)(hc * D) * sizeof(float));
+        if (!sc || !qv || !acc) fail = 1;
 #pragma omp for schedule(static)
-        for (int64_t th = 0; th < T * H; th++) {
-            if (!sc) continue;
-            const int64_t t = th / H, h = th % H, kh = h / group;
-            if (cs) rotate(q, t * ldq + h * D, cs, sn, t * half, D, bf16, qv);
-            else for (int64_t d = 0; d < D; d++) qv[d] = ld(q, t * ldq + h * D + d, bf16);
+        for (int64_t w = 0; w < nwork; w++) {
+            if (!sc || !qv || !acc) continue;
+            const int64_t t = w / (KVH * chunks), kh = (w / chunks) % KVH, h0 = kh * group + (w % chunks) * hc;
+            const int64_t n = h0 + hc <= (kh + 1) * group ? hc : (kh + 1) * group - h0;
+            for (int64_t g = 0; g < n; g++) {
+                if (cs) rotate(q, t * ldq + (h0 + g) * D, cs, sn, t * half, D, bf16, qv + g * D);
+                else for (int64_t d = 0; d < D; d++) qv[g * D + d] = ld(q, t * ldq + (h0 + g) * D + d, bf16);
+            }
             const int64_t p = pos[t], lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
             const int64_t *bt = tables + item[t] * nb;
-            float mx = -INFINITY;
-#ifdef HAVE_AVX512_ATTN
-            if (D % 16 == 0) { /* same sums as below, 16 lanes at a time (the pool read dominates) */
-                for (int64_t j = lo; j <= p; j++) {
-                    const int64_t base = slot_of(bt, j, block_size) * row + kh * D;
-                    __m512 lanes = _mm512_setzero_ps();
-                    for (int64_t d = 0; d < D; d += 16)
-                        lanes = _mm512_add_ps(lanes, _mm512_mul_ps(_mm512_loadu_ps(qv + d), load16(kpool, base + d, bf16)));
-                    const float s = _mm512_reduce_add_ps(lanes) * scale;
-                    sc[j - lo] = s;
-                    if (s > mx) mx = s;
-                }
-            } else
-#endif
-            for (int64_t j = lo; j <= p; j++) {
-                const int64_t base = slot_of(bt, j, block_size) * row + kh * D;
-                float lanes[16] = {0};
-                for (int64_t d = 0; d < D; d++) lanes[d & 15] += qv[d] * ld(kpool, base + d, bf16);
-                float s = 0.0f;
-                for (int i = 0; i < 16; i++) s += lanes[i];
-                s *= scale;
-                sc[j - lo] = s;
-                if (s > mx) mx = s;
-            }
-            float total = 0.0f;
-            for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
-#ifdef HAVE_AVX512_ATTN
-            if (D == 64 || D == 128 || D == 256) {
-                total = D == 64 ? values(4, sc, lo, p, mx, bt, block_size, row, kh * D, vpool, bf16, acc)
-                      : D == 128 ? values(8, sc, lo, p, mx, bt, block_size, row, kh * D, vpool, bf16, acc)
-                                 : values(16, sc, lo, p, mx, bt, block_size, row, kh * D, vpool, bf16, acc);
-            } else if (D % 16 == 0) {
-                for (int64_t j = lo; j <= p; j++) {
-                    const float e = expf(sc[j - lo] - mx);
-                    total += e;
-                    const int64_t base = slot_of(bt, j, block_size) * row + kh * D;
-                    const __m512 ev = _mm512_set1_ps(e);
-                    for (int64_t d = 0; d < D; d += 16)
-                        _mm512_storeu_ps(acc + d, _mm512_add_ps(_mm512_loadu_ps(acc + d), _mm512_mul_ps(ev, load16(vpool, base + d, bf16))));
-                }
-            } else
-#endif
-            for (int64_t j = lo; j <= p; j++) {
-                const float e = expf(sc[j - lo] - mx);
-                total += e;
-                const int64_t base = slot_of(bt, j, block_size) * row + kh * D;
-                for (int64_t d = 0; d < D; d++) acc[d] += e * ld(vpool, base + d, bf16);
-            }
-            const float inv = 1.0f / total;
-            for (int64_t d = 0; d < D; d++) st(out, t * H * D + h * D + d, acc[d] * inv, bf16);
+            scores(qv, n, D, lo, p, bt, block_size, row, kh * D, kpool, vpool, bf16, scale, sc, maxlen);
+            float inv[MAXG];
+            for (int64_t g = 0; g < n; g++) inv[g] = 1.0f / softmax_numerators(sc + g * maxlen, p - lo + 1);
+            values(sc, n, maxlen, D, lo, p, bt, block_size, row, kh * D, vpool, bf16, acc);
+            for (int64_t g = 0; g < n; g++)
+                for (int64_t d = 0; d < D; d++) st(out, t * H * D + (h0 + g) * D + d, acc[g * D + d] * inv[g], bf16);
         }
         free(sc);
+        free(qv);
+        free(acc);
     }
     return fail ? -2 : 0;
 }

@@ -9,13 +9,18 @@ from lowbit.runtime.engine.paged_attention import reference_attention
 from lowbit.runtime.layers import apply_rotary
 
 pytestmark = pytest.mark.skipif(not cpu_attention.supported(torch.float32, 64), reason="no C compiler")
-H, KVH, D, BS = 6, 2, 16, 4
+BS = 4
+# (query heads, KV heads, head size): the generic vector path, the register paths of head sizes
+# 64/128/256 (SmolLM2's 9/3 grouping, Gemma-3's 4/1), and the scalar path of a size that is not
+# a multiple of 16
+SHAPES = [(6, 2, 16), (9, 3, 64), (8, 2, 128), (4, 1, 256), (4, 2, 24)]
 
 
-def setup(dtype, spans, seed=0):
+def setup(dtype, spans, shape, seed=0):
+    h, kvh, d = shape
     g = torch.Generator().manual_seed(seed)
     slots_total = 64
-    pools = [torch.randn(slots_total, KVH, D, generator=g).to(dtype) for _ in range(2)]
+    pools = [torch.randn(slots_total, kvh, d, generator=g).to(dtype) for _ in range(2)]
     tables = [torch.randperm(16, generator=g)[:6].tolist() for _ in spans]
     rows = []
     for b, (start, n) in enumerate(spans):
@@ -23,10 +28,10 @@ def setup(dtype, spans, seed=0):
             p = start + i
             rows.append((b, p, tables[b][p // BS] * BS + p % BS))
     t = len(rows)
-    q = torch.randn(t, H * D, generator=g).to(dtype)
-    k = torch.randn(t, KVH * D, generator=g).to(dtype)
-    v = torch.randn(t, KVH * D, generator=g).to(dtype)
-    ang = torch.rand(t, D // 2, generator=g) * 6
+    q = torch.randn(t, h * d, generator=g).to(dtype)
+    k = torch.randn(t, kvh * d, generator=g).to(dtype)
+    v = torch.randn(t, kvh * d, generator=g).to(dtype)
+    ang = torch.rand(t, d // 2, generator=g) * 6
     return pools, tables, rows, q, k, v, ang.cos().to(dtype), ang.sin().to(dtype)
 
 
@@ -38,25 +43,42 @@ def run(pools, tables, rows, q, k, v, cos, sin, window):
     return out, kp, vp
 
 
+def rotated(x, heads, d, cos, sin):
+    return apply_rotary(x.view(-1, heads, d)[None].transpose(1, 2), cos[None, None], sin[None, None])[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("window", [None, 3])
-def test_matches_float64_attention_after_rope_and_write(window):
+def test_matches_float64_attention_after_rope_and_write(window, shape):
+    h, kvh, d = shape
     spans = [(5, 1), (9, 3), (0, 2)]
-    pools, tables, rows, q, k, v, cos, sin = setup(torch.float32, spans)
+    pools, tables, rows, q, k, v, cos, sin = setup(torch.float32, spans, shape)
     out, kp, vp = run(pools, tables, rows, q, k, v, cos, sin, window)
-    qr = apply_rotary(q.view(-1, H, D)[None].transpose(1, 2), cos[None, None], sin[None, None])[0].transpose(0, 1)
-    kr = apply_rotary(k.view(-1, KVH, D)[None].transpose(1, 2), cos[None, None], sin[None, None])[0].transpose(0, 1)
+    qr, kr = rotated(q, h, d, cos, sin), rotated(k, kvh, d, cos, sin)
     for i, (b, p, slot) in enumerate(rows):
-        assert torch.equal(kp[slot], kr[i]) and torch.equal(vp[slot], v[i].view(KVH, D))  # RoPE as torch does it
+        assert torch.equal(kp[slot], kr[i]) and torch.equal(vp[slot], v[i].view(kvh, d))  # RoPE as torch does it
     for i, (b, p, _) in enumerate(rows):
         ctx = [tables[b][j // BS] * BS + j % BS for j in range(p + 1)]
         ref = reference_attention(qr[i : i + 1], kp[ctx], vp[ctx], torch.tensor([p]), 0.25, window)
-        assert (out[i].view(H, D).double() - ref[0]).abs().max() < 1e-5
+        assert (out[i].view(h, d).double() - ref[0]).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("shape", SHAPES[:2])
+def test_bf16_rope_rounds_like_torch(shape):
+    h, kvh, d = shape
+    pools, tables, rows, q, k, v, cos, sin = setup(torch.bfloat16, [(5, 3)], shape)
+    _, kp, _ = run(pools, tables, rows, q, k, v, cos, sin, None)
+    kr = rotated(k, kvh, d, cos, sin)
+    for i, (_, _, slot) in enumerate(rows):
+        assert torch.equal(kp[slot], kr[i])
+
+
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_each_row_alone_equals_rows_together(dtype):
+def test_each_row_alone_equals_rows_together(dtype, shape):
+    # 5 rows take a KV head's query heads in one pass, 1 row takes them one by one: same bits
     spans = [(7, 5)]  # a speculative verify of 1 + 4 rows
-    pools, tables, rows, q, k, v, cos, sin = setup(dtype, spans, seed=1)
+    pools, tables, rows, q, k, v, cos, sin = setup(dtype, spans, shape, seed=1)
     together, kp, vp = run(pools, tables, rows, q, k, v, cos, sin, None)
     for i in range(len(rows)):
         # row i alone, with the earlier rows' keys already in the pool (as plain decoding has them)
