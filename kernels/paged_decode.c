@@ -143,53 +143,155 @@ static inline void prefetch_row(const void *pool, int64_t elem, int64_t bytes, i
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(a + b, 0, 3);
 }
 
-/* Query-key scores of heads qv[0..hc) (D floats each) against positions lo..p of one KV head:
-   sc[g * ml + j - lo] = (q_g . k_j) * scale. Each key row is read once for the hc heads; the
-   keys PREFETCH_AHEAD positions on, and (for contexts up to PREFETCH_VALUES_MAX) this position's
-   values are prefetched. */
-static void scores(const float *qv, int64_t hc, int64_t D, int64_t lo, int64_t p, const int64_t *bt, int64_t block_size,
-                   int64_t row, int64_t off, const void *kpool, const void *vpool, int bf16, float scale, float *sc,
-                   int64_t ml) {
+/* Largest head count per scores_regs / values_regs call for head size D (0: no register version). */
+static int64_t regs_heads(int64_t D) {
+#ifdef HAVE_AVX512_ATTN
+    return D == 64 ? 5 : D == 128 ? 2 : D == 256 ? 1 : 0;
+#else
+    (void)D;
+    return 0;
+#endif
+}
+
+#if defined(HAVE_AVX512_ATTN) && defined(__AVX512BF16__)
+#define HAVE_BF16_SCORES 1
+/* scores_regs() for bf16 pools: the rotated queries are bf16 values already, so the keys' raw
+   bf16 pairs go straight into `vdpbf16ps` (products exact in float32), 32 elements per
+   instruction and no widening of the keys. */
+static inline __attribute__((always_inline)) void scores_bf16(const int NV, const int HC, const float *qv, int64_t nk,
+                                                             int64_t lo, int64_t p, const int64_t *bt, int64_t block_size,
+                                                             int64_t row, int64_t off, const void *kpool, const void *vpool,
+                                                             float scale, float *sc, int64_t ml, int fetch_values) {
+    const int64_t bytes = nk * 16 * NV * 2;
+    __m512bh qb[64 * 8 / 2]; /* nk * HC * NV / 2 pair vectors (up to MAXG heads of 256 / 32) */
+    for (int64_t h = 0; h < nk * HC; h++)
+        for (int i = 0; i < NV / 2; i++)
+            qb[h * (NV / 2) + i] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qv + h * 16 * NV + 32 * i + 16),
+                                                        _mm512_loadu_ps(qv + h * 16 * NV + 32 * i));
+    for (int64_t j = lo; j <= p; j++) {
+        const int64_t base = slot_of(bt, j, block_size) * row + off;
+        if (j + PREFETCH_AHEAD <= p) prefetch_row(kpool, slot_of(bt, j + PREFETCH_AHEAD, block_size) * row + off, bytes, 2);
+        if (fetch_values) prefetch_row(vpool, base, bytes, 2);
+        for (int64_t k = 0; k < nk; k++) {
+            __m512bh kr[8];
+            for (int i = 0; i < NV / 2; i++)
+                kr[i] = (__m512bh)_mm512_loadu_si512((const uint16_t *)kpool + base + k * 16 * NV + 32 * i);
+            const __m512bh *qk = qb + k * HC * (NV / 2);
+            float *sk = sc + k * HC * ml + j - lo;
+            for (int g = 0; g < HC; g++) {
+                __m512 lanes = _mm512_dpbf16_ps(_mm512_setzero_ps(), qk[g * (NV / 2)], kr[0]);
+                for (int i = 1; i < NV / 2; i++) lanes = _mm512_dpbf16_ps(lanes, qk[g * (NV / 2) + i], kr[i]);
+                sk[g * ml] = _mm512_reduce_add_ps(lanes) * scale;
+            }
+        }
+    }
+}
+#endif
+
+#ifdef HAVE_AVX512_ATTN
+/* scores() for HC query heads per KV head and D = 16 * NV (constant per call site), each key
+   row in registers while its heads use it. The first product starts each sum, as 0 + x = x does
+   in the generic loop. */
+static inline __attribute__((always_inline)) void scores_regs(const int NV, const int HC, const float *qv, int64_t nk,
+                                                             int64_t lo, int64_t p, const int64_t *bt, int64_t block_size,
+                                                             int64_t row, int64_t off, const void *kpool, const void *vpool,
+                                                             int bf16, float scale, float *sc, int64_t ml, int fetch_values) {
     const int esize = bf16 ? 2 : 4;
-    const int64_t bytes = D * esize;
+    const int64_t bytes = nk * 16 * NV * esize;
+    for (int64_t j = lo; j <= p; j++) {
+        const int64_t base = slot_of(bt, j, block_size) * row + off;
+        if (j + PREFETCH_AHEAD <= p) prefetch_row(kpool, slot_of(bt, j + PREFETCH_AHEAD, block_size) * row + off, bytes, esize);
+        if (fetch_values) prefetch_row(vpool, base, bytes, esize);
+        for (int64_t k = 0; k < nk; k++) {
+            __m512 kr[16];
+            for (int i = 0; i < NV; i++) kr[i] = load16(kpool, base + k * 16 * NV + 16 * i, bf16);
+            const float *qk = qv + k * HC * 16 * NV;
+            float *sk = sc + k * HC * ml + j - lo;
+            for (int g = 0; g < HC; g++) {
+                __m512 lanes = _mm512_mul_ps(_mm512_loadu_ps(qk + g * 16 * NV), kr[0]);
+                for (int i = 1; i < NV; i++) lanes = _mm512_add_ps(lanes, _mm512_mul_ps(_mm512_loadu_ps(qk + g * 16 * NV + 16 * i), kr[i]));
+                sk[g * ml] = _mm512_reduce_add_ps(lanes) * scale;
+            }
+        }
+    }
+}
+#endif
+
+/* Query-key scores against positions lo..p for nk consecutive KV heads (from element `off` of a
+   pool row) with hc query heads each: head k * hc + g has its rotated query at qv[(k * hc + g) * D]
+   and gets sc[(k * hc + g) * ml + j - lo] = (q . k_j) * scale. A position's keys are read once
+   for all the heads, in pool order; the keys PREFETCH_AHEAD positions on, and (for contexts up
+   to PREFETCH_VALUES_MAX) this position's values, are prefetched. */
+static void scores(const float *qv, int64_t nk, int64_t hc, int64_t D, int64_t lo, int64_t p, const int64_t *bt,
+                   int64_t block_size, int64_t row, int64_t off, const void *kpool, const void *vpool, int bf16, float scale,
+                   float *sc, int64_t ml) {
+    const int esize = bf16 ? 2 : 4;
+    const int64_t bytes = nk * D * esize;
     const int fetch_values = p - lo < PREFETCH_VALUES_MAX;
     for (int64_t j = lo; j < lo + PREFETCH_AHEAD && j <= p; j++) prefetch_row(kpool, slot_of(bt, j, block_size) * row + off, bytes, esize);
 #ifdef HAVE_AVX512_ATTN
-    if (D % 16 == 0) {
-        for (int64_t j = lo; j <= p; j++) {
-            const int64_t base = slot_of(bt, j, block_size) * row + off;
-            if (j + PREFETCH_AHEAD <= p) prefetch_row(kpool, slot_of(bt, j + PREFETCH_AHEAD, block_size) * row + off, bytes, esize);
-            if (fetch_values) prefetch_row(vpool, base, bytes, esize);
-            for (int64_t g = 0; g < hc; g++) {
-                __m512 lanes = _mm512_setzero_ps();
-                for (int64_t d = 0; d < D; d += 16)
-                    lanes = _mm512_add_ps(lanes, _mm512_mul_ps(_mm512_loadu_ps(qv + g * D + d), load16(kpool, base + d, bf16)));
-                sc[g * ml + j - lo] = _mm512_reduce_add_ps(lanes) * scale;
+    if (regs_heads(D) >= hc) {
+#ifdef HAVE_BF16_SCORES
+#define SR(NV, HC)                                                                                                 \
+    do {                                                                                                           \
+        if (bf16) scores_bf16(NV, HC, qv, nk, lo, p, bt, block_size, row, off, kpool, vpool, scale, sc, ml, fetch_values); \
+        else scores_regs(NV, HC, qv, nk, lo, p, bt, block_size, row, off, kpool, vpool, bf16, scale, sc, ml, fetch_values); \
+    } while (0)
+#else
+#define SR(NV, HC) scores_regs(NV, HC, qv, nk, lo, p, bt, block_size, row, off, kpool, vpool, bf16, scale, sc, ml, fetch_values)
+#endif
+        if (D == 64) {
+            switch (hc) {
+            case 1: SR(4, 1); return;
+            case 2: SR(4, 2); return;
+            case 3: SR(4, 3); return;
+            case 4: SR(4, 4); return;
+            default: SR(4, 5); return;
             }
         }
+        if (D == 128) {
+            if (hc == 1) SR(8, 1); else SR(8, 2);
+            return;
+        }
+        SR(16, 1);
         return;
+#undef SR
     }
 #endif
     for (int64_t j = lo; j <= p; j++) {
         const int64_t base = slot_of(bt, j, block_size) * row + off;
         if (j + PREFETCH_AHEAD <= p) prefetch_row(kpool, slot_of(bt, j + PREFETCH_AHEAD, block_size) * row + off, bytes, esize);
         if (fetch_values) prefetch_row(vpool, base, bytes, esize);
-        for (int64_t g = 0; g < hc; g++) {
+        for (int64_t h = 0; h < nk * hc; h++) {
+            const int64_t kb = base + (h / hc) * D;
+            const float *qh = qv + h * D;
+#ifdef HAVE_AVX512_ATTN
+            if (D % 16 == 0) {
+                __m512 lanes = _mm512_setzero_ps();
+                for (int64_t d = 0; d < D; d += 16)
+                    lanes = _mm512_add_ps(lanes, _mm512_mul_ps(_mm512_loadu_ps(qh + d), load16(kpool, kb + d, bf16)));
+                sc[h * ml + j - lo] = _mm512_reduce_add_ps(lanes) * scale;
+                continue;
+            }
+#endif
             float lanes[16] = {0};
-            for (int64_t d = 0; d < D; d++) lanes[d & 15] += qv[g * D + d] * ld(kpool, base + d, bf16);
+            for (int64_t d = 0; d < D; d++) lanes[d & 15] += qh[d] * ld(kpool, kb + d, bf16);
             float s = 0.0f;
             for (int i = 0; i < 16; i++) s += lanes[i];
-            sc[g * ml + j - lo] = s * scale;
+            sc[h * ml + j - lo] = s * scale;
         }
     }
 }
 
 /* sc[0..n) -> exp(sc - max) in place; returns their sum (the softmax denominator). */
 static float softmax_numerators(float *sc, int64_t n) {
-    float mx = -INFINITY;
-    for (int64_t i = 0; i < n; i++) mx = sc[i] > mx ? sc[i] : mx;
 #ifdef HAVE_AVX512_ATTN
-    const __m512 m = _mm512_set1_ps(mx);
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+        mv = _mm512_mask_max_ps(mv, k, mv, _mm512_maskz_loadu_ps(k, sc + i));
+    }
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
     __m512 sum = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 k = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
@@ -199,7 +301,8 @@ static float softmax_numerators(float *sc, int64_t n) {
     }
     return _mm512_reduce_add_ps(sum);
 #else
-    float total = 0.0f;
+    float mx = -INFINITY, total = 0.0f;
+    for (int64_t i = 0; i < n; i++) mx = sc[i] > mx ? sc[i] : mx;
     for (int64_t i = 0; i < n; i++) {
         sc[i] = expf(sc[i] - mx);
         total += sc[i];
@@ -226,23 +329,13 @@ static inline __attribute__((always_inline)) void values_regs(const int NV, cons
         for (int i = 0; i < NV; i++) v[i] = load16(vpool, base + 16 * i, bf16);
         for (int g = 0; g < HC; g++) {
             const __m512 ev = _mm512_set1_ps(e[g * ml + j - lo]);
-            for (int i = 0; i < NV; i++) a[g * NV + i] = _mm512_add_ps(a[g * NV + i], _mm512_mul_ps(ev, v[i]));
+            for (int i = 0; i < NV; i++) a[g * NV + i] = _mm512_fmadd_ps(ev, v[i], a[g * NV + i]);
         }
     }
     for (int g = 0; g < HC; g++)
         for (int i = 0; i < NV; i++) _mm512_storeu_ps(acc + g * 16 * NV + 16 * i, a[g * NV + i]);
 }
 #endif
-
-/* Largest head count per values_regs call for head size D (0: no register version). */
-static int64_t regs_heads(int64_t D) {
-#ifdef HAVE_AVX512_ATTN
-    return D == 64 ? 5 : D == 128 ? 2 : D == 256 ? 1 : 0;
-#else
-    (void)D;
-    return 0;
-#endif
-}
 
 /* The weighted value sums of hc heads into acc[hc * D]; the same operations per head whatever
    hc is, so the bits do not depend on how heads are grouped. */
@@ -288,6 +381,23 @@ static void values(const float *e, int64_t hc, int64_t ml, int64_t D, int64_t lo
     }
 }
 
+/* out[off .. off + D) = acc * inv, rounded once to the stored dtype. */
+static void store_scaled(void *out, int64_t off, const float *acc, float inv, int64_t D, int bf16) {
+    int64_t d = 0;
+#ifdef HAVE_AVX512_ATTN
+    const __m512 iv = _mm512_set1_ps(inv);
+    for (; d + 16 <= D; d += 16) {
+        const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(acc + d), iv);
+        if (bf16)
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + off + d),
+                                _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round16(x)), 16)));
+        else
+            _mm512_storeu_ps((float *)out + off + d, x);
+    }
+#endif
+    for (; d < D; d++) st(out, off + d, acc[d] * inv, bf16);
+}
+
 int lowbit_paged_decode(const void *q, int64_t ldq, const void *k, int64_t ldk, const void *v, int64_t ldv,
                         const void *cs, const void *sn, int dtype, const int64_t *pos, const int64_t *slots,
                         const int64_t *item, const int64_t *tables, int64_t nb, void *kpool, void *vpool,
@@ -313,38 +423,49 @@ int lowbit_paged_decode(const void *q, int64_t ldq, const void *k, int64_t ldk, 
                    (size_t)(D * esize));
         }
     }
-    /* 2. attention per (row, KV head, chunk of its query heads): the chunk's heads share each
-       key and value read. Few rows (batch 1) take one head per chunk so both threads get work;
-       a head's result is the same whatever its chunk. */
+    /* 2. attention. With enough rows, a work item is a whole row: each position's keys and values
+       for all KV heads are one contiguous run of the pool, read once for all query heads. With few
+       rows (batch 1), an item is (row, KV head, chunk of its query heads), down to one head, so
+       both threads get work. A head's result is the same whatever item computes it. */
     int64_t maxlen = 1;
     for (int64_t t = 0; t < T; t++) maxlen = pos[t] + 1 > maxlen ? pos[t] + 1 : maxlen;
-    int64_t hc = regs_heads(D) > 0 ? (regs_heads(D) < group ? regs_heads(D) : group) : (group < 8 ? group : 8);
-    if (T * KVH * ((group + hc - 1) / hc) < 4 * threads) hc = 1;
-    const int64_t chunks = (group + hc - 1) / hc, nwork = T * KVH * chunks;
+    const int64_t most = regs_heads(D) > 0 ? regs_heads(D) : 8; /* query heads per KV head in one pass */
+    const int whole_rows = T >= 2 * threads && group <= most && H * D <= 8192; /* 8192: scores_bf16's query buffer */
+    int64_t hc = group < most ? group : most;
+    if (!whole_rows && T * KVH * ((group + hc - 1) / hc) < 4 * threads) hc = 1;
+    const int64_t chunks = (group + hc - 1) / hc, nwork = whole_rows ? T : T * KVH * chunks;
     int fail = 0;
 #pragma omp parallel num_threads(threads)
     {
-        float *sc = malloc((size_t)(hc * maxlen) * sizeof(float));
-        float *qv = malloc((size_t)(hc * D) * sizeof(float));
-        float *acc = malloc((size_t)(hc * D) * sizeof(float));
+        float *sc = malloc((size_t)(H * maxlen) * sizeof(float));
+        float *qv = malloc((size_t)(H * D) * sizeof(float));
+        float *acc = malloc((size_t)(H * D) * sizeof(float));
         if (!sc || !qv || !acc) fail = 1;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic)
         for (int64_t w = 0; w < nwork; w++) {
             if (!sc || !qv || !acc) continue;
-            const int64_t t = w / (KVH * chunks), kh = (w / chunks) % KVH, h0 = kh * group + (w % chunks) * hc;
-            const int64_t n = h0 + hc <= (kh + 1) * group ? hc : (kh + 1) * group - h0;
-            for (int64_t g = 0; g < n; g++) {
+            int64_t t, kh, h0, nk, n;
+            if (whole_rows) {
+                t = w, kh = 0, h0 = 0, nk = KVH, n = group;
+            } else {
+                t = w / (KVH * chunks), kh = (w / chunks) % KVH, h0 = kh * group + (w % chunks) * hc, nk = 1;
+                n = h0 + hc <= (kh + 1) * group ? hc : (kh + 1) * group - h0;
+            }
+            for (int64_t g = 0; g < nk * n; g++) {
                 if (cs) rotate(q, t * ldq + (h0 + g) * D, cs, sn, t * half, D, bf16, qv + g * D);
                 else for (int64_t d = 0; d < D; d++) qv[g * D + d] = ld(q, t * ldq + (h0 + g) * D + d, bf16);
             }
             const int64_t p = pos[t], lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
             const int64_t *bt = tables + item[t] * nb;
-            scores(qv, n, D, lo, p, bt, block_size, row, kh * D, kpool, vpool, bf16, scale, sc, maxlen);
-            float inv[MAXG];
-            for (int64_t g = 0; g < n; g++) inv[g] = 1.0f / softmax_numerators(sc + g * maxlen, p - lo + 1);
-            values(sc, n, maxlen, D, lo, p, bt, block_size, row, kh * D, vpool, bf16, acc);
-            for (int64_t g = 0; g < n; g++)
-                for (int64_t d = 0; d < D; d++) st(out, t * H * D + (h0 + g) * D + d, acc[g * D + d] * inv[g], bf16);
+            scores(qv, nk, n, D, lo, p, bt, block_size, row, kh * D, kpool, vpool, bf16, scale, sc, maxlen);
+            for (int64_t k = 0; k < nk; k++) {
+                float inv[MAXG];
+                float *sk = sc + k * n * maxlen;
+                for (int64_t g = 0; g < n; g++) inv[g] = 1.0f / softmax_numerators(sk + g * maxlen, p - lo + 1);
+                values(sk, n, maxlen, D, lo, p, bt, block_size, row, (kh + k) * D, vpool, bf16, acc);
+                for (int64_t g = 0; g < n; g++)
+                    store_scaled(out, t * H * D + (h0 + k * n + g) * D, acc + g * D, inv[g], D, bf16);
+            }
         }
         free(sc);
         free(qv);
