@@ -24,8 +24,16 @@ class PreparedLinear(nn.Module):
         return qmatmul(x, self.prepared, self.bias)
 
 
-def quantize_linears_(model: nn.Module, fmt: str, device) -> nn.Module:
-    """Replace every nn.Linear (lm_head included) by its RTN-quantized `fmt` version, in place."""
+# A draft's lm_head is read in full at every draft step (28M weights on SmolLM2, 4 ms of an 8 ms
+# step in bf16), and its precision only moves the acceptance rate, never the output. int8 keeps
+# the acceptance: measured on SmolLM2 with a GPTQ int4 draft, mean accepted length 3.37 with a
+# bf16, int8 or float head, 2.0 with int4 (RTN g128) and 2.46 with int4 g32.
+DRAFT_HEAD_FORMAT = "int8"
+
+
+def quantize_linears_(model: nn.Module, fmt: str, device, head_fmt: str | None = None) -> nn.Module:
+    """Replace every nn.Linear by its RTN-quantized `fmt` version, in place; lm_head too, in
+    `head_fmt` when given."""
     from lowbit.kernels import prepare
     from lowbit.quant.rtn import quantize_rtn
     from lowbit.quant.spec import parse_spec
@@ -35,10 +43,11 @@ def quantize_linears_(model: nn.Module, fmt: str, device) -> nn.Module:
     except ImportError:  # the runtime's QuantLinear is newer than this module
         QuantLinear = None
     spec = parse_spec(fmt)
+    head = getattr(model, "lm_head", None)
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                qt = quantize_rtn(child.weight.detach().float(), spec)
+                qt = quantize_rtn(child.weight.detach().float(), parse_spec(head_fmt) if head_fmt and child is head else spec)
                 if QuantLinear is not None:
                     setattr(module, name, QuantLinear(qt, child.bias, device))
                 else:
@@ -49,10 +58,24 @@ def quantize_linears_(model: nn.Module, fmt: str, device) -> nn.Module:
     return model
 
 
+def quantize_draft_head_(model: nn.Module, device) -> nn.Module:
+    """A draft model's float lm_head, on CPU, as DRAFT_HEAD_FORMAT (quantized heads stay)."""
+    from lowbit.quant.rtn import quantize_rtn
+    from lowbit.quant.spec import parse_spec
+    from lowbit.runtime.quant_linear import QuantLinear
+
+    head = getattr(model, "lm_head", None)
+    if torch.device(device).type == "cpu" and isinstance(head, nn.Linear):
+        qt = quantize_rtn(head.weight.detach().float(), parse_spec(DRAFT_HEAD_FORMAT))
+        model.lm_head = QuantLinear(qt, head.bias, device)
+    return model
+
+
 def quantized_copy(path, fmt: str, dtype: torch.dtype, device) -> nn.Module:
     from lowbit.runtime.loader import load_model
 
-    return quantize_linears_(load_model(path, dtype, device), fmt, device)
+    head = DRAFT_HEAD_FORMAT if torch.device(device).type == "cpu" else None
+    return quantize_linears_(load_model(path, dtype, device), fmt, device, head_fmt=head)
 
 
 def load_draft_model(arg: str, target_tokenizer, dtype: torch.dtype, device) -> nn.Module:
@@ -67,4 +90,4 @@ def load_draft_model(arg: str, target_tokenizer, dtype: torch.dtype, device) -> 
 
     model = load_model(path, dtype, device)
     fuse_projections(model)
-    return model
+    return quantize_draft_head_(model, device)

@@ -10,6 +10,7 @@ from lowbit.errors import UsageError
 from lowbit.runtime.engine import paged_attention
 from lowbit.runtime.engine.engine import Engine
 from lowbit.runtime.engine.sequence import SamplingParams
+from lowbit.runtime.quant_linear import QuantLinear
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -113,6 +114,16 @@ def test_speculative_greedy_equals_plain(draft, engine_llama_dir, engine_llama_d
         # (k <= 3 per pass: each of the few disagreements costs a larger share of the drafts than
         # when k could grow to 6; a stale draft KV cache gives well under 0.5)
         assert stats.spec_accepted_tokens / stats.spec_draft_tokens > 0.9
+
+
+@pytest.mark.parametrize("draft", ["self:int4", "other"])
+def test_cpu_draft_lm_head_is_int8(draft, engine_llama_dir, engine_llama_draft_dir):
+    # the head is read in full at every draft step; int4 there halved SmolLM2's acceptance
+    spec = Engine(engine_llama_dir, kv_memory=4 << 20, draft=str(engine_llama_draft_dir) if draft == "other" else draft)
+    head = spec.drafter.model.lm_head
+    assert isinstance(head, QuantLinear) and head.label == "int8"
+    body = spec.drafter.model.model.layers[0].mlp.down_proj
+    assert draft == "other" or body.label == "int4"
 
 
 def test_gemma3_sliding_window_paged_equals_contiguous(engine_gemma3_dir, monkeypatch):
