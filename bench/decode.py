@@ -53,6 +53,23 @@ def lowbit_decode(engine, prompt, gen, batch=1) -> dict:
     return run_requests(engine, prompts, greedy)
 
 
+def paired_speedup(plain_engine, engine, prompt, gen, expected, pairs: int) -> dict:
+    """Speculative `engine` against `plain_engine`. This VM's speed drifts 10-20 % between runs, so
+    the two alternate `pairs` times and the median of the paired ratios is the speedup (same
+    wall-clock basis for both: all generated tokens over the whole run)."""
+    passes0, stats0 = engine.spec_stats.num_passes, engine.stats()
+    ratios, identical = [], True
+    for _ in range(pairs):
+        base = lowbit_decode(plain_engine, prompt, gen)
+        r = lowbit_decode(engine, prompt, gen)
+        ratios.append(base["total_s"] / r["total_s"])
+        identical &= r["tokens"] == expected == base["tokens"]
+    stats, passes = engine.stats(), engine.spec_stats.num_passes - passes0
+    accepted = stats.spec_accepted_tokens - stats0.spec_accepted_tokens
+    return {"speedup": statistics.median(ratios), "speedups": [round(x, 3) for x in ratios], "identical": identical,
+            "mean_accepted_length": (accepted + passes) / max(passes, 1)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1)
@@ -84,21 +101,7 @@ def main() -> None:
     spec = {}
     for draft in ("ngram", "self:int4", *args.draft):
         engine = Engine(MODEL, dtype="float32", max_num_seqs=1, max_model_len=1024, draft=draft)
-        passes0, stats0 = engine.spec_stats.num_passes, engine.stats()
-        # This VM's speed drifts 10-20 % between runs: plain and speculative runs alternate and the
-        # median of the paired ratios is reported (same wall-clock basis for both: all generated
-        # tokens over the whole run).
-        ratios, identical = [], True
-        for _ in range(args.spec_pairs):
-            base = lowbit_decode(fp32, prompt, gen)
-            r = lowbit_decode(engine, prompt, gen)
-            ratios.append(base["total_s"] / r["total_s"])
-            identical &= r["tokens"] == plain["tokens"] == base["tokens"]
-        stats = engine.stats()
-        passes = engine.spec_stats.num_passes - passes0
-        accepted = stats.spec_accepted_tokens - stats0.spec_accepted_tokens
-        spec[draft] = {"speedup": statistics.median(ratios), "speedups": [round(x, 3) for x in ratios],
-                       "identical": identical, "mean_accepted_length": (accepted + passes) / max(passes, 1)}
+        spec[draft] = paired_speedup(fp32, engine, prompt, gen, plain["tokens"], args.spec_pairs)
         del engine
     del fp32
 
@@ -111,17 +114,7 @@ def main() -> None:
     # k = 3: a verify of 1 + 3 rows is one pass of the int4 kernel over the weights (4 rows per pass)
     engine = Engine(MODEL, dtype="bfloat16", max_num_seqs=1, max_model_len=1024, draft="ngram", num_speculative_tokens=3)
     quantize_linears_(engine.model, "int4", engine.device)
-    passes0, stats0 = engine.spec_stats.num_passes, engine.stats()
-    ratios, identical = [], True
-    for _ in range(args.spec_pairs):
-        base = lowbit_decode(int4, prompt, gen)
-        r = lowbit_decode(engine, prompt, gen)
-        ratios.append(base["total_s"] / r["total_s"])
-        identical &= r["tokens"] == r1["tokens"] == base["tokens"]
-    stats, passes = engine.stats(), engine.spec_stats.num_passes - passes0
-    accepted = stats.spec_accepted_tokens - stats0.spec_accepted_tokens
-    spec["ngram, k <= 3 (int4 target)"] = {"speedup": statistics.median(ratios), "speedups": [round(x, 3) for x in ratios],
-                                           "identical": identical, "mean_accepted_length": (accepted + passes) / max(passes, 1)}
+    spec["ngram, k <= 3 (int4 target)"] = paired_speedup(int4, engine, prompt, gen, r1["tokens"], args.spec_pairs)
     del engine
     # 16 concurrent against batch 1, alternating, median of the paired ratios
     singles, sixteens = [], []
