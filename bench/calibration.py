@@ -239,6 +239,8 @@ def run(args) -> dict:
             del base
         report["rows"].append(base_row)
         _log(base_row)
+        # rows of configurations this run does not list stay in --json: a resumed run may cover other formats
+        report["rows"] += [r for key, r in done.items() if key not in configs and key != ("bf16", "rtn", 0.0)]
         for fmt, method, pct in configs:
             if (fmt, method, pct) in done:
                 report["rows"].append(done[(fmt, method, pct)])
