@@ -30,7 +30,7 @@ from lowbit.formats.checkpoint import copy_side_files, read_config, weight_files
 from lowbit.formats.native import NativeWriter
 from lowbit.quant.methods import LayerWork, MethodContext, get_method
 from lowbit.quant.recipe import Recipe, match_rules, single_format
-from lowbit.quant.registry import part_layout
+from lowbit.quant.registry import get_format, part_layout
 from lowbit.quant.rtn import shared_global_scale
 from lowbit.quant.spec import FormatSpec, parse_spec
 
@@ -374,6 +374,8 @@ def _global_scales(work: LayerWork) -> dict[str, torch.Tensor]:
         spec = work.specs[group[0]]
         if any(work.specs[m] != spec for m in group):
             continue  # different formats never run as one matmul
+        if not hasattr(get_format(spec), "global_scale_for"):
+            continue  # no global scale: reading the weights would only map their pages for the whole run
         scale = shared_global_scale([work.weight(m) for m in group], spec)
         if scale is not None:
             out.update(dict.fromkeys(group, scale))
