@@ -15,11 +15,20 @@ interleaved chunk by chunk, K zero-padded to whole 64s; scales as [tiles, groups
 
 `concat` joins prepared weights of the same input width along the output dimension (q/k/v,
 gate/up), so one call reads all of them.
+
+int8 activations (kernels/int4_vnni.c, AVX512-VNNI; `LOWBIT_INT4_ACTIVATIONS=int8`, the default
+where the CPU has VNNI): each row of x is quantized per weight group to int8 (scale max|x| / 127,
+round half to even) and multiplied with the codes in exact integer sums, twice the multiply-adds
+per instruction of the bf16 route, which is what bounds 16-row decode steps. Same batch
+invariance; the cost is the activations' rounding (docs/benchmarks.md, Decode, measures the KLD).
+`LOWBIT_INT4_ACTIVATIONS=bf16` keeps the bf16 route. Prefill (more than FUSED_MAX_ROWS rows)
+is unchanged either way.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 
 import torch
 
@@ -45,6 +54,17 @@ class I4WeightStruct(ctypes.Structure):
     ]
 
 
+class I4VWeightStruct(ctypes.Structure):
+    """The C kernel's `I4VWeight` (kernels/int4_vnni.c)."""
+
+    _fields_ = [
+        ("codes", ctypes.c_void_p), ("tile_bytes", ctypes.c_int64), ("scales", ctypes.c_void_p), ("zeros", ctypes.c_void_p),
+        ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("chunks", ctypes.c_int64), ("groups", ctypes.c_int64),
+        ("cpg", ctypes.c_int32), ("offset", ctypes.c_int32),
+    ]
+
+
+ACTIVATIONS_ENV = "LOWBIT_INT4_ACTIVATIONS"
 _LIB = None
 
 
@@ -55,6 +75,18 @@ def available() -> bool:
     if ok:
         _LIB = lib
     return ok
+
+
+def activations() -> str:
+    """"int8" (the VNNI kernel) or "bf16": `LOWBIT_INT4_ACTIVATIONS`, else int8 where the CPU has VNNI."""
+    choice = os.environ.get(ACTIVATIONS_ENV, "").strip().lower()
+    if choice not in ("", "int8", "bf16"):
+        raise LowbitError(f"{ACTIVATIONS_ENV} must be int8 or bf16, not {choice!r}")
+    lib = load_library()
+    vnni = lib is not None and lib.lowbit_i4v_available() == 1
+    if choice == "int8" and not vnni:
+        raise LowbitError(f"{ACTIVATIONS_ENV}=int8 needs a CPU with AVX512-VNNI")
+    return choice or ("int8" if vnni else "bf16")
 
 
 def _integer_table(qt: QTensor) -> torch.Tensor | None:
@@ -94,6 +126,26 @@ def untile_codes(tiled: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return torch.stack([b & 15, b >> 4], dim=-2).reshape(quads * 4 * TILE_ROWS, chunks * 4)[:n, :k]
 
 
+def tile_codes_vnni(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [N, K] -> [ceil(N / 64), 32 * Kp] for kernels/int4_vnni.c: tiles of 16 rows,
+    four interleaved chunk by chunk ([N / 64, Kp / 8, 4, 64]); per tile and chunk of 8 k,
+    byte 4i+b = row i's code k+b | code k+4+b << 4."""
+    n, k = codes.shape
+    quads, kp = -(-n // (4 * TILE_ROWS)), -(-k // 64) * 64
+    c = torch.nn.functional.pad(codes, (0, kp - k, 0, quads * 4 * TILE_ROWS - n))
+    # [quad, tile, row i, chunk, half h, b]: row 64 quad + 16 tile + i, k = 8 chunk + 4h + b
+    c = c.reshape(quads, 4, TILE_ROWS, kp // 8, 2, 4)
+    packed = c[..., 0, :] | (c[..., 1, :] << 4)
+    return packed.permute(0, 3, 1, 2, 4).reshape(quads, kp * 32).contiguous()
+
+
+def untile_codes_vnni(tiled: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The inverse of `tile_codes_vnni`: uint8 codes [n, k]."""
+    quads, chunks = tiled.shape[0], tiled.shape[1] // 256
+    b = tiled.reshape(quads, chunks, 4, TILE_ROWS, 4).permute(0, 2, 3, 1, 4)
+    return torch.stack([b & 15, b >> 4], dim=-2).reshape(quads * 4 * TILE_ROWS, chunks * 8)[:n, :k]
+
+
 def tile_groups(v: torch.Tensor) -> torch.Tensor:
     """float32 per-group values [N, G] -> [ceil(N / 16), G, 16] (padding rows 0)."""
     n, g = v.shape
@@ -108,28 +160,59 @@ def untile_groups(v: torch.Tensor, n: int) -> torch.Tensor:
 
 def _struct(tensors: dict, n: int, k: int, groups: int, cpg: int) -> dict:
     codes = tensors["codes"]
-    szs = tensors.get("szs")
-    struct = I4WeightStruct(
-        codes.data_ptr(), codes.shape[1] // 4, tensors["table"].data_ptr(), tensors["scales"].data_ptr(),
-        None if szs is None else szs.data_ptr(), n, k, codes.shape[1] // 128, groups, cpg,
-    )
+    if "offset" in tensors:  # int8 activations (kernels/int4_vnni.c)
+        zeros = tensors.get("zeros")
+        struct = I4VWeightStruct(
+            codes.data_ptr(), codes.shape[1] // 4, tensors["scales"].data_ptr(), None if zeros is None else zeros.data_ptr(),
+            n, k, codes.shape[1] // 256, groups, cpg, int(tensors["offset"]),
+        )
+        act = "int8"
+    else:
+        szs = tensors.get("szs")
+        struct = I4WeightStruct(
+            codes.data_ptr(), codes.shape[1] // 4, tensors["table"].data_ptr(), tensors["scales"].data_ptr(),
+            None if szs is None else szs.data_ptr(), n, k, codes.shape[1] // 128, groups, cpg,
+        )
+        act = "bf16"
     # The struct holds raw pointers into `tensors`, which the PreparedWeight keeps alive.
-    return {"struct": struct, "ref": ctypes.byref(struct), "groups": groups, "cpg": cpg}
+    return {"struct": struct, "ref": ctypes.byref(struct), "groups": groups, "cpg": cpg, "act": act}
 
 
-def prepare(qt: QTensor, prefill: PreparedWeight | None = None) -> PreparedWeight:
+def _zero_offset(table: torch.Tensor) -> int | None:
+    """o when the table is code - o (symmetric int4: 8; unsigned codes: 0), else None."""
+    offset = -int(table[0])
+    return offset if torch.equal(table, torch.arange(16, dtype=table.dtype) - offset) else None
+
+
+def _tensors(codes: torch.Tensor, table: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, act: str) -> dict:
+    """The kernel's arrays for uint8 codes [N, K], per-group scale (and zero point) [N, G]."""
+    if act == "int8":
+        offset = _zero_offset(table)
+        tensors = {"codes": tile_codes_vnni(codes), "table": table, "scales": tile_groups(scale), "offset": torch.tensor(offset)}
+        if zero is not None:
+            tensors["zeros"] = tile_groups(zero.float() + offset).to(torch.int32)
+        return tensors
+    table32 = torch.zeros(32, dtype=torch.bfloat16)
+    table32[:16] = table.to(torch.bfloat16)
+    tensors = {"codes": tile_codes(codes), "table": table32, "scales": tile_groups(scale)}
+    if zero is not None:
+        tensors["szs"] = tile_groups((scale.double() * zero.double()).float())
+    return tensors
+
+
+def prepare(qt: QTensor, prefill: PreparedWeight | None = None, act: str | None = None) -> PreparedWeight:
+    """`act`: "int8" or "bf16" activations (default `activations()`; int8 needs a table code - o)."""
     qt = qt.to("cpu")
     n, k = qt.shape
     gs = layout.group_scales(qt)
     table = _integer_table(qt)
-    codes = tile_codes(layout.codes(qt))
+    act = act or activations()
+    if act == "int8" and _zero_offset(table) is None:
+        act = "bf16"
+    tensors = _tensors(layout.codes(qt), table, gs.scale, gs.zero, act)
     groups = gs.scale.shape[1]
-    cpg = codes.shape[1] // 128 if groups == 1 else gs.group_size // 4
-    table32 = torch.zeros(32, dtype=torch.bfloat16)
-    table32[:16] = table.to(torch.bfloat16)
-    tensors = {"codes": codes, "table": table32, "scales": tile_groups(gs.scale)}
-    if gs.zero is not None:
-        tensors["szs"] = tile_groups((gs.scale.double() * gs.zero.double()).float())
+    chunk = 8 if act == "int8" else 4
+    cpg = (-(-k // 64) * 64) // chunk if groups == 1 else gs.group_size // chunk
     params = _struct(tensors, n, k, groups, cpg)
     if prefill is None:
         from lowbit.kernels import cpu_bf16
@@ -145,20 +228,30 @@ def concat(parts: list[PreparedWeight]) -> PreparedWeight:
     first = parts[0]
     k = first.shape[1]
     if any(p.path != PATH or p.shape[1] != k or p.params["cpg"] != first.params["cpg"]
-           or p.params["groups"] != first.params["groups"] or not torch.equal(p.tensors["table"], first.tensors["table"])
+           or p.params["groups"] != first.params["groups"] or p.params["act"] != first.params["act"]
+           or not torch.equal(p.tensors["table"], first.tensors["table"])
            for p in parts):
-        raise ValueError("only int4dot weights with the same input width, grouping and code table can be joined")
+        raise ValueError("only int4dot weights with the same input width, grouping, code table and activations can be joined")
     n = sum(p.shape[0] for p in parts)
     # Tiles of 16 rows: a part whose rows do not fill its last tile shifts the rest, so re-tile.
+    vnni = first.params["act"] == "int8"
+    untile = untile_codes_vnni if vnni else untile_codes
     tensors = {
-        "codes": tile_codes(torch.cat([untile_codes(p.tensors["codes"], p.shape[0], k) for p in parts])),
+        "codes": (tile_codes_vnni if vnni else tile_codes)(torch.cat([untile(p.tensors["codes"], p.shape[0], k) for p in parts])),
         "table": first.tensors["table"],
         "scales": tile_groups(torch.cat([untile_groups(p.tensors["scales"], p.shape[0]) for p in parts])),
     }
-    if any("szs" in p.tensors for p in parts):
-        szs = [untile_groups(p.tensors["szs"], p.shape[0]) if "szs" in p.tensors else torch.zeros(p.shape[0], first.params["groups"])
-               for p in parts]
-        tensors["szs"] = tile_groups(torch.cat(szs))
+    # per-group extras: zero codes (int8 route, default the table's offset) or scale * zero (bf16, default 0)
+    name = "zeros" if vnni else "szs"
+    if vnni:
+        tensors["offset"] = first.tensors["offset"]
+    if any(name in p.tensors for p in parts):
+        fill = float(first.tensors["offset"]) if vnni else 0.0
+        extra = [untile_groups(p.tensors[name], p.shape[0]).float() if name in p.tensors
+                 else torch.full((p.shape[0], first.params["groups"]), fill) for p in parts]
+        tensors[name] = tile_groups(torch.cat(extra))
+        if vnni:
+            tensors[name] = tensors[name].to(torch.int32)
     params = _struct(tensors, n, k, first.params["groups"], first.params["cpg"])
     params["prefill"] = None
     prefills = [p.params.get("prefill") for p in parts]
@@ -198,10 +291,12 @@ def _fused(x: torch.Tensor, pw: PreparedWeight, out_bf16: bool) -> torch.Tensor:
     n = pw.shape[0]
     m = x.shape[0]
     y = torch.empty(m, n, dtype=torch.bfloat16 if out_bf16 else torch.float32)
-    rc = (_LIB or load_library()).lowbit_i4_matmul(pw.params["ref"], x.data_ptr(), x.dtype == torch.bfloat16, x.stride(0), m,
-                               y.data_ptr(), out_bf16, n, torch.get_num_threads())
+    lib = _LIB or load_library()
+    fn = lib.lowbit_i4v_matmul if pw.params["act"] == "int8" else lib.lowbit_i4_matmul
+    rc = fn(pw.params["ref"], x.data_ptr(), x.dtype == torch.bfloat16, x.stride(0), m, y.data_ptr(), out_bf16, n,
+            torch.get_num_threads())
     if rc != 0:
-        raise RuntimeError(f"lowbit_i4_matmul failed with code {rc}")
+        raise RuntimeError(f"int4 matmul kernel failed with code {rc}")
     return y
 
 

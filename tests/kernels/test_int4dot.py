@@ -10,6 +10,12 @@ pytestmark = pytest.mark.skipif(not cpu_int4dot.available(), reason="no AVX512-B
 LABELS = ["int4", "int4-asym-g64", "int4-asym", "int4-channel"]
 
 
+@pytest.fixture(autouse=True)
+def bf16_activations(monkeypatch):
+    # this file checks the bf16-activation route; tests/kernels/test_int4vnni.py the int8 one
+    monkeypatch.setenv(cpu_int4dot.ACTIVATIONS_ENV, "bf16")
+
+
 @pytest.mark.parametrize("label", LABELS)
 def test_equals_float32_matmul_of_bf16_activations(label):
     # Only the activations are rounded (to bf16); products are exact and sums float32.

@@ -1,0 +1,75 @@
+"""What int8 activations cost in quality: an int4 checkpoint scored three ways on wiki-eval.
+
+    python bench/int8_activations.py CHECKPOINT [CHECKPOINT ...] [--chunks 10] [--ctx 2048] [--json]
+
+Rows: the prefill route (bf16 weights and torch's GEMM: what `lowbit eval` and every prompt use),
+and the decode kernel (cpu-int4dot, what every generated token uses) over all rows of each chunk
+with bf16 activations (`LOWBIT_INT4_ACTIVATIONS=bf16`, kernels/int4_dot.c) and with int8 ones
+(the default on VNNI CPUs, kernels/int4_vnni.c). KLD is against the float model (--base), so the
+int8 row's excess over the bf16 row is what quantizing the activations costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+ROUTES = (("prefill GEMM (bf16 weights)", None, False), ("decode kernel, bf16 activations", "bf16", True),
+          ("decode kernel, int8 activations", "int8", True))
+
+
+def score(checkpoint: str, base: str, ctx: int, chunks: int, act: str | None, all_rows_fused: bool) -> dict:
+    from lowbit.kernels import cpu_int4dot
+    from lowbit.runtime.evaluate import prepare, run
+
+    saved_env, saved_rows = os.environ.get(cpu_int4dot.ACTIVATIONS_ENV), cpu_int4dot.FUSED_MAX_ROWS
+    try:
+        if act is not None:
+            os.environ[cpu_int4dot.ACTIVATIONS_ENV] = act
+        if all_rows_fused:
+            cpu_int4dot.FUSED_MAX_ROWS = 1 << 30  # the C kernel takes any M in passes of 16 rows
+        start = time.perf_counter()
+        report = run(prepare(checkpoint, "wiki-eval", ctx=ctx, chunks=chunks, base=base, dtype="f32"))
+        k = report.result.kld
+        return {"ppl": report.result.ppl, "kld": k.mean, "kld_err": k.err, "same_top": k.same_top_pct,
+                "seconds": time.perf_counter() - start}
+    finally:
+        cpu_int4dot.FUSED_MAX_ROWS = saved_rows
+        if saved_env is None:
+            os.environ.pop(cpu_int4dot.ACTIVATIONS_ENV, None)
+        else:
+            os.environ[cpu_int4dot.ACTIVATIONS_ENV] = saved_env
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoints", nargs="+")
+    parser.add_argument("--base", default="smollm2-135m")
+    parser.add_argument("--ctx", type=int, default=2048)
+    parser.add_argument("--chunks", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = []
+    for ckpt in args.checkpoints:
+        for label, act, fused in ROUTES:
+            rows.append({"checkpoint": ckpt, "route": label, **score(ckpt, args.base, args.ctx, args.chunks, act, fused)})
+            print(f"{ckpt} | {label} | done in {rows[-1]['seconds']:.0f} s", file=sys.stderr)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    print(f"wiki-eval, ctx {args.ctx}, {args.chunks} chunks, KLD vs {args.base} (float32)\n")
+    print("| checkpoint | route | PPL | KLD | same top % |")
+    print("| --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['checkpoint']} | {r['route']} | {r['ppl']:.3f} | {r['kld']:.4f} ± {r['kld_err']:.4f} | {r['same_top']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

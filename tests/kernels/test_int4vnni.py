@@ -1,0 +1,114 @@
+"""The int8-activation int4 kernel (kernels/int4_vnni.c) against its float64 oracle, row by row."""
+
+import pytest
+import torch
+
+from lowbit.errors import LowbitError
+from lowbit.kernels import cpu_int4dot, layout, qmatmul
+from lowbit.tests.kernels.cases import oracle, quantized, rel_err
+
+pytestmark = pytest.mark.skipif(not cpu_int4dot.available() or cpu_int4dot.load_library().lowbit_i4v_available() != 1,
+                                reason="no AVX512-VNNI build on this machine")
+LABELS = ["int4", "int4-g64", "int4-asym-g64", "int4-asym", "int4-channel"]
+
+
+def quantize_activations(x: torch.Tensor, qt) -> torch.Tensor:
+    """x as the kernel sees it: per weight group, round_half_even(x * (127 / max|x|)) * (max|x| / 127),
+    each step in float32 exactly as the C code does it."""
+    k = x.shape[1]
+    g = layout.group_scales(qt).group_size
+    g = k if g >= k else g
+    out = torch.empty_like(x)
+    for k0 in range(0, k, g):
+        block = x[:, k0 : k0 + g].float()
+        amax = block.abs().amax(1, keepdim=True)
+        inv = torch.tensor(127.0) / amax
+        a = torch.round(block * inv)
+        out[:, k0 : k0 + g] = torch.where(amax > 0, a, 0) * (amax / 127.0)
+    return out
+
+
+def int8_oracle(x, qt):
+    return oracle(quantize_activations(x, qt), qt)
+
+
+def prepared(qt):
+    pw = cpu_int4dot.prepare(qt, act="int8")
+    assert pw.params["act"] == "int8"
+    return pw
+
+
+@pytest.mark.parametrize("label", LABELS)
+@pytest.mark.parametrize("n,k", [(96, 192), (33, 200), (40, 576), (17, 130), (80, 64)])
+def test_equals_float64_matmul_of_int8_activations(label, n, k):
+    # Integer sums are exact; what is left is float32 (scale x scale) and the running sum over
+    # groups: 1e-5 of max |y| catches any wrong code, zero or scale (errors ~ 1e-2 and up).
+    qt = quantized(label, n, k)
+    pw = prepared(qt)
+    for m in (1, 2, 3, 5, 8, 16):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(m, k).to(dtype)
+            assert rel_err(qmatmul(x.float(), pw) if dtype == torch.float32 else qmatmul(x, pw).float(),
+                           int8_oracle(x.float(), qt)) < (1e-5 if dtype == torch.float32 else 2**-7), (label, n, k, m, dtype)
+
+
+def test_activation_rounding_is_what_it_costs():
+    # Against bf16 activations the int8 route adds x's int8 rounding: ~1e-2 relative on a
+    # 576-wide Linear, not 0 (it is a different kernel) and not large.
+    qt = quantized("int4", 64, 576)
+    x = torch.randn(4, 576)
+    err = rel_err(qmatmul(x, prepared(qt)), oracle(x, qt))
+    assert 1e-4 < err < 3e-2
+
+
+@pytest.mark.parametrize("label", LABELS)
+def test_rows_at_once_equal_each_row_alone_bit_for_bit(label):
+    qt = quantized(label, 37, 576)
+    pw = prepared(qt)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(cpu_int4dot.FUSED_MAX_ROWS, 576).to(dtype)
+        alone = torch.cat([qmatmul(x[i : i + 1], pw) for i in range(x.shape[0])])
+        for m in range(1, cpu_int4dot.FUSED_MAX_ROWS + 1):
+            assert torch.equal(qmatmul(x[:m], pw), alone[:m]), (label, m)
+
+
+def test_joined_weights_equal_their_parts():
+    parts = [prepared(quantized(label, n, 192)) for label, n in (("int4-asym-g64", 64), ("int4-asym-g64", 30), ("int4-asym-g64", 30))]
+    joined = cpu_int4dot.concat(parts)
+    x = torch.randn(3, 192)
+    assert torch.equal(qmatmul(x, joined), torch.cat([qmatmul(x, p) for p in parts], dim=-1))
+    with pytest.raises(ValueError):  # activations differ
+        cpu_int4dot.concat([parts[0], cpu_int4dot.prepare(quantized("int4-asym-g64", 8, 192), act="bf16")])
+
+
+def test_non_finite_activations_give_nan_rows_only():
+    qt = quantized("int4", 32, 128)
+    pw = prepared(qt)
+    x = torch.randn(3, 128)
+    x[1, 5] = float("nan")
+    y = qmatmul(x, pw)
+    assert torch.isnan(y[1]).all() and torch.isfinite(y[[0, 2]]).all()
+    z = torch.zeros(1, 128)
+    assert torch.equal(qmatmul(z, pw), torch.zeros(1, 32))
+
+
+def test_layout_round_trips():
+    codes = torch.randint(0, 16, (53, 130), dtype=torch.uint8)
+    tiled = cpu_int4dot.tile_codes_vnni(codes)
+    assert tiled.shape == (1, 32 * 192)
+    assert torch.equal(cpu_int4dot.untile_codes_vnni(tiled, 53, 130), codes)
+    # byte 4i+b of chunk c of tile t: row 16t + i, code 8c + b low, 8c + 4 + b high
+    t, c, i, b = 2, 5, 7, 3
+    byte = int(tiled[0, (c * 4 + t) * 64 + 4 * i + b])
+    assert byte == int(codes[16 * t + i, 8 * c + b]) | int(codes[16 * t + i, 8 * c + 4 + b]) << 4
+
+
+def test_environment_chooses_the_route(monkeypatch):
+    qt = quantized("int4", 16, 64)
+    monkeypatch.setenv(cpu_int4dot.ACTIVATIONS_ENV, "bf16")
+    assert cpu_int4dot.prepare(qt).params["act"] == "bf16"
+    monkeypatch.setenv(cpu_int4dot.ACTIVATIONS_ENV, "int8")
+    assert cpu_int4dot.prepare(qt).params["act"] == "int8"
+    monkeypatch.setenv(cpu_int4dot.ACTIVATIONS_ENV, "int7")
+    with pytest.raises(LowbitError, match="int8 or bf16"):
+        cpu_int4dot.prepare(qt)
