@@ -37,3 +37,23 @@ def test_matches_masked_softmax_attention(batch, heads, kv_heads, t, window):
     assert err.max() < 0.05 and err.mean() < 4e-3, (err.max(), err.mean())
     if window == 1:  # each query sees only itself
         assert torch.equal(out, v.repeat_interleave(heads // kv_heads, 1))
+
+
+
+@pytest.mark.parametrize("keys", [64, 512, 2048, 186, 575, 700])
+def test_bf16_softmax_rounds_the_float32_softmax(keys):
+    # attend() takes the softmax of bf16 scores in bf16, relying on torch computing it in float32
+    # and rounding once: bit for bit the float32 softmax rounded to bf16 but for the float32 sum's
+    # order, which moves a rare probability across a rounding boundary (one ulp).
+    gen = torch.Generator().manual_seed(keys)
+    scores = (torch.randn(4, 256, keys, generator=gen) * 6).bfloat16()
+    scores[1, :, keys // 2 :] = float("-inf")  # masked keys, as the causal and window masks leave them
+    scores[2, 5, :] = float("-inf")
+    scores[2, 5, 3] = 2.0
+    want = torch.softmax(scores, -1, dtype=torch.float32).to(torch.bfloat16).view(torch.int16).int()
+    got = torch.softmax(scores, -1)
+    assert got.dtype == torch.bfloat16
+    ulps = (got.view(torch.int16).int() - want).abs()
+    assert ulps.max() <= 1 and (ulps > 0).float().mean() < 1e-3, (ulps.max(), (ulps > 0).float().mean())
+    if keys % 64 == 0:
+        assert ulps.max() == 0
