@@ -12,6 +12,7 @@ int8 row's excess over the bf16 row is what quantizing the activations costs.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -60,6 +61,7 @@ def main() -> None:
     for ckpt in args.checkpoints:
         for label, act, fused in ROUTES:
             rows.append({"checkpoint": ckpt, "route": label, **score(ckpt, args.base, args.ctx, args.chunks, act, fused)})
+            gc.collect()  # each route loads both models again; without this the process grew to ~15 GB
             print(f"{ckpt} | {label} | done in {rows[-1]['seconds']:.0f} s", file=sys.stderr)
     if args.json:
         print(json.dumps(rows, indent=1))
