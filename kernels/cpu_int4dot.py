@@ -41,6 +41,7 @@ from lowbit.quant.qtensor import QTensor
 FUSED_MAX_ROWS = 16
 TILE_ROWS = 16  # output rows per tile of the C kernel: one per vector lane
 PATH = "cpu-int4dot"
+INT8_PATH = "cpu-int8dot"  # 8-bit codes, int8 activations (supports_int8)
 
 
 class I4WeightStruct(ctypes.Structure):
@@ -60,7 +61,7 @@ class I4VWeightStruct(ctypes.Structure):
     _fields_ = [
         ("codes", ctypes.c_void_p), ("tile_bytes", ctypes.c_int64), ("scales", ctypes.c_void_p), ("zeros", ctypes.c_void_p),
         ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("chunks", ctypes.c_int64), ("groups", ctypes.c_int64),
-        ("cpg", ctypes.c_int32), ("offset", ctypes.c_int32),
+        ("cpg", ctypes.c_int32), ("offset", ctypes.c_int32), ("bits", ctypes.c_int32),
     ]
 
 
@@ -106,6 +107,20 @@ def supports(qt: QTensor) -> bool:
     return _integer_table(qt) is not None
 
 
+def supports_int8(qt: QTensor) -> bool:
+    """8-bit integer codes through the int8-activation kernel (path INT8_PATH). Never chosen on its
+    own (dispatch lists it after torch's int8 op and cpu-lut): it is asked for by name where
+    activations may be rounded to int8, as for a draft model's lm_head."""
+    spec = qt.spec
+    if spec.bits != 8 or spec.element != "int" or not available() or _LIB.lowbit_i4v_available() != 1:
+        return False
+    g = layout.group_scales(qt).group_size
+    if not (g >= qt.shape[1] or g % 64 == 0) or qt.shape[1] >= 1 << 16:  # int32 group sums
+        return False
+    table = _integer_table(qt)
+    return table is not None and _zero_offset(table) is not None
+
+
 def tile_codes(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes [N, K] -> [ceil(N / 64), 32 * Kp] (Kp: K rounded up to 64; padding is code 0):
     tiles of 16 rows, four interleaved chunk by chunk ([N / 64, Kp / 4, 4, 32]); per tile and
@@ -126,22 +141,30 @@ def untile_codes(tiled: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return torch.stack([b & 15, b >> 4], dim=-2).reshape(quads * 4 * TILE_ROWS, chunks * 4)[:n, :k]
 
 
-def tile_codes_vnni(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes [N, K] -> [ceil(N / 64), 32 * Kp] for kernels/int4_vnni.c: tiles of 16 rows,
-    four interleaved chunk by chunk ([N / 64, Kp / 8, 4, 64]); per tile and chunk of 8 k,
-    byte 4i+b = row i's code k+b | code k+4+b << 4."""
+def tile_codes_vnni(codes: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """uint8 codes [N, K] -> [ceil(N / 64), 4 * bits * Kp] for kernels/int4_vnni.c: tiles of 16
+    rows, four interleaved chunk by chunk ([N / 64, Kp / 8, 4, 16 * bits]). Per tile and chunk of
+    8 k, 4-bit codes: byte 4i+b = row i's code k+b | code k+4+b << 4; 8-bit codes: byte 4i+b =
+    row i's code k+b, then byte 64+4i+b = its code k+4+b."""
     n, k = codes.shape
     quads, kp = -(-n // (4 * TILE_ROWS)), -(-k // 64) * 64
     c = torch.nn.functional.pad(codes, (0, kp - k, 0, quads * 4 * TILE_ROWS - n))
     # [quad, tile, row i, chunk, half h, b]: row 64 quad + 16 tile + i, k = 8 chunk + 4h + b
     c = c.reshape(quads, 4, TILE_ROWS, kp // 8, 2, 4)
+    if bits == 8:
+        return c.permute(0, 3, 1, 4, 2, 5).reshape(quads, kp * 64).contiguous()
     packed = c[..., 0, :] | (c[..., 1, :] << 4)
     return packed.permute(0, 3, 1, 2, 4).reshape(quads, kp * 32).contiguous()
 
 
-def untile_codes_vnni(tiled: torch.Tensor, n: int, k: int) -> torch.Tensor:
+def untile_codes_vnni(tiled: torch.Tensor, n: int, k: int, bits: int = 4) -> torch.Tensor:
     """The inverse of `tile_codes_vnni`: uint8 codes [n, k]."""
-    quads, chunks = tiled.shape[0], tiled.shape[1] // 256
+    quads = tiled.shape[0]
+    if bits == 8:
+        chunks = tiled.shape[1] // 512
+        b = tiled.reshape(quads, chunks, 4, 2, TILE_ROWS, 4).permute(0, 2, 4, 1, 3, 5)
+        return b.reshape(quads * 4 * TILE_ROWS, chunks * 8)[:n, :k]
+    chunks = tiled.shape[1] // 256
     b = tiled.reshape(quads, chunks, 4, TILE_ROWS, 4).permute(0, 2, 3, 1, 4)
     return torch.stack([b & 15, b >> 4], dim=-2).reshape(quads * 4 * TILE_ROWS, chunks * 8)[:n, :k]
 
@@ -162,9 +185,10 @@ def _struct(tensors: dict, n: int, k: int, groups: int, cpg: int) -> dict:
     codes = tensors["codes"]
     if "offset" in tensors:  # int8 activations (kernels/int4_vnni.c)
         zeros = tensors.get("zeros")
+        bits = int(tensors["bits"])
         struct = I4VWeightStruct(
             codes.data_ptr(), codes.shape[1] // 4, tensors["scales"].data_ptr(), None if zeros is None else zeros.data_ptr(),
-            n, k, codes.shape[1] // 256, groups, cpg, int(tensors["offset"]),
+            n, k, codes.shape[1] // (64 * bits), groups, cpg, int(tensors["offset"]), bits,
         )
         act = "int8"
     else:
@@ -181,14 +205,15 @@ def _struct(tensors: dict, n: int, k: int, groups: int, cpg: int) -> dict:
 def _zero_offset(table: torch.Tensor) -> int | None:
     """o when the table is code - o (symmetric int4: 8; unsigned codes: 0), else None."""
     offset = -int(table[0])
-    return offset if torch.equal(table, torch.arange(16, dtype=table.dtype) - offset) else None
+    return offset if torch.equal(table, torch.arange(table.numel(), dtype=table.dtype) - offset) else None
 
 
 def _tensors(codes: torch.Tensor, table: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, act: str) -> dict:
     """The kernel's arrays for uint8 codes [N, K], per-group scale (and zero point) [N, G]."""
     if act == "int8":
-        offset = _zero_offset(table)
-        tensors = {"codes": tile_codes_vnni(codes), "table": table, "scales": tile_groups(scale), "offset": torch.tensor(offset)}
+        offset, bits = _zero_offset(table), 8 if table.numel() == 256 else 4
+        tensors = {"codes": tile_codes_vnni(codes, bits), "table": table, "scales": tile_groups(scale),
+                   "offset": torch.tensor(offset), "bits": torch.tensor(bits)}
         if zero is not None:
             tensors["zeros"] = tile_groups(zero.float() + offset).to(torch.int32)
         return tensors
@@ -206,7 +231,7 @@ def prepare(qt: QTensor, prefill: PreparedWeight | None = None, act: str | None 
     n, k = qt.shape
     gs = layout.group_scales(qt)
     table = _integer_table(qt)
-    act = act or activations()
+    act = "int8" if qt.spec.bits == 8 else act or activations()
     if act == "int8" and _zero_offset(table) is None:
         act = "bf16"
     tensors = _tensors(layout.codes(qt), table, gs.scale, gs.zero, act)
@@ -214,13 +239,13 @@ def prepare(qt: QTensor, prefill: PreparedWeight | None = None, act: str | None 
     chunk = 8 if act == "int8" else 4
     cpg = (-(-k // 64) * 64) // chunk if groups == 1 else gs.group_size // chunk
     params = _struct(tensors, n, k, groups, cpg)
-    if prefill is None:
+    if prefill is None and qt.spec.bits == 4:
         from lowbit.kernels import cpu_bf16
 
         bf16_plan = cpu_bf16.plan(qt)
         prefill = cpu_bf16.prepare(qt, bf16_plan) if bf16_plan is not None else None
     params["prefill"] = prefill
-    return PreparedWeight(path=PATH, shape=(n, k), label=qt.spec.label, device=torch.device("cpu"), tensors=tensors, params=params)
+    return PreparedWeight(path=PATH if qt.spec.bits == 4 else INT8_PATH, shape=(n, k), label=qt.spec.label, device=torch.device("cpu"), tensors=tensors, params=params)
 
 
 def concat(parts: list[PreparedWeight]) -> PreparedWeight:
@@ -244,7 +269,7 @@ def concat(parts: list[PreparedWeight]) -> PreparedWeight:
     # per-group extras: zero codes (int8 route, default the table's offset) or scale * zero (bf16, default 0)
     name = "zeros" if vnni else "szs"
     if vnni:
-        tensors["offset"] = first.tensors["offset"]
+        tensors["offset"], tensors["bits"] = first.tensors["offset"], first.tensors["bits"]
     if any(name in p.tensors for p in parts):
         fill = float(first.tensors["offset"]) if vnni else 0.0
         extra = [untile_groups(p.tensors[name], p.shape[0]).float() if name in p.tensors

@@ -9,8 +9,10 @@ Path choice (first that applies):
   CPU with AVX512-BF16, other 4-bit formats    cpu-bf16    (kernels/cpu_bf16.py, bf16 dot products)
   CPU, any 4-bit or 8-bit format               cpu-lut     (kernels/cpu_lut.py, compiled C kernel)
   anything else (int2/3/5/6 on CPU, no compiler) reference   (kernels/reference.py)
+  only when named: 8-bit integer codes, int8 activations (AVX512-VNNI)   cpu-int8dot (kernels/cpu_int4dot.py;
+                                               draft lm_heads, whose rounding moves acceptance, never output)
 `LOWBIT_KERNEL` (or the `path` argument) forces one: reference | cpu | cpu-int4dot | cpu-int4 | cpu-int8 |
-cpu-bf16 | cpu-lut | triton ("cpu" means the best CPU path); a forced path that cannot run this weight
+cpu-bf16 | cpu-lut | cpu-int8dot | triton ("cpu" means the best CPU path); a forced path that cannot run this weight
 raises a one-line LowbitError instead of silently running another.
 """
 
@@ -26,7 +28,7 @@ from lowbit.kernels.prepared import PreparedWeight
 from lowbit.kernels.reference import reference_matmul
 from lowbit.quant.qtensor import QTensor
 
-PATHS = ("reference", "cpu", "cpu-int4dot", "cpu-int4", "cpu-int8", "cpu-bf16", "cpu-lut", "triton")
+PATHS = ("reference", "cpu", "cpu-int4dot", "cpu-int4", "cpu-int8", "cpu-bf16", "cpu-lut", "cpu-int8dot", "triton")
 ENV = "LOWBIT_KERNEL"
 
 
@@ -43,6 +45,7 @@ _CPU_CHECKS = (
     ("cpu-int8", cpu.int8_channel),
     ("cpu-bf16", cpu_bf16.supports),
     ("cpu-lut", cpu_lut.supports),
+    ("cpu-int8dot", cpu_int4dot.supports_int8),  # only when asked for: it rounds activations to int8
 )
 
 
@@ -89,7 +92,7 @@ def prepare(qt: QTensor, device: torch.device | str = "cpu", path: str | None = 
         from lowbit.kernels import triton_qmm  # imported late: TRITON_INTERPRET is read at import
 
         return triton_qmm.prepare(qt, device)
-    if chosen == "cpu-int4dot":
+    if chosen in ("cpu-int4dot", "cpu-int8dot"):
         return cpu_int4dot.prepare(qt)
     if chosen == "cpu-int4":
         return cpu.prepare_int4(qt)
@@ -104,6 +107,7 @@ def prepare(qt: QTensor, device: torch.device | str = "cpu", path: str | None = 
 
 _MATMULS = {
     "cpu-int4dot": cpu_int4dot.matmul,
+    "cpu-int8dot": cpu_int4dot.matmul,
     "cpu-int4": cpu.matmul_int4,
     "cpu-int8": cpu.matmul_int8,
     "cpu-bf16": cpu_bf16.matmul,
@@ -113,7 +117,8 @@ _MATMULS = {
 
 def qmatmul(x: torch.Tensor, prepared: PreparedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias) for x [..., K] in bf16/fp16/fp32; y has x's dtype."""
-    if prepared.path == "cpu-int4dot" and bias is None and (x.dtype is torch.bfloat16 or x.dtype is torch.float32):
+    if (prepared.path == "cpu-int4dot" or prepared.path == "cpu-int8dot") and bias is None and (
+            x.dtype is torch.bfloat16 or x.dtype is torch.float32):
         y = cpu_int4dot.decode_matmul(x, prepared)
         if y is not None:
             return y
@@ -132,7 +137,7 @@ def qmatmul(x: torch.Tensor, prepared: PreparedWeight, bias: torch.Tensor | None
         y = triton_qmm.matmul(x2, prepared)
     elif x2.shape[0] == 0:
         y = x2.new_zeros(0, n)
-    elif prepared.path == "cpu-int4dot" and bias is None:
+    elif (prepared.path == "cpu-int4dot" or prepared.path == "cpu-int8dot") and bias is None:
         # float32 or bf16 y straight from C (bf16 rounded once); fp16 inputs come back as float32
         out = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
         return cpu_int4dot.matmul(x2, prepared, out).to(x.dtype).reshape(*lead, n)

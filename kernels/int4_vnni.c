@@ -1,14 +1,18 @@
-/* CPU matmul for integer 4-bit codes against int8 activations through AVX512-VNNI `vpdpbusd`
-   (64 byte products per instruction, twice the multiply-adds of int4_dot.c's `vdpbf16ps`):
+/* CPU matmul for integer 4-bit (or 8-bit) codes against int8 activations through AVX512-VNNI
+   `vpdpbusd` (64 byte products per instruction, twice the multiply-adds of int4_dot.c's
+   `vdpbf16ps`):
 
    y[m, n] = sum_j s[n, j] * sx[m, j] * (sum_{k in group j} c[n, k] * a[m, k] - z[n, j] * asum[m, j])
 
-   c is the unsigned code 0..15 and z the code of zero: the table offset (8 for symmetric int4,
-   whose values are c - 8) plus the group's zero point when the format has one. Each row of x is
+   c is the unsigned code 0..15 (0..255) and z the code of zero: the table offset (8 for
+   symmetric int4, whose values are c - 8; 128 for int8) plus the group's zero point when the
+   format has one. Each row of x is
    quantized per weight group: sx = max|x| / 127, a = round_half_even(x * (127 / max|x|)) in
-   -127..127, asum = sum of a. The integer sums are exact (|c * a| <= 1905, so a group fits int32
-   for any K below a million), so the only rounding after x's own quantization is the float32
-   product of the two scales and the running float32 sum over groups.
+   -127..127, asum = sum of a. The integer sums are exact (|c * a| <= 1905 for 4-bit codes, so a
+   group fits int32 for any K below a million; 32385 for 8-bit, K below 66k), so the only
+   rounding after x's own quantization is the group total's conversion to float32 (exact below
+   2^24: any 4-bit group, 8-bit groups up to ~1000 k), the float32 product of the two scales and
+   the running float32 sum over groups.
 
    Batch invariance (speculative verification stays exact): a row's quantization reads only that
    row, its integer sums are exact whatever the order, and the groups are folded in order with one
@@ -19,7 +23,8 @@
    k+b in the low nibble and k+4+b in the high one, so an AND gives lanes of four codes (k..k+3)
    and a shift and an AND the next four - each a `vpdpbusd` operand against four bytes of x
    broadcast to every lane. Four tiles are interleaved chunk by chunk ([N / 64, chunks, 4, 64]).
-   Scales are [tiles, G, 16] and zero codes (when per group) [tiles, G, 16] int32. */
+   Scales are [tiles, G, 16] and zero codes (when per group) [tiles, G, 16] int32. 8-bit codes:
+   128 bytes per tile and chunk, the lanes' bytes k..k+3 then k+4..k+7 (two plain loads). */
 
 #include <math.h>
 #include <stdint.h>
@@ -42,6 +47,7 @@ typedef struct {
     int64_t N, K, chunks, G;
     int32_t cpg;           /* 8-k chunks per group */
     int32_t offset;        /* code of zero when `zeros` is NULL (8 for symmetric int4) */
+    int32_t bits;          /* 4 or 8 */
 } I4VWeight;
 
 int lowbit_i4v_available(void) {
@@ -56,7 +62,8 @@ int lowbit_i4v_available(void) {
 #define INLINE static inline __attribute__((always_inline))
 #define ROWS 16
 #define MAXMB 16
-#define STRIDE 256 /* bytes from one chunk of a tile to its next: four tiles of 64 interleaved */
+#define TILE_CHUNK(BITS) ((BITS) * 16)    /* bytes of one tile's chunk of 8 k */
+#define STRIDE(BITS) (4 * TILE_CHUNK(BITS)) /* from one chunk of a tile to its next: four tiles interleaved */
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 1024
 #endif
@@ -64,11 +71,11 @@ int lowbit_i4v_available(void) {
 /* Tiles t0..t0+TT-1 (within one group of four) against x rows m0..m0+MB-1 into
    tot[(t * MB + m) * 16 + lane]. xq: x as int8 interleaved by chunk, xq[(c * M + m) * 8 + i] =
    a[m, 8c + i]; xs / xa: [M, G] scales and integer sums. */
-INLINE void vtiles(const int TT, const int MB, const I4VWeight *w, int64_t t0, const int8_t *xq, int64_t M,
+INLINE void vtiles(const int BITS, const int TT, const int MB, const I4VWeight *w, int64_t t0, const int8_t *xq, int64_t M,
                    const float *xs, const int32_t *xa, int64_t m0, float *tot) {
     const __m512i low = _mm512_set1_epi8(15);
     const int64_t G = w->G, C = w->chunks;
-    const uint8_t *base = w->codes + (t0 / 4) * 4 * w->tile_bytes + (t0 % 4) * 64;
+    const uint8_t *base = w->codes + (t0 / 4) * 4 * w->tile_bytes + (t0 % 4) * TILE_CHUNK(BITS);
     for (int i = 0; i < TT * MB; i++) _mm512_storeu_ps(tot + i * 16, _mm512_setzero_ps());
     int64_t c = 0;
     for (int64_t j = 0; j < G; j++) {
@@ -79,10 +86,17 @@ INLINE void vtiles(const int TT, const int MB, const I4VWeight *w, int64_t t0, c
         for (; c < c_end; c++) {
             __m512i wl[4], wh[4];
             for (int t = 0; t < TT; t++) {
-                if (PREFETCH_BYTES) _mm_prefetch((const char *)(base + c * STRIDE + t * 64 + PREFETCH_BYTES), _MM_HINT_T0);
-                const __m512i raw = _mm512_loadu_si512((const void *)(base + c * STRIDE + t * 64));
-                wl[t] = _mm512_and_si512(raw, low);
-                wh[t] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+                const uint8_t *p = base + c * STRIDE(BITS) + t * TILE_CHUNK(BITS);
+                if (PREFETCH_BYTES) _mm_prefetch((const char *)(p + PREFETCH_BYTES), _MM_HINT_T0);
+                if (BITS == 4) {
+                    const __m512i raw = _mm512_loadu_si512((const void *)p);
+                    wl[t] = _mm512_and_si512(raw, low);
+                    wh[t] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+                } else {
+                    if (PREFETCH_BYTES) _mm_prefetch((const char *)(p + PREFETCH_BYTES + 64), _MM_HINT_T0);
+                    wl[t] = _mm512_loadu_si512((const void *)p);
+                    wh[t] = _mm512_loadu_si512((const void *)(p + 64));
+                }
             }
             const int8_t *xc = xq + (c * M + m0) * 8;
             /* x dwords broadcast from registers: vpdpbusd with an embedded {1to16} broadcast ran
@@ -113,7 +127,11 @@ INLINE void vtiles(const int TT, const int MB, const I4VWeight *w, int64_t t0, c
     }
 }
 
-#define MB_CASE(TT, MB) case MB: vtiles(TT, MB, w, t0, xq, M, xs, xa, m0, tot); break;
+#define MB_CASE(TT, MB) \
+    case MB: { \
+        if (w->bits == 8) vtiles(8, TT, MB, w, t0, xq, M, xs, xa, m0, tot); \
+        else vtiles(4, TT, MB, w, t0, xq, M, xs, xa, m0, tot); \
+    } break;
 #define MB_UPTO4(TT) MB_CASE(TT, 1) MB_CASE(TT, 2) MB_CASE(TT, 3) MB_CASE(TT, 4)
 #define MB_5TO8(TT) MB_CASE(TT, 5) MB_CASE(TT, 6) MB_CASE(TT, 7) MB_CASE(TT, 8)
 static void vpass(int tt, int mb, const I4VWeight *w, int64_t t0, const int8_t *xq, int64_t M, const float *xs,

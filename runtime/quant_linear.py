@@ -24,11 +24,12 @@ from lowbit.quant.qtensor import QTensor
 
 
 class QuantLinear(nn.Module):
-    def __init__(self, qt: QTensor, bias: torch.Tensor | None = None, device: torch.device | str = "cpu"):
+    def __init__(self, qt: QTensor, bias: torch.Tensor | None = None, device: torch.device | str = "cpu",
+                 path: str | None = None):
         super().__init__()
         self.out_features, self.in_features = qt.shape
         self.label = qt.spec.label
-        self.prepared = prepare(qt, device)
+        self.prepared = prepare(qt, device, path)  # path: a kernel path by name (kernels.dispatch), else the best
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.outliers: torch.Tensor | None = None  # sparse CSR float32 [out, in], on the weight's device
         self._outliers_as: dict[torch.dtype, torch.Tensor] = {}  # S in another compute dtype, made once

@@ -112,3 +112,34 @@ def test_environment_chooses_the_route(monkeypatch):
     monkeypatch.setenv(cpu_int4dot.ACTIVATIONS_ENV, "int7")
     with pytest.raises(LowbitError, match="int8 or bf16"):
         cpu_int4dot.prepare(qt)
+
+
+@pytest.mark.parametrize("label", ["int8", "int8-g128", "int8-g64"])
+@pytest.mark.parametrize("n,k", [(96, 192), (33, 576), (17, 130)])
+def test_int8_codes_match_oracle_and_rows_alone(label, n, k):
+    # cpu-int8dot: 8-bit codes through the same kernel (offset 128); only asked for by name
+    from lowbit.kernels import choose_path, prepare
+
+    qt = quantized(label, n, k)
+    assert choose_path(qt, "cpu") != "cpu-int8dot"
+    pw = prepare(qt, "cpu", path="cpu-int8dot")
+    assert pw.path == "cpu-int8dot" and pw.params["act"] == "int8"
+    x = torch.randn(cpu_int4dot.FUSED_MAX_ROWS, k)
+    alone = torch.cat([qmatmul(x[i : i + 1], pw) for i in range(x.shape[0])])
+    assert rel_err(alone, int8_oracle(x, qt)) < 1e-5, label
+    for m in (2, 5, 16):
+        assert torch.equal(qmatmul(x[:m], pw), alone[:m])
+    more = torch.randn(20, k)  # past FUSED_MAX_ROWS: the same kernel in slices
+    assert rel_err(qmatmul(more, pw), int8_oracle(more, qt)) < 1e-5
+
+
+def test_int8_layout_round_trips():
+    codes = torch.randint(0, 256, (53, 130), dtype=torch.uint8)
+    tiled = cpu_int4dot.tile_codes_vnni(codes, 8)
+    assert tiled.shape == (1, 64 * 192)
+    assert torch.equal(cpu_int4dot.untile_codes_vnni(tiled, 53, 130, 8), codes)
+    # chunk c of tile t: byte 4i+b = row 16t+i code 8c+b; byte 64+4i+b = code 8c+4+b
+    t, c, i, b = 1, 3, 9, 2
+    base = (c * 4 + t) * 128
+    assert int(tiled[0, base + 4 * i + b]) == int(codes[16 * t + i, 8 * c + b])
+    assert int(tiled[0, base + 64 + 4 * i + b]) == int(codes[16 * t + i, 8 * c + 4 + b])
