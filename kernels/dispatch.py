@@ -9,8 +9,8 @@ Path choice (first that applies):
   CPU with AVX512-BF16, other 4-bit formats    cpu-bf16    (kernels/cpu_bf16.py, bf16 dot products)
   CPU, any 4-bit or 8-bit format               cpu-lut     (kernels/cpu_lut.py, compiled C kernel)
   anything else (int2/3/5/6 on CPU, no compiler) reference   (kernels/reference.py)
-  only when named: 8-bit integer codes, int8 activations (AVX512-VNNI)   cpu-int8dot (kernels/cpu_int4dot.py;
-                                               draft lm_heads, whose rounding moves acceptance, never output)
+  only when named: 8-bit integer codes with int8 activations (AVX512-VNNI, W8A8)
+                                               cpu-int8dot (kernels/cpu_int4dot.py)
 `LOWBIT_KERNEL` (or the `path` argument) forces one: reference | cpu | cpu-int4dot | cpu-int4 | cpu-int8 |
 cpu-bf16 | cpu-lut | cpu-int8dot | triton ("cpu" means the best CPU path); a forced path that cannot run this weight
 raises a one-line LowbitError instead of silently running another.

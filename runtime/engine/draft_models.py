@@ -27,17 +27,10 @@ class PreparedLinear(nn.Module):
 # A draft's lm_head is read in full at every draft step (28M weights on SmolLM2, 4 ms of an 8 ms
 # step in bf16), and its precision only moves the acceptance rate, never the output. int8 keeps
 # the acceptance: measured on SmolLM2 with a GPTQ int4 draft, mean accepted length 3.37 with a
-# bf16, int8 or float head, 2.0 with int4 (RTN g128) and 2.46 with int4 g32. On CPUs with VNNI
-# the head also takes int8 activations (kernel path cpu-int8dot): 1.0 ms a step against torch's
-# int8 op's 2.1 ms on SmolLM2's head.
+# bf16, int8 or float head, 2.0 with int4 (RTN g128) and 2.46 with int4 g32. The head keeps
+# its activations in bf16: the int8-activation kernel (path cpu-int8dot) reads it in 1.0 ms
+# instead of torch's 2.1, but the mean accepted length fell from 3.37 to 2.91 (bench/decode.py).
 DRAFT_HEAD_FORMAT = "int8"
-DRAFT_HEAD_PATH = "cpu-int8dot"
-
-
-def _head_path(qt, device) -> str | None:
-    from lowbit.kernels import cpu_int4dot
-
-    return DRAFT_HEAD_PATH if torch.device(device).type == "cpu" and cpu_int4dot.supports_int8(qt) else None
 
 
 def quantize_linears_(model: nn.Module, fmt: str, device, head_fmt: str | None = None) -> nn.Module:
@@ -56,13 +49,11 @@ def quantize_linears_(model: nn.Module, fmt: str, device, head_fmt: str | None =
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                is_head = bool(head_fmt) and child is head
-                qt = quantize_rtn(child.weight.detach().float(), parse_spec(head_fmt) if is_head else spec)
-                path = _head_path(qt, device) if is_head else None
+                qt = quantize_rtn(child.weight.detach().float(), parse_spec(head_fmt) if head_fmt and child is head else spec)
                 if QuantLinear is not None:
-                    setattr(module, name, QuantLinear(qt, child.bias, device, path))
+                    setattr(module, name, QuantLinear(qt, child.bias, device))
                 else:
-                    setattr(module, name, PreparedLinear(prepare(qt, device, path), child.bias))
+                    setattr(module, name, PreparedLinear(prepare(qt, device), child.bias))
     from lowbit.runtime.models.fusion import fuse_projections
 
     fuse_projections(model)
@@ -78,7 +69,7 @@ def quantize_draft_head_(model: nn.Module, device) -> nn.Module:
     head = getattr(model, "lm_head", None)
     if torch.device(device).type == "cpu" and isinstance(head, nn.Linear):
         qt = quantize_rtn(head.weight.detach().float(), parse_spec(DRAFT_HEAD_FORMAT))
-        model.lm_head = QuantLinear(qt, head.bias, device, _head_path(qt, device))
+        model.lm_head = QuantLinear(qt, head.bias, device)
     return model
 
 

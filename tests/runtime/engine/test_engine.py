@@ -122,10 +122,6 @@ def test_cpu_draft_lm_head_is_int8(draft, engine_llama_dir, engine_llama_draft_d
     spec = Engine(engine_llama_dir, kv_memory=4 << 20, draft=str(engine_llama_draft_dir) if draft == "other" else draft)
     head = spec.drafter.model.lm_head
     assert isinstance(head, QuantLinear) and head.label == "int8"
-    from lowbit.kernels import cpu_int4dot
-
-    if cpu_int4dot.available() and cpu_int4dot.load_library().lowbit_i4v_available():
-        assert head.prepared.path == "cpu-int8dot"  # int8 activations too: half torch's int8 op's time
     body = spec.drafter.model.model.layers[0].mlp.down_proj
     assert draft == "other" or body.label == "int4"
 
