@@ -69,12 +69,24 @@ ACTIVATIONS_ENV = "LOWBIT_INT4_ACTIVATIONS"
 _LIB = None
 
 
-def available() -> bool:
-    global _LIB
+def bf16_available() -> bool:
+    """The bf16-activation kernel (kernels/int4_dot.c, AVX512-BF16) is built for this CPU."""
     lib = load_library()
-    ok = lib is not None and lib.lowbit_i4_available() == 1
+    return lib is not None and lib.lowbit_i4_available() == 1
+
+
+def vnni_available() -> bool:
+    """The int8-activation kernel (kernels/int4_vnni.c, AVX512-VNNI) is built for this CPU."""
+    lib = load_library()
+    return lib is not None and lib.lowbit_i4v_available() == 1
+
+
+def available() -> bool:
+    """Either route: CPUs with VNNI but no BF16 (Cascade Lake, Ice Lake servers) take int8 activations."""
+    global _LIB
+    ok = bf16_available() or vnni_available()
     if ok:
-        _LIB = lib
+        _LIB = load_library()
     return ok
 
 
@@ -83,10 +95,11 @@ def activations() -> str:
     choice = os.environ.get(ACTIVATIONS_ENV, "").strip().lower()
     if choice not in ("", "int8", "bf16"):
         raise LowbitError(f"{ACTIVATIONS_ENV} must be int8 or bf16, not {choice!r}")
-    lib = load_library()
-    vnni = lib is not None and lib.lowbit_i4v_available() == 1
+    vnni = vnni_available()
     if choice == "int8" and not vnni:
         raise LowbitError(f"{ACTIVATIONS_ENV}=int8 needs a CPU with AVX512-VNNI")
+    if choice == "bf16" and not bf16_available():
+        raise LowbitError(f"{ACTIVATIONS_ENV}=bf16 needs a CPU with AVX512-BF16")
     return choice or ("int8" if vnni else "bf16")
 
 
@@ -104,7 +117,8 @@ def supports(qt: QTensor) -> bool:
     g = layout.group_scales(qt).group_size
     if not (g >= qt.shape[1] or g % 64 == 0):
         return False
-    return _integer_table(qt) is not None
+    table = _integer_table(qt)
+    return table is not None and (bf16_available() or _zero_offset(table) is not None)
 
 
 def supports_int8(qt: QTensor) -> bool:
@@ -113,7 +127,7 @@ def supports_int8(qt: QTensor) -> bool:
     (`LOWBIT_KERNEL=cpu-int8dot` or `prepare(..., path=)`): it rounds activations to int8. Tried
     on draft lm_heads: 1.0 ms instead of 2.1 on SmolLM2's, but acceptance fell 3.37 -> 2.91."""
     spec = qt.spec
-    if spec.bits != 8 or spec.element != "int" or not available() or _LIB.lowbit_i4v_available() != 1:
+    if spec.bits != 8 or spec.element != "int" or not vnni_available():
         return False
     g = layout.group_scales(qt).group_size
     if not (g >= qt.shape[1] or g % 64 == 0) or qt.shape[1] >= 1 << 16:  # int32 group sums
@@ -234,6 +248,8 @@ def prepare(qt: QTensor, prefill: PreparedWeight | None = None, act: str | None 
     table = _integer_table(qt)
     act = "int8" if qt.spec.bits == 8 else act or activations()
     if act == "int8" and _zero_offset(table) is None:
+        if not bf16_available():
+            raise LowbitError(f"{qt.spec.label}: its code table is not code - offset, which the int8-activation kernel needs")
         act = "bf16"
     tensors = _tensors(layout.codes(qt), table, gs.scale, gs.zero, act)
     groups = gs.scale.shape[1]

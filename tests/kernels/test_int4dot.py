@@ -6,7 +6,7 @@ import torch
 from lowbit.kernels import cpu_int4dot, prepare, qmatmul
 from lowbit.tests.kernels.cases import SHAPES, oracle, quantized, rel_err
 
-pytestmark = pytest.mark.skipif(not cpu_int4dot.available(), reason="no AVX512-BF16 build on this machine")
+pytestmark = pytest.mark.skipif(not cpu_int4dot.bf16_available(), reason="no AVX512-BF16 build on this machine")
 LABELS = ["int4", "int4-asym-g64", "int4-asym", "int4-channel"]
 
 

@@ -7,8 +7,7 @@ from lowbit.errors import LowbitError
 from lowbit.kernels import cpu_int4dot, layout, qmatmul
 from lowbit.tests.kernels.cases import oracle, quantized, rel_err
 
-pytestmark = pytest.mark.skipif(not cpu_int4dot.available() or cpu_int4dot.load_library().lowbit_i4v_available() != 1,
-                                reason="no AVX512-VNNI build on this machine")
+pytestmark = pytest.mark.skipif(not cpu_int4dot.vnni_available(), reason="no AVX512-VNNI build on this machine")
 LABELS = ["int4", "int4-g64", "int4-asym-g64", "int4-asym", "int4-channel"]
 
 
@@ -143,3 +142,19 @@ def test_int8_layout_round_trips():
     base = (c * 4 + t) * 128
     assert int(tiled[0, base + 4 * i + b]) == int(codes[16 * t + i, 8 * c + b])
     assert int(tiled[0, base + 64 + 4 * i + b]) == int(codes[16 * t + i, 8 * c + 4 + b])
+
+
+def test_a_cpu_with_vnni_but_no_bf16_takes_the_int8_route(monkeypatch):
+    # Cascade Lake / Ice Lake servers: AVX512-VNNI without AVX512-BF16
+    from lowbit.kernels import choose_path, prepare
+
+    monkeypatch.setattr(cpu_int4dot, "bf16_available", lambda: False)
+    qt = quantized("int4-asym-g64", 40, 576)
+    assert choose_path(qt, "cpu") == "cpu-int4dot"
+    pw = prepare(qt, "cpu")
+    assert pw.params["act"] == "int8"
+    x = torch.randn(3, 576)
+    assert rel_err(qmatmul(x, pw), int8_oracle(x, qt)) < 1e-5
+    monkeypatch.setenv(cpu_int4dot.ACTIVATIONS_ENV, "bf16")
+    with pytest.raises(LowbitError, match="AVX512-BF16"):
+        prepare(qt, "cpu")

@@ -8,8 +8,7 @@ from lowbit.quant.rtn import quantize_rtn
 from lowbit.quant.spec import parse_spec
 from lowbit.runtime.engine.draft_models import RescoredHead
 
-pytestmark = pytest.mark.skipif(not cpu_int4dot.available() or cpu_int4dot.load_library().lowbit_i4v_available() != 1,
-                                reason="no AVX512-VNNI build on this machine")
+pytestmark = pytest.mark.skipif(not cpu_int4dot.vnni_available(), reason="no AVX512-VNNI build on this machine")
 
 
 def test_top_candidates_are_exact_and_the_argmax_is_the_float_heads():
