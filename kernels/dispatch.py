@@ -2,8 +2,8 @@
 
 Path choice (first that applies):
   CUDA device                                  triton      (kernels/triton_qmm.py)
-  CPU with AVX512-BF16, integer 4-bit codes,
-  groups of 64k or one per row                cpu-int4dot (kernels/cpu_int4dot.py, batch-invariant)
+  CPU with AVX512-BF16 or -VNNI, integer 4-bit
+  codes, groups of 64k or one per row         cpu-int4dot (kernels/cpu_int4dot.py, batch-invariant)
   CPU, int4 with a group torch's op accepts    cpu-int4    (kernels/cpu.py, torch's int4 op)
   CPU, per-channel int8                        cpu-int8    (kernels/cpu.py, torch's int8 op)
   CPU with AVX512-BF16, other 4-bit formats    cpu-bf16    (kernels/cpu_bf16.py, bf16 dot products)
