@@ -5,6 +5,8 @@ The work happens in lowbit.quant.calibrate; this module parses options and print
 
 from __future__ import annotations
 
+from typing import Optional
+
 import typer
 
 from lowbit.cli.common import console, print_json, progress
@@ -18,6 +20,10 @@ def calibrate_command(
     samples: int = typer.Option(128, "--samples", help="Number of token windows drawn from the text (without overlap)."),
     seqlen: int = typer.Option(2048, "--seqlen", help="Tokens per window (BOS included when the tokenizer adds one)."),
     seed: int = typer.Option(0, "--seed", help="Seed that picks the windows; same seed and inputs give the same bytes."),
+    sink_weight: Optional[float] = typer.Option(
+        None, "--sink-weight", metavar="W",
+        help="How many tokens the first position of each window counts for in the statistics (it is the attention sink, which every later token reads). Default: seqlen / 32, at least 1 (16 for 512-token windows).",
+    ),
     output: str = typer.Option(..., "-o", "--output", help="STATS file to write (safetensors); reusable by any `lowbit quantize`."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output file."),
     threads: int = typer.Option(0, "--threads", help="CPU threads for torch (0: torch's default)."),
@@ -36,7 +42,7 @@ def calibrate_command(
 
     check_output_path(Path(output), overwrite)
     with console.status("loading model and text"):
-        inputs = prepare_calibration(model, data, samples=samples, seqlen=seqlen, seed=seed)
+        inputs = prepare_calibration(model, data, samples=samples, seqlen=seqlen, seed=seed, sink_weight=sink_weight)
     with progress() as bar:
         task = bar.add_task("calibrate", total=inputs.model.num_layers, info="")
 

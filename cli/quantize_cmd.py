@@ -46,6 +46,10 @@ def quantize_command(
     samples: int = typer.Option(128, "--samples", help="With --data: calibration sequences."),
     seqlen: int = typer.Option(2048, "--seqlen", help="With --data: tokens per calibration sequence."),
     seed: int = typer.Option(0, "--seed", help="With --data: seed that picks the calibration sequences."),
+    sink_weight: Optional[float] = typer.Option(
+        None, "--sink-weight", metavar="W",
+        help="With --data: " + "How many tokens the first position of each window counts for in the statistics (it is the attention sink, which every later token reads). Default: seqlen / 32, at least 1 (16 for 512-token windows).",
+    ),
     keep_outliers: float = typer.Option(
         0.0, "--keep-outliers", metavar="P",
         help="Keep the P % most salient weights of every quantized Linear in bf16, in a sparse side matrix added "
@@ -88,7 +92,7 @@ def quantize_command(
         rules = rules + single_format(parse_spec(fmt, group_size)).rules
     plan = Recipe(tuple(rules))
     wants_outliers = _check_outlier_flags(keep_outliers, keep_channels, outlier_salience)
-    method_options = _method_options(method, calib, data, samples, seqlen, seed, output, wants_outliers)
+    method_options = _method_options(method, calib, data, samples, seqlen, seed, output, wants_outliers, sink_weight)
     if wants_outliers:
         method_options.update(keep_outliers=keep_outliers, keep_channels=keep_channels, outlier_salience=outlier_salience)
 
@@ -121,7 +125,7 @@ def _check_outlier_flags(keep_outliers: float, keep_channels: float, salience: s
     return bool(keep_outliers or keep_channels)
 
 
-def _method_options(method, calib, data, samples, seqlen, seed, output, wants_outliers=False) -> dict | None:
+def _method_options(method, calib, data, samples, seqlen, seed, output, wants_outliers=False, sink_weight=None) -> dict | None:
     if method not in CALIBRATED_METHODS and not wants_outliers:
         if calib is not None or data is not None:
             raise UsageError(f"--calib / --data go with --method gptq, awq or awq+gptq (or rtn with --keep-outliers), not {method}")
@@ -134,9 +138,13 @@ def _method_options(method, calib, data, samples, seqlen, seed, output, wants_ou
     # The work folder beside the output holds per-layer progress, so a killed run resumes.
     options: dict = {"work_dir": str(work_dir_for(output))}
     if calib is not None:
+        if sink_weight is not None:
+            raise UsageError("--sink-weight goes with --data; a STATS file was measured with its own (lowbit calibrate --sink-weight)")
         options["calib"] = str(calib)
     else:
         options.update(data=data, samples=samples, seqlen=seqlen, seed=seed)
+        if sink_weight is not None:
+            options["sink_weight"] = sink_weight
     return options
 
 

@@ -36,6 +36,27 @@ from lowbit.runtime.loader import model_dir, read_json, weight_files
 from lowbit.runtime.models import build_model
 
 DEFAULT_BATCH_TOKENS = 8192
+# A window's first position weighs seqlen / SINK_DIVISOR tokens in the statistics (at least 1),
+# about 3 % of the window's total weight: see `first_token_weight`.
+SINK_DIVISOR = 32
+
+
+def first_token_weight(seqlen: int, requested: float | None = None) -> float:
+    """How many tokens a calibration window's first position counts for in Σxxᵀ and mean |x|.
+
+    The first position is the attention sink: every later token of the window attends to it, so
+    an error in what the Linears make of it reaches all of them, and as one token among thousands
+    it hardly shows in a plain average. Measured on SmolLM2-135M (int4 g64 GPTQ through
+    `--data`, wiki-eval KLD vs bf16, ctx 2048, 10 chunks; docs/calibrate.md): 128 × 512 windows
+    0.163 with W = 1, 0.113 with W = 16, 0.118 with W = 64; 32 × 2048 windows 0.224 with W = 1,
+    0.171 with 4, 0.114 with 64, 0.121 with 256. Both optima sit near seqlen / 32, which also
+    makes the result depend little on the window length. `requested` overrides the rule (≥ 1).
+    """
+    if requested is not None:
+        if not requested >= 1.0:
+            raise UsageError(f"--sink-weight must be at least 1, got {requested}")
+        return float(requested)
+    return max(1.0, seqlen / SINK_DIVISOR)
 
 
 class LayerwiseModel:
@@ -245,9 +266,11 @@ def collect_stats(
     *,
     write_outputs: bool,
     batch_tokens: int = DEFAULT_BATCH_TOKENS,
+    first_weight: float = 1.0,
 ) -> LayerStats:
     """Statistics of every Linear input of `layer` over all samples; with `write_outputs` the
-    layer's outputs replace `hidden` in the same pass."""
+    layer's outputs replace `hidden` in the same pass. Each window's first position counts
+    `first_weight` tokens (see `first_token_weight`)."""
     prefix = lm.layer_prefix(index)
     layer = lm.forward_copy(layer)
     linears = [(prefix + local, mod) for local, mod in layer.named_modules() if isinstance(mod, nn.Linear)]
@@ -266,7 +289,7 @@ def collect_stats(
             site = next((s for s, mods in site_modules.items() if name in mods), name)
             site_modules.setdefault(site, [name])
             if site not in accumulators:
-                accumulators[site] = StatsAccumulator(x.shape[-1])
+                accumulators[site] = StatsAccumulator(x.shape[-1], first_weight=first_weight)
             accumulators[site].add(x)
             seen.append((x, site))
 
@@ -311,6 +334,7 @@ def run_layers(
     batch_tokens: int = DEFAULT_BATCH_TOKENS,
     snapshot_every_s: float = 60.0,
     on_layer: Callable[[int, int, bool], None] | None = None,
+    first_weight: float = 1.0,
 ) -> None:
     """Process every layer in order, resuming from `work`; results end up in `work`'s layer files.
 
@@ -341,7 +365,8 @@ def run_layers(
     last_snapshot = time.monotonic()
     for i in range(finished, lm.num_layers):
         layer = lm.load_layer(i)
-        stats = collect_stats(lm, layer, i, hidden, write_outputs=apply is None, batch_tokens=batch_tokens)
+        stats = collect_stats(lm, layer, i, hidden, write_outputs=apply is None, batch_tokens=batch_tokens,
+                              first_weight=first_weight)
         tensors, meta = process(i, layer, stats)
         work.save_layer(i, tensors, meta)
         if apply is not None:
@@ -366,12 +391,16 @@ class CalibrationInputs:
     data: str
     data_hash: str
     seed: int
+    first_weight: float = 1.0  # what each window's first position counts for (`first_token_weight`)
 
 
-def prepare_calibration(model: str | Path, data: str, samples: int = 128, seqlen: int = 2048, seed: int = 0) -> CalibrationInputs:
-    """Open the model and draw the calibration windows (all input checks happen here, before any output)."""
+def prepare_calibration(model: str | Path, data: str, samples: int = 128, seqlen: int = 2048, seed: int = 0,
+                        sink_weight: float | None = None) -> CalibrationInputs:
+    """Open the model and draw the calibration windows (all input checks happen here, before any output).
+    sink_weight: what each window's first position counts for (None: `first_token_weight`'s rule)."""
     import hashlib
 
+    first_weight = first_token_weight(seqlen, sink_weight)
     from lowbit.data.text import load_text
     from lowbit.formats.resolve import resolve_model
     from lowbit.quant.token_cache import encode_cached
@@ -384,12 +413,15 @@ def prepare_calibration(model: str | Path, data: str, samples: int = 128, seqlen
     encoded = encode_cached(tokenizer, Path(path) / "tokenizer.json", text)
     ids = calibration_samples(tokenizer, text, samples, seqlen, seed, what=f"calibration text '{data}'", ids=encoded)
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    return CalibrationInputs(model=lm, ids=ids, data=str(data), data_hash=digest, seed=seed)
+    return CalibrationInputs(model=lm, ids=ids, data=str(data), data_hash=digest, seed=seed, first_weight=first_weight)
 
 
 def calibration_settings(inputs: CalibrationInputs) -> dict:
     s, t = inputs.ids.shape
-    return {"data": inputs.data, "data_sha256": inputs.data_hash, "samples": s, "seqlen": t, "seed": inputs.seed}
+    settings = {"data": inputs.data, "data_sha256": inputs.data_hash, "samples": s, "seqlen": t, "seed": inputs.seed}
+    if inputs.first_weight != 1.0:  # absent when 1, as in STATS files from before the weight existed
+        settings["first_token_weight"] = inputs.first_weight
+    return settings
 
 
 def calibrate(
@@ -422,7 +454,8 @@ def calibrate(
         meta = {"sites": stats.site_modules, "tokens": {s: st.tokens for s, st in stats.sites.items()}}
         return tensors, meta
 
-    run_layers(lm, inputs.ids, work, process, None, batch_tokens=batch_tokens, snapshot_every_s=snapshot_every_s, on_layer=on_layer)
+    run_layers(lm, inputs.ids, work, process, None, batch_tokens=batch_tokens, snapshot_every_s=snapshot_every_s, on_layer=on_layer,
+               first_weight=inputs.first_weight)
 
     sites: dict[str, InputStats] = {}
     site_modules: dict[str, list[str]] = {}

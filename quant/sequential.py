@@ -6,6 +6,7 @@ quant/gptq.py and quant/awq.py). Options (context.options):
   data      a text to calibrate on now, sequentially: layer i's statistics are measured on the
             outputs of the already-quantized layers below it
   samples, seqlen, seed           the calibration windows (128, 2048, 0)
+  sink_weight     what each window's first position counts for (quant/calibrate.first_token_weight)
   work_dir  resume folder; each layer's result is saved there, and a rerun after a kill replays
             the saved layers and continues, giving the same bytes
   keep_outliers, keep_channels, outlier_salience   see quant/outliers.py; the side matrices go
@@ -213,7 +214,8 @@ def apply_outcome(layer: nn.Module, prefix: str, outcome: LayerOutcome) -> None:
         layer.get_submodule(module[len(prefix):]).weight.data = w
 
 
-def _quantize_staged(lm, layer: nn.Module, index: int, hidden: torch.Tensor, specs: dict[str, FormatSpec], options: QuantOptions) -> LayerOutcome:
+def _quantize_staged(lm, layer: nn.Module, index: int, hidden: torch.Tensor, specs: dict[str, FormatSpec], options: QuantOptions,
+                     first_weight: float = 1.0) -> LayerOutcome:
     """GPTQ site by site on the outputs of the already-quantized sites (quant/staged.py); `hidden`
     ends up holding the quantized layer's outputs."""
     prefix = lm.layer_prefix(index)
@@ -236,7 +238,7 @@ def _quantize_staged(lm, layer: nn.Module, index: int, hidden: torch.Tensor, spe
             weights[module[len(prefix):]] = w
         return weights
 
-    run_staged(lm, layer, index, hidden, quantize_site)
+    run_staged(lm, layer, index, hidden, quantize_site, first_weight=first_weight)
     outcome.qtensors = {m: outcome.qtensors[m] for m in specs if m in outcome.qtensors}
     outcome.outliers = {m: outcome.outliers[m] for m in specs if m in outcome.outliers}
     return outcome
@@ -248,7 +250,7 @@ def options_from(context_options: dict, method: str) -> QuantOptions:
 
 
 # Options the pipeline passes through that are not QuantOptions fields.
-RUN_OPTIONS = ("calib", "data", "samples", "seqlen", "seed", "work_dir", "snapshot_every_s")
+RUN_OPTIONS = ("calib", "data", "samples", "seqlen", "seed", "sink_weight", "work_dir", "snapshot_every_s")
 
 
 def make_layer_method(context):
@@ -263,13 +265,18 @@ def make_layer_method(context):
     lm = LayerwiseModel(context.model_dir)
     identity = lm.identity()
     stats_file = hidden = None
+    first_weight = 1.0
     if "calib" in opts:
         stats_file = StatsFile(opts["calib"])
         stats_file.check(identity)
         fingerprint = {"calib": stats_file.identity["config_hash"], "stats": stats_file.header["calibration"]}
     else:
-        inputs = prepare_calibration(context.model_dir, opts["data"], opts.get("samples", 128), opts.get("seqlen", 2048), opts.get("seed", 0))
+        inputs = prepare_calibration(context.model_dir, opts["data"], opts.get("samples", 128), opts.get("seqlen", 2048),
+                                     opts.get("seed", 0), sink_weight=opts.get("sink_weight"))
+        first_weight = inputs.first_weight
         fingerprint = {"data": inputs.data_hash, "samples": list(inputs.ids.shape), "seed": inputs.seed}
+        if first_weight != 1.0:
+            fingerprint["first_token_weight"] = first_weight
     fingerprint.update({"job": "quantize", "model": identity["config_hash"], "options": {k: str(v) for k, v in sorted(opts.items()) if k != "work_dir"}})
     work = WorkDir(opts["work_dir"], fingerprint) if opts.get("work_dir") else None
     snapshot_at = 0
@@ -299,10 +306,10 @@ def make_layer_method(context):
                 sites = stats_file.layer_sites(prefix)
                 stats = LayerStats(sites={s: stats_file.site(s) for s in sites}, site_modules=sites)
             elif staged:
-                outcome = _quantize_staged(lm, layer, i, hidden, part.specs, options)
+                outcome = _quantize_staged(lm, layer, i, hidden, part.specs, options, first_weight)
                 moved = True
             else:
-                stats = collect_stats(lm, layer, i, hidden, write_outputs=False)
+                stats = collect_stats(lm, layer, i, hidden, write_outputs=False, first_weight=first_weight)
             if not moved:
                 outcome = quantize_layer(layer, prefix, stats, part.specs, options)
             if work is not None:

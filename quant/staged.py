@@ -79,6 +79,7 @@ def run_staged(
     quantize: QuantizeSite | None,
     *,
     batch_tokens: int = DEFAULT_BATCH_TOKENS,
+    first_weight: float = 1.0,
 ) -> None:
     """Quantize the layer site by site (see the module docstring); `hidden` becomes its output.
     With quantize=None the layer (already quantized) only moves `hidden`, by the same arithmetic."""
@@ -97,7 +98,7 @@ def run_staged(
         for start, end in batches:
             x = inputs(start, end)
             if acc is None:
-                acc = StatsAccumulator(x.shape[-1], moments=False)  # GPTQ reads only H
+                acc = StatsAccumulator(x.shape[-1], moments=False, first_weight=first_weight)  # GPTQ reads only H
             acc.add(x)
             if not acc.finite():  # the diagonal's K values: find the sample only when it is needed
                 _check_finite(x, f"entering {lm.layer_prefix(index)}{site}", start)

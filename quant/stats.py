@@ -78,15 +78,22 @@ class StatsAccumulator:
     reductions cost a quarter as much as the Hessian itself.
     """
 
-    __slots__ = ("xtx", "abs_sum", "max_abs", "tokens")
+    __slots__ = ("xtx", "abs_sum", "max_abs", "tokens", "first_weight", "weight_sum")
 
-    def __init__(self, channels: int, moments: bool = True):
+    def __init__(self, channels: int, moments: bool = True, first_weight: float = 1.0):
+        if not first_weight >= 1.0:
+            raise ValueError(f"first_weight must be at least 1, got {first_weight}")
         self.xtx = torch.zeros(channels, channels, dtype=torch.float64)
         self.abs_sum = torch.zeros(channels, dtype=torch.float64) if moments else None
         self.max_abs = torch.zeros(channels, dtype=torch.float32) if moments else None
         self.tokens = 0
+        self.first_weight = first_weight
+        self.weight_sum = 0.0  # Σ of the tokens' weights: `tokens` plus (first_weight − 1) per window
 
     def add(self, x: torch.Tensor) -> None:
+        """Add the tokens of x: [windows, positions, K] (position 0 weighs `first_weight`), or [tokens, K]."""
+        extra = self.first_weight - 1.0
+        first = x[:, 0, :].float() if extra and x.dim() == 3 else None
         x = x.reshape(-1, x.shape[-1])
         if x.dtype != torch.bfloat16:
             x = x.float()
@@ -103,6 +110,14 @@ class StatsAccumulator:
             self.abs_sum += a.sum(0, dtype=torch.float32).double()
             self.max_abs = torch.maximum(self.max_abs, a.amax(0).float())
         self.tokens += x.shape[0]
+        self.weight_sum += x.shape[0]
+        if first is not None:
+            # The windows' first position counts first_weight times (see `first_token_weight`):
+            # its product is added (first_weight − 1) more times, in float32 from exact bf16 values.
+            self.xtx += (first.T @ first).double().mul_(extra)
+            if self.abs_sum is not None:
+                self.abs_sum += first.abs().sum(0).double().mul_(extra)
+            self.weight_sum += extra * first.shape[0]
 
     def finite(self) -> bool:
         """False once any input so far held a NaN or inf. A non-finite x_i makes Σx_i² (the
@@ -110,7 +125,7 @@ class StatsAccumulator:
         return bool(torch.isfinite(torch.diagonal(self.xtx)).all())
 
     def finish(self) -> InputStats:
-        n = max(self.tokens, 1)
+        n = max(self.tokens, 1) if self.weight_sum == self.tokens else self.weight_sum
         upper = torch.triu(self.xtx)
         xtx = upper + torch.triu(upper, 1).T
         return InputStats(

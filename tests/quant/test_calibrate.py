@@ -7,15 +7,16 @@ import pytest
 import torch
 
 from lowbit.errors import LowbitError
-from lowbit.quant.calibrate import CalibrationInputs, LayerwiseModel, calibrate, calibration_samples
+from lowbit.quant.calibrate import CalibrationInputs, LayerwiseModel, calibrate, calibration_samples, first_token_weight
 from lowbit.quant.stats import StatsFile
 from lowbit.runtime.loader import load_model
 
 
-def _inputs(path, samples=4, seqlen=16, seed=0):
+def _inputs(path, samples=4, seqlen=16, seed=0, first_weight=1.0):
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, 256, (samples, seqlen), generator=gen)
-    return CalibrationInputs(model=LayerwiseModel(path), ids=ids, data="random", data_hash="0", seed=seed)
+    return CalibrationInputs(model=LayerwiseModel(path), ids=ids, data="random", data_hash="0", seed=seed,
+                             first_weight=first_weight)
 
 
 def test_stats_equal_direct_computation(tiny_model, tmp_path):
@@ -102,3 +103,38 @@ def test_resume_after_kill_gives_same_bytes(tiny_model, tmp_path, snapshot_every
     assert events[-1] == (3, False) and (2, False) not in events  # layers 1-2 were not recomputed
     assert resumed.read_bytes() == whole.read_bytes()
     assert not any(p.name.endswith("lowbit-work") for p in tmp_path.iterdir())
+
+
+def test_first_position_weight_equals_weighted_direct_computation(tiny_model, tmp_path):
+    # The attention sink's share: each window's first token counts 3 times in H and mean |x|.
+    path = tiny_model("llama")
+    inputs = _inputs(path, first_weight=3.0)
+    out = tmp_path / "stats.safetensors"
+    calibrate(inputs, out)
+    stats = StatsFile(out)
+    assert stats.header["calibration"]["first_token_weight"] == 3.0
+    model = load_model(path, dtype=torch.float64)
+    seen = []
+    model.model.layers[1].self_attn.o_proj.register_forward_pre_hook(lambda m, a: seen.append(a[0]))
+    model(inputs.ids)
+    x = seen[0]  # [4 windows, 16 positions, 64]
+    w = torch.ones(4, 16, 1, dtype=torch.float64)
+    w[:, 0] = 3.0
+    total = float(w.sum())
+    st = stats.site("model.layers.1.self_attn.o_proj")
+    assert st.tokens == 64  # real tokens; the weights only change the averages
+    flat, wf = x.reshape(-1, 64), w.reshape(-1, 1)
+    torch.testing.assert_close(st.hessian.double(), (flat * wf).T @ flat / total, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(st.mean_abs.double(), (flat.abs() * wf).sum(0) / total, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(st.sq_mean.double(), (flat * flat * wf).sum(0) / total, rtol=1e-4, atol=1e-5)
+    # and it differs from the unweighted statistics by more than the tolerance
+    plain = flat.T @ flat / 64
+    assert (st.hessian.double() - plain).abs().max() > 1e-3 * plain.abs().max()
+
+
+def test_first_token_weight_rule():
+    assert first_token_weight(32) == 1.0 and first_token_weight(16) == 1.0
+    assert first_token_weight(512) == 16.0 and first_token_weight(2048) == 64.0
+    assert first_token_weight(2048, 1.0) == 1.0 and first_token_weight(128, 8.0) == 8.0
+    with pytest.raises(LowbitError, match="--sink-weight must be at least 1"):
+        first_token_weight(512, 0.5)
