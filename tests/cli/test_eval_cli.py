@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 
-from lowbit.cli.main import main
 
 TEXT = (
     "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs! "
@@ -75,14 +74,6 @@ def tiny(tmp_path_factory):
     return {"short": short, "a": a, "b": b, "other_vocab": other_vocab, "text": text, "hf_a": hf_a, "root": root}
 
 
-def _run(args, capsys):
-    with pytest.raises(SystemExit) as info:
-        main(args)
-        raise SystemExit(0)
-    captured = capsys.readouterr()
-    return info.value.code or 0, captured.out, captured.err
-
-
 def _reference_ppl(hf_model, text: str, ctx: int) -> float:
     """transformers' logits, llama-perplexity's chunking, written out by hand."""
     ids = list(text.encode("utf-8"))
@@ -98,8 +89,8 @@ def _reference_ppl(hf_model, text: str, ctx: int) -> float:
     return math.exp(sum(nlls) / len(nlls))
 
 
-def test_eval_json_matches_transformers_reference(tiny, capsys):
-    code, out, _ = _run(["eval", str(tiny["a"]), "--data", str(tiny["text"]), "--ctx", "64", "--json"], capsys)
+def test_eval_json_matches_transformers_reference(tiny, run_cli):
+    code, out, _ = run_cli(["eval", str(tiny["a"]), "--data", str(tiny["text"]), "--ctx", "64", "--json"])
     assert code == 0
     report = json.loads(out)
     n_tokens = len(TEXT.encode()) + 1
@@ -110,28 +101,24 @@ def test_eval_json_matches_transformers_reference(tiny, capsys):
     assert "kld" not in report
 
 
-def test_eval_with_base(tiny, capsys):
-    code, out, _ = _run(
-        ["eval", str(tiny["a"]), "--data", str(tiny["text"]), "--ctx", "64", "--chunks", "2", "--base", str(tiny["a"]), "--json"],
-        capsys,
-    )
+def test_eval_with_base(tiny, run_cli):
+    code, out, _ = run_cli(
+        ["eval", str(tiny["a"]), "--data", str(tiny["text"]), "--ctx", "64", "--chunks", "2", "--base", str(tiny["a"]), "--json"])
     assert code == 0
     same = json.loads(out)
     assert same["chunks"] == 2
     assert same["kld"]["mean"] == pytest.approx(0.0, abs=1e-9)
     assert same["kld"]["same_top_pct"] == 100.0
-    code, out, _ = _run(
-        ["eval", str(tiny["a"]), "--data", str(tiny["text"]), "--ctx", "64", "--chunks", "2", "--base", str(tiny["b"]), "--json"],
-        capsys,
-    )
+    code, out, _ = run_cli(
+        ["eval", str(tiny["a"]), "--data", str(tiny["text"]), "--ctx", "64", "--chunks", "2", "--base", str(tiny["b"]), "--json"])
     other = json.loads(out)
     assert other["kld"]["mean"] > 0.01
     assert other["kld"]["ppl_ratio"] == pytest.approx(other["ppl"] / other["kld"]["base_ppl"], rel=1e-9)
     assert set(other["kld"]) >= {"mean", "err", "p99", "p999", "same_top_pct", "rms_dp_pct", "base_ppl", "ppl_ratio"}
 
 
-def test_eval_stride_and_human_summary(tiny, capsys):
-    code, out, err = _run(["eval", str(tiny["a"]), "--data", str(tiny["text"]), "--ctx", "64", "--stride", "32"], capsys)
+def test_eval_stride_and_human_summary(tiny, run_cli):
+    code, out, err = run_cli(["eval", str(tiny["a"]), "--data", str(tiny["text"]), "--ctx", "64", "--stride", "32"])
     assert code == 0 and out == ""
     # rich wraps the summary at the terminal width, so compare with whitespace folded
     flat = " ".join(err.split())
@@ -152,17 +139,17 @@ def test_eval_stride_and_human_summary(tiny, capsys):
         (["--ctx", "64", "--base", "/no/such/model"], 1, "model not found"),
     ],
 )
-def test_eval_errors(tiny, capsys, args, code, needle):
+def test_eval_errors(tiny, run_cli, args, code, needle):
     placeholders = {"OTHER_VOCAB": str(tiny["other_vocab"]), "SHORT": str(tiny["short"])}
     args = [placeholders.get(a, a) for a in args]
-    got, out, err = _run(["eval", str(tiny["a"]), "--data", str(tiny["text"]), *args], capsys)
+    got, out, err = run_cli(["eval", str(tiny["a"]), "--data", str(tiny["text"]), *args])
     assert got == code
     assert out == ""
     assert len(err.strip().splitlines()) == 1, err
     assert err.startswith("lowbit: error:") and needle in err and "Traceback" not in err
 
 
-def test_eval_bad_model_and_data(tiny, capsys, tmp_path):
+def test_eval_bad_model_and_data(tiny, run_cli, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("  \n")
     for args, needle in [
@@ -170,11 +157,11 @@ def test_eval_bad_model_and_data(tiny, capsys, tmp_path):
         (["eval", str(tiny["a"]), "--data", str(tmp_path / "missing.txt")], "text not found"),
         (["eval", str(tiny["a"]), "--data", str(empty)], "empty"),
     ]:
-        code, _, err = _run(args, capsys)
+        code, _, err = run_cli(args)
         assert code == 1
         assert len(err.strip().splitlines()) == 1 and needle in err, err
 
 
-def test_eval_missing_data_option_is_usage_error(tiny, capsys):
-    code, _, err = _run(["eval", str(tiny["a"])], capsys)
+def test_eval_missing_data_option_is_usage_error(tiny, run_cli):
+    code, _, err = run_cli(["eval", str(tiny["a"])])
     assert code == 2 and "--data" in err

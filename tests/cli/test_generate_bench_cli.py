@@ -8,7 +8,6 @@ import json
 
 import pytest
 
-from lowbit.cli.main import main
 from lowbit.runtime.engine.engine import Engine
 from lowbit.runtime.engine.sequence import SamplingParams
 from lowbit.tests.runtime.conftest import _llama_config, build_hf
@@ -22,35 +21,27 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def _run(args, capsys):
-    with pytest.raises(SystemExit) as info:
-        main(args)
-        raise SystemExit(0)
-    captured = capsys.readouterr()
-    return info.value.code or 0, captured.out, captured.err
-
-
-def test_generate_streams_the_engines_greedy_text(model_dir, capsys, monkeypatch):
+def test_generate_streams_the_engines_greedy_text(model_dir, run_cli, monkeypatch):
     expected = Engine(model_dir, kv_memory=1 << 20).generate(
         [list(b"hello")], SamplingParams(temperature=0, max_tokens=12))[0]
-    code, out, err = _run(["generate", str(model_dir), "hello", "--max-tokens", "12"], capsys)
+    code, out, err = run_cli(["generate", str(model_dir), "hello", "--max-tokens", "12"])
     assert code == 0 and out == expected.text + "\n" and "tok/s" in err
     monkeypatch.setattr("sys.stdin", io.StringIO("hello"))
-    code, out, _ = _run(["generate", str(model_dir), "-", "--max-tokens", "12", "--json", "--draft", "ngram"], capsys)
+    code, out, _ = run_cli(["generate", str(model_dir), "-", "--max-tokens", "12", "--json", "--draft", "ngram"])
     result = json.loads(out)
     assert code == 0 and result["token_ids"] == expected.token_ids and result["text"] == expected.text
 
 
-def test_generate_bad_input_is_one_line(model_dir, capsys):
-    code, _, err = _run(["generate", str(model_dir), "hi", "--temperature", "-1"], capsys)
+def test_generate_bad_input_is_one_line(model_dir, run_cli):
+    code, _, err = run_cli(["generate", str(model_dir), "hi", "--temperature", "-1"])
     assert code == 2 and err.count("\n") == 1 and "temperature" in err
-    code, _, err = _run(["generate", str(model_dir / "missing"), "hi"], capsys)
+    code, _, err = run_cli(["generate", str(model_dir / "missing"), "hi"])
     assert code == 1 and "not found" in err
 
 
-def test_bench_json(model_dir, capsys):
-    code, out, _ = _run(["bench", str(model_dir), "--batches", "1,2", "--gen-tokens", "6", "--prefill-tokens", "20",
-                         "--draft", "ngram", "--kv-memory", "2", "--json"], capsys)
+def test_bench_json(model_dir, run_cli):
+    code, out, _ = run_cli(["bench", str(model_dir), "--batches", "1,2", "--gen-tokens", "6", "--prefill-tokens", "20",
+                            "--draft", "ngram", "--kv-memory", "2", "--json"])
     r = json.loads(out)
     assert code == 0 and [d["batch"] for d in r["decode"]] == [1, 2]
     assert r["prefill_tok_s"] > 0 and r["stream_bandwidth_gbs"] > 0 and r["weight_bytes"] > 0

@@ -8,19 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lowbit.cli.main import main
 from lowbit.formats.native import NativeReader
 from lowbit.quant.pipeline import quantize_model
 from lowbit.quant.recipe import parse_recipe
-
-
-def _run(args, capsys):
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as info:
-        main(args)
-        raise SystemExit(0)
-    captured = capsys.readouterr()
-    return info.value.code, captured.out, captured.err
 
 
 @pytest.fixture
@@ -32,9 +22,9 @@ def mixed(tiny_float_model, tmp_path):
     return src, tmp_path / "q"
 
 
-def test_inspect_json_with_base(mixed, capsys):
+def test_inspect_json_with_base(mixed, run_cli):
     src, ckpt = mixed
-    code, out, _ = _run(["inspect", str(ckpt), "--base", str(src), "--json"], capsys)
+    code, out, _ = run_cli(["inspect", str(ckpt), "--base", str(src), "--json"])
     assert code == 0
     report = json.loads(out)
     layers = report["layers"]
@@ -58,19 +48,19 @@ def test_inspect_json_with_base(mixed, capsys):
     assert report["total"]["params"] == params and report["total"]["bf16_bytes"] == 2 * params
 
 
-def test_inspect_table_without_base(mixed, capsys):
+def test_inspect_table_without_base(mixed, run_cli):
     _, ckpt = mixed
-    code, out, err = _run(["inspect", str(ckpt)], capsys)
+    code, out, err = run_cli(["inspect", str(ckpt)])
     assert code == 0 and out == ""
     assert "down_proj" in err and "int8" in err and "int4-g32 ×10" in err
     assert "bf16 would be" in err and "rel. error" not in err
 
 
-def test_inspect_errors(mixed, tmp_path, capsys):
+def test_inspect_errors(mixed, tmp_path, run_cli):
     src, ckpt = mixed
-    code, _, err = _run(["inspect", str(src)], capsys)
+    code, _, err = run_cli(["inspect", str(src)])
     assert code == 1 and "not a lowbit quantized checkpoint" in err and err.count("\n") == 1
-    code, _, err = _run(["inspect", str(tmp_path / "nothing")], capsys)
+    code, _, err = run_cli(["inspect", str(tmp_path / "nothing")])
     assert code == 1 and "not found" in err
-    code, _, err = _run(["inspect", str(ckpt), "--base", str(ckpt)], capsys)
+    code, _, err = run_cli(["inspect", str(ckpt), "--base", str(ckpt)])
     assert code == 1 and "itself quantized" in err

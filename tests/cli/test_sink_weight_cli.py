@@ -8,39 +8,29 @@ import hashlib
 
 import pytest
 
-from lowbit.cli.main import main
 
 TEXT = " ".join(f"The {i}th river flows past the old mill near town number {i * 7 % 13}." for i in range(300))
-
-
-def _run(args, capsys):
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as info:
-        main(args)
-        raise SystemExit(0)
-    captured = capsys.readouterr()
-    return info.value.code, captured.out, captured.err
 
 
 def _digest(directory) -> str:
     return hashlib.sha256((directory / "model.safetensors").read_bytes()).hexdigest()
 
 
-def _gptq(src, text, out, capsys, *extra) -> str:
-    code, _, err = _run(["quantize", str(src), "--format", "int4", "--group-size", "32", "--method", "gptq",
-                         "--data", str(text), "--samples", "4", "--seqlen", "32", "-o", str(out), *extra], capsys)
+def _gptq(src, text, out, run_cli, *extra) -> str:
+    code, _, err = run_cli(["quantize", str(src), "--format", "int4", "--group-size", "32", "--method", "gptq",
+                            "--data", str(text), "--samples", "4", "--seqlen", "32", "-o", str(out), *extra])
     assert code == 0, err
     return _digest(out)
 
 
-def test_sink_weight_changes_gptq_and_defaults_to_one_on_short_windows(tiny_float_model, tmp_path, capsys):
+def test_sink_weight_changes_gptq_and_defaults_to_one_on_short_windows(tiny_float_model, tmp_path, run_cli):
     src = tiny_float_model("llama")
     text = tmp_path / "calib.txt"
     text.write_text(TEXT)
-    default = _gptq(src, text, tmp_path / "default", capsys)
-    one = _gptq(src, text, tmp_path / "one", capsys, "--sink-weight", "1")
-    heavy = _gptq(src, text, tmp_path / "heavy", capsys, "--sink-weight", "16")
-    again = _gptq(src, text, tmp_path / "again", capsys, "--sink-weight", "16")
+    default = _gptq(src, text, tmp_path / "default", run_cli)
+    one = _gptq(src, text, tmp_path / "one", run_cli, "--sink-weight", "1")
+    heavy = _gptq(src, text, tmp_path / "heavy", run_cli, "--sink-weight", "16")
+    again = _gptq(src, text, tmp_path / "again", run_cli, "--sink-weight", "16")
     assert default == one  # 32-token windows: seqlen / 32 = 1
     assert heavy != one and heavy == again
 
@@ -55,11 +45,11 @@ def test_sink_weight_changes_gptq_and_defaults_to_one_on_short_windows(tiny_floa
          "--sink-weight goes with --data"),
     ],
 )
-def test_bad_sink_weight_is_one_line(args, message, tiny_float_model, tmp_path, capsys):
+def test_bad_sink_weight_is_one_line(args, message, tiny_float_model, tmp_path, run_cli):
     src = tiny_float_model("llama")
     text = tmp_path / "calib.txt"
     text.write_text(TEXT)
     out = tmp_path / "out"
-    code, _, err = _run([a.format(src=src, text=text, out=out) for a in args], capsys)
+    code, _, err = run_cli([a.format(src=src, text=text, out=out) for a in args])
     assert code == 2 and err.count("\n") == 1 and err.startswith("lowbit: error:") and message in err, err
     assert not out.exists()
