@@ -50,6 +50,12 @@ def quantize_command(
         None, "--sink-weight", metavar="W",
         help="With --data: " + "How many tokens the first position of each window counts for in the statistics (it is the attention sink, which every later token reads). Default: seqlen / 32, at least 1 (16 for 512-token windows).",
     ),
+    refit: bool = typer.Option(
+        True, "--refit/--no-refit",
+        help="GPTQ: after choosing the codes, refit each group's scale by least squares on the calibration "
+        "Hessian, run GPTQ again with those scales, and keep per row whichever result has the least output error "
+        "(int, nf4, fp8 per-channel and nvfp4 scales; ~10 % more GPTQ time).",
+    ),
     keep_outliers: float = typer.Option(
         0.0, "--keep-outliers", metavar="P",
         help="Keep the P % most salient weights of every quantized Linear in bf16, in a sparse side matrix added "
@@ -93,6 +99,10 @@ def quantize_command(
     plan = Recipe(tuple(rules))
     wants_outliers = _check_outlier_flags(keep_outliers, keep_channels, outlier_salience)
     method_options = _method_options(method, calib, data, samples, seqlen, seed, output, wants_outliers, sink_weight)
+    if not refit:
+        if method not in ("gptq", "awq+gptq"):
+            raise UsageError(f"--no-refit goes with --method gptq or awq+gptq, not {method}")
+        method_options["refit"] = False
     if wants_outliers:
         method_options.update(keep_outliers=keep_outliers, keep_channels=keep_channels, outlier_salience=outlier_salience)
 

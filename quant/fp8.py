@@ -107,6 +107,17 @@ def _per_row(scales: torch.Tensor, spec: FormatSpec, shape: tuple[int, int], sto
     return GroupScales(scale=rows, zero=None, group_size=spec.group_size, stored=stored)
 
 
+def scales_from_values(scale: torch.Tensor, sc: GroupScales, spec: FormatSpec) -> GroupScales | None:
+    """`sc` with new per-row float32 scales [N, 1] (GPTQ's refit); None for tensor and block scales,
+    which rows do not own."""
+    if spec.granularity != "channel":
+        return None
+    dtype = scale_torch_dtype(spec.scale_dtype)
+    s = round_scale(scale.clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max), spec.scale_dtype)
+    stored = {"scales": s.reshape(sc.stored["scales"].shape).to(dtype)}
+    return _per_row(stored["scales"].float(), spec, (s.shape[0], sc.group_size), stored)
+
+
 def scales_from_parts(qt: QTensor) -> GroupScales:
     return _per_row(qt.scales.float(), qt.spec, qt.shape, qt.scale_parts())
 

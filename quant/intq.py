@@ -129,6 +129,16 @@ def _asymmetric_candidates(wg, spec: FormatSpec):
         yield scale, zero
 
 
+def scales_from_values(scale: torch.Tensor, sc: GroupScales, spec: FormatSpec) -> GroupScales:
+    """`sc` with new float32 scales [N, G] (zeros kept), rounded to the storage dtype (GPTQ's refit)."""
+    dtype = scale_torch_dtype(spec.scale_dtype)
+    s = round_scale(scale.clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max), spec.scale_dtype)
+    stored = {"scales": s.to(dtype)}
+    if sc.zero is not None:
+        stored["zeros"] = sc.stored["zeros"]
+    return GroupScales(scale=s, zero=sc.zero, group_size=sc.group_size, stored=stored)
+
+
 def scales_from_parts(qt: QTensor) -> GroupScales:
     zero = None if qt.zeros is None else qt.zeros.float()
     g = group_size_of(qt.spec, qt.shape[1])

@@ -131,6 +131,16 @@ def _double_dequantize(codes: torch.Tensor, second: torch.Tensor, offset: torch.
     return (flat * per + offset).reshape(codes.shape)
 
 
+def scales_from_values(scale: torch.Tensor, sc: GroupScales, spec: FormatSpec) -> GroupScales | None:
+    """`sc` with new float32 absmax values [N, G] (GPTQ's refit); None with double quantization,
+    whose 8-bit codes are fitted to the whole matrix at once."""
+    if spec.double_quant:
+        return None
+    dtype = scale_torch_dtype(spec.scale_dtype)
+    s = round_scale(scale.clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max), spec.scale_dtype)
+    return GroupScales(scale=s, zero=None, group_size=sc.group_size, stored={"scales": s.to(dtype)})
+
+
 def scales_from_parts(qt: QTensor) -> GroupScales:
     if qt.spec.double_quant:
         scale = _double_dequantize(qt.scales, qt.scales_scale, qt.scales_offset)

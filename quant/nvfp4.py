@@ -89,6 +89,15 @@ def _decode_scale(code: torch.Tensor, global_scale: torch.Tensor) -> torch.Tenso
     return code.to(torch.uint8).view(torch.float8_e4m3fn).float() * global_scale
 
 
+def scales_from_values(scale: torch.Tensor, sc: GroupScales, spec: FormatSpec) -> GroupScales:
+    """`sc` with new block scales [N, G] (GPTQ's refit), rounded to E4M3 codes of the same global scale."""
+    global_scale = sc.stored["global_scale"]
+    code = to_fp8(scale.clamp(min=0) / global_scale).view(torch.uint8).clamp(max=_MAX_CODE)
+    block = code.view(torch.float8_e4m3fn)
+    stored = {"scales": block, "global_scale": global_scale.clone()}
+    return GroupScales(scale=block.float() * global_scale, zero=None, group_size=BLOCK, stored=stored)
+
+
 def scales_from_parts(qt: QTensor) -> GroupScales:
     return GroupScales(scale=qt.scales.float() * qt.global_scale.float(), zero=None, group_size=BLOCK, stored=qt.scale_parts())
 

@@ -11,7 +11,7 @@ quant/gptq.py and quant/awq.py). Options (context.options):
             the saved layers and continues, giving the same bytes
   keep_outliers, keep_channels, outlier_salience   see quant/outliers.py; the side matrices go
             into the checkpoint as `<module>.outliers.indices/values` (formats/native.py)
-  damp, act_order, block_size, awq_grid, awq_clip
+  damp, act_order, block_size, refit, awq_grid, awq_clip
 
 `quantize_layer` is the method itself for one decoder layer, on statistics alone.
 """
@@ -46,6 +46,7 @@ class QuantOptions:
     damp: float = DEFAULT_DAMP
     act_order: bool = True
     block_size: int = DEFAULT_BLOCK
+    refit: bool = True  # GPTQ: refit the scales to the chosen codes (quant/gptq.py)
     awq_grid: int = awq_mod.DEFAULT_GRID
     awq_clip: bool = True
     keep_outliers: float = 0.0  # percent of each matrix's weights kept in bf16
@@ -172,7 +173,7 @@ def quantize_layer(
             # Linears reading the same input go through GPTQ together (rows are independent).
             results = gptq_quantize_shared(
                 [w for _, w, _, _ in jobs], spec, prepared[site], block_size=options.block_size,
-                global_scales=[g for _, _, g, _ in jobs], keeps=[kp for _, _, _, kp in jobs],
+                global_scales=[g for _, _, g, _ in jobs], keeps=[kp for _, _, _, kp in jobs], refit=options.refit,
             )
         for (module, _, _, keep), result in zip(jobs, results):
             if result.fallback:

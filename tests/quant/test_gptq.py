@@ -1,5 +1,6 @@
 """GPTQ: the error-feedback math against an unblocked float64 textbook loop, quality against RTN
-for every format, dead columns, static groups under act-order, and the RTN fallback."""
+for every format, dead columns, static groups under act-order, the RTN fallback, and the scale
+refit (a direct least-squares solve; never a worse row)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from lowbit.quant import get_format, parse_spec
-from lowbit.quant.gptq import gptq_quantize, output_error, prepare_hessian
+from lowbit.quant.gptq import gptq_quantize, output_error, prepare_hessian, refit_scales
 
 FORMATS = ["int4-g32", "int4-asym-g64", "nf4", "mxfp4", "nvfp4", "fp8", "int8"]
 
@@ -45,7 +46,7 @@ def test_error_feedback_matches_textbook_loop(fmt_name):
     w = 0.05 * torch.randn(24, k)
     codes_ref, values_ref = textbook_gptq(w, spec, h)
     # Blocks of 16 exercise the lazy batch update across block boundaries.
-    result = gptq_quantize(w, spec, h, block_size=16, act_order=False)
+    result = gptq_quantize(w, spec, h, block_size=16, act_order=False, refit=False)
     values = result.values
     assert torch.equal(result.qtensor.dequantize(), values)
     same = (values == values_ref).float().mean().item()
@@ -68,7 +69,7 @@ def test_act_order_keeps_static_group_scales():
     spec = parse_spec("int4-g32")
     h = correlated_hessian(96, seed=2)
     w = 0.05 * torch.randn(16, 96)
-    result = gptq_quantize(w, spec, h, act_order=True)
+    result = gptq_quantize(w, spec, h, act_order=True, refit=False)
     scales = get_format(spec).compute_scales(w, spec, stats=torch.diagonal(h))
     assert torch.equal(result.qtensor.scales, scales.stored["scales"])
     assert not torch.equal(prepare_hessian(h).perm, torch.arange(96))
@@ -139,3 +140,62 @@ def test_integer_loop_is_the_generic_loop_bit_for_bit(fmt_name, monkeypatch):
     assert torch.equal(fast.qtensor.qweight, slow.qtensor.qweight)
     assert torch.equal(fast.values, slow.values)
     assert torch.equal(fast.qtensor.dequantize(), fast.values)
+
+
+def test_refit_scales_is_the_direct_least_squares_solve():
+    gen = torch.Generator().manual_seed(5)
+    n, k, g = 6, 40, 16  # a ragged last group of 8
+    h = correlated_hessian(k, seed=5).double()
+    target = 0.05 * torch.randn(n, k, generator=gen)
+    unit = torch.randint(-8, 8, (n, k), generator=gen).float()
+    unit[1, 16:32] = 0.0  # a group with no non-zero code keeps its fallback scale
+    fallback = torch.full((n, 3), 0.123)
+    got = refit_scales(target, unit, g, h.float(), fallback=fallback)
+    for r in range(n):
+        b = torch.zeros(k, 3, dtype=torch.float64)
+        for j in range(k):
+            b[j, j // g] = unit[r, j]
+        used = [a for a in range(3) if b[:, a].abs().sum() > 0]
+        bu = b[:, used]
+        want = torch.linalg.solve(bu.T @ h @ bu, bu.T @ h @ target[r].double())
+        assert torch.allclose(got[r, used].double(), want, rtol=1e-4, atol=1e-7)
+        for a in set(range(3)) - set(used):
+            assert got[r, a] == fallback[r, a]
+
+
+def _row_errors(w, values, h):
+    e = (w - values).double()
+    return ((e @ h.double()) * e).sum(1)
+
+
+@pytest.mark.parametrize("fmt_name", ["int4-g32", "int4-asym-g64", "int8", "nf4", "nvfp4", "fp8"])
+def test_refit_never_makes_a_row_worse(fmt_name):
+    spec = parse_spec(fmt_name)
+    k = 128
+    h = correlated_hessian(k, seed=6)
+    w = 0.05 * torch.randn(48, k, generator=torch.Generator().manual_seed(6))
+    metric = prepare_hessian(h).hessian  # the damped H GPTQ and the refit work in
+    plain = gptq_quantize(w, spec, h, refit=False)
+    refit = gptq_quantize(w, spec, h)
+    assert torch.equal(refit.qtensor.dequantize(), refit.values)
+    before, after = _row_errors(w, plain.values, metric), _row_errors(w, refit.values, metric)
+    assert (after <= before * (1 + 1e-5)).all()
+    assert after.sum() < 0.995 * before.sum(), (after.sum() / before.sum()).item()
+
+
+def test_refit_with_kept_weights_and_where_it_does_not_apply():
+    spec = parse_spec("int4-asym-g32")
+    h = correlated_hessian(64, seed=7)
+    w = 0.05 * torch.randn(8, 64, generator=torch.Generator().manual_seed(7))
+    w[2, 5] = 0.6
+    keep = torch.zeros_like(w, dtype=torch.bool)
+    keep[2, 5] = True
+    plain = gptq_quantize(w, spec, h, keep=keep, refit=False)
+    refit = gptq_quantize(w, spec, h, keep=keep)
+    assert (refit.values[keep] == 0).all() and torch.equal(refit.qtensor.dequantize(), refit.values)
+    assert output_error(w, refit.values + refit.kept, h) < output_error(w, plain.values + plain.kept, h)
+    # mxfp4's power-of-two scales and nf4's double-quantized ones are not refitted.
+    for name in ("mxfp4", "nf4-dq"):
+        a = gptq_quantize(w, parse_spec(name), h)
+        b = gptq_quantize(w, parse_spec(name), h, refit=False)
+        assert torch.equal(a.values, b.values)
