@@ -50,11 +50,11 @@ def quantize_command(
         None, "--sink-weight", metavar="W",
         help="With --data: " + "How many tokens the first position of each window counts for in the statistics (it is the attention sink, which every later token reads). Default: seqlen / 32, at least 1 (16 for 512-token windows).",
     ),
-    refit: bool = typer.Option(
-        True, "--refit/--no-refit",
-        help="GPTQ: after choosing the codes, refit each group's scale by least squares on the calibration "
-        "Hessian, run GPTQ again with those scales, and keep per row whichever result has the least output error "
-        "(int, nf4, fp8 per-channel and nvfp4 scales; ~10 % more GPTQ time).",
+    refit_rounds: int = typer.Option(
+        1, "--refit-rounds", metavar="N",
+        help="GPTQ: after choosing the codes, refit each group's scale by least squares on the calibration Hessian "
+        "and run GPTQ again with those scales, N times; every row keeps whichever result has the least output error "
+        "(int, nf4, fp8 per-channel and nvfp4 scales). 0 turns it off; each round costs one more GPTQ pass.",
     ),
     keep_outliers: float = typer.Option(
         0.0, "--keep-outliers", metavar="P",
@@ -99,10 +99,12 @@ def quantize_command(
     plan = Recipe(tuple(rules))
     wants_outliers = _check_outlier_flags(keep_outliers, keep_channels, outlier_salience)
     method_options = _method_options(method, calib, data, samples, seqlen, seed, output, wants_outliers, sink_weight)
-    if not refit:
+    if refit_rounds != 1:
+        if not 0 <= refit_rounds <= 100:
+            raise UsageError(f"--refit-rounds must be between 0 and 100, got {refit_rounds}")
         if method not in ("gptq", "awq+gptq"):
-            raise UsageError(f"--no-refit goes with --method gptq or awq+gptq, not {method}")
-        method_options["refit"] = False
+            raise UsageError(f"--refit-rounds goes with --method gptq or awq+gptq, not {method}")
+        method_options["refit"] = refit_rounds
     if wants_outliers:
         method_options.update(keep_outliers=keep_outliers, keep_channels=keep_channels, outlier_salience=outlier_salience)
 

@@ -103,7 +103,7 @@ def gptq_quantize(
     global_scale: torch.Tensor | None = None,
     keep: torch.Tensor | None = None,
     scales: GroupScales | None = None,
-    refit: bool = True,
+    refit: int = 1,
 ) -> GPTQResult:
     """Quantize W[N, K] with GPTQ against H [K, K] (or an already `prepared` one).
 
@@ -129,7 +129,7 @@ def gptq_quantize_shared(
     global_scales: list[torch.Tensor | None] | None = None,
     keeps: list[torch.Tensor | None] | None = None,
     scales: list[GroupScales | None] | None = None,
-    refit: bool = True,
+    refit: int = 1,
 ) -> list[GPTQResult]:
     """GPTQ for several matrices that read the same input (q/k/v, gate/up) in one pass.
 
@@ -137,10 +137,11 @@ def gptq_quantize_shared(
     the matrices' rows gives each matrix exactly the result it gets alone, with one column loop
     instead of one per matrix. Each keeps its own scales (and global scale).
 
-    refit: for formats whose scales can take any value of their storage dtype
-    (`fmt.scales_from_values`), the scales are refitted to the codes GPTQ chose (least squares in
-    the H metric, `refit_scales`), GPTQ runs once more with those scales, they are refitted again,
-    and each row keeps whichever of the four candidates has the least output error tr(E H Eᵀ).
+    refit: rounds of scale refitting (0: none). For formats whose scales can take any value of
+    their storage dtype (`fmt.scales_from_values`), the scales are refitted to the codes GPTQ chose
+    (least squares in the H metric, `refit_scales`), and each round runs GPTQ again with the
+    refitted scales and refits once more; each row keeps whichever candidate has the least output
+    error tr(E H Eᵀ).
     """
     spec = as_spec(spec)
     fmt = get_format(spec)
@@ -158,8 +159,8 @@ def gptq_quantize_shared(
         ws.append(w)
         member_scales.append(sc)
     state = _column_pass(ws, member_scales, keeps, prepared, spec, fmt, block_size)
-    if refit and prepared.hessian is not None and hasattr(fmt, "scales_from_values"):
-        state = _refit_pass(ws, keeps, state, prepared, spec, fmt, block_size)
+    if refit > 0 and prepared.hessian is not None and hasattr(fmt, "scales_from_values"):
+        state = _refit_pass(ws, keeps, state, prepared, spec, fmt, block_size, refit)
     results = []
     for n, (codes, values, kept, sc), keep in zip([w.shape[0] for w in ws], state, keeps):
         qt = QTensor(spec=spec, shape=(n, ws[0].shape[1]), qweight=fmt.pack(codes, spec), **sc.stored)
@@ -240,38 +241,53 @@ def _column_pass(ws, member_scales, keeps, prepared: PreparedHessian, spec: Form
     return out
 
 
-def _refit_pass(ws, keeps, state, prepared: PreparedHessian, spec: FormatSpec, fmt, block_size: int):
-    """GPTQ → refit → GPTQ with the refitted scales → refit, keeping the best candidate per row.
+def _refit_pass(ws, keeps, state, prepared: PreparedHessian, spec: FormatSpec, fmt, block_size: int, rounds: int):
+    """GPTQ → refit → (GPTQ with the refitted scales → refit) × rounds, keeping the best candidate
+    per row (ties keep the earlier one, so plain GPTQ wins ties).
 
-    Measured on SmolLM2 (int4-asym-g64, layers 3/15/27): the output error of v_proj falls 7–9 %,
-    of down_proj 2–5 %.
+    Measured on SmolLM2 (int4-asym-g64, layers 15/27, output error against plain GPTQ): one round
+    v_proj 0.93–0.95, down_proj 0.96–0.98; five rounds 0.83–0.88 and 0.93–0.96.
     """
     h = prepared.hessian
     if any(fmt.scales_from_values(sc.scale, sc, spec) is None for _, _, _, sc in state):
         return state  # this spec's scales cannot take arbitrary values (e.g. nf4 double quantization)
-    candidates = [state]
-    refitted = [_refitted(w, keep, c, sc, h, spec, fmt) for w, keep, (c, _, _, sc) in zip(ws, keeps, state)]
-    candidates.append(refitted)
-    again = _column_pass(ws, [r[3] for r in refitted], keeps, prepared, spec, fmt, block_size)
-    candidates.append(again)
-    candidates.append([_refitted(w, keep, c, sc, h, spec, fmt) for w, keep, (c, _, _, sc) in zip(ws, keeps, again)])
-    best = []
-    for m, w in enumerate(ws):
-        options = [cand[m] for cand in candidates]
-        errors = torch.stack([_row_errors(w, values, kept, h) for _, values, kept, _ in options])
-        choice = errors.argmin(0)  # first minimum: ties keep plain GPTQ
-        codes, values, kept, sc = options[0]
-        codes, values = codes.clone(), values.clone()
-        kept = None if kept is None else kept.clone()
-        scale = sc.scale.clone()
-        for i in range(1, len(options)):
-            rows = choice == i
-            if rows.any():
-                codes[rows], values[rows], scale[rows] = options[i][0][rows], options[i][1][rows], options[i][3].scale[rows]
-                if kept is not None:
-                    kept[rows] = options[i][2][rows]
-        best.append((codes, values, kept, fmt.scales_from_values(scale, sc, spec)))
-    return best
+    best = [_RowBest(w, cand, h) for w, cand in zip(ws, state)]
+    current = state
+    for r in range(rounds + 1):
+        refitted = [_refitted(w, keep, c, sc, h, spec, fmt) for w, keep, (c, _, _, sc) in zip(ws, keeps, current)]
+        for b, cand in zip(best, refitted):
+            b.offer(cand)
+        if r == rounds:
+            break
+        current = _column_pass(ws, [x[3] for x in refitted], keeps, prepared, spec, fmt, block_size)
+        for b, cand in zip(best, current):
+            b.offer(cand)
+    return [(b.codes, b.values, b.kept, fmt.scales_from_values(b.scale, b.scales, spec)) for b in best]
+
+
+class _RowBest:
+    """Per row, the candidate (codes, values, kept, scales) with the least output error so far."""
+
+    __slots__ = ("w", "h", "codes", "values", "kept", "scale", "scales", "errors")
+
+    def __init__(self, w, cand, h):
+        self.w, self.h = w, h
+        codes, values, kept, scales = cand
+        self.codes, self.values, self.scales = codes.clone(), values.clone(), scales
+        self.kept = None if kept is None else kept.clone()
+        self.scale = scales.scale.clone()
+        self.errors = _row_errors(w, values, kept, h)
+
+    def offer(self, cand):
+        codes, values, kept, scales = cand
+        errors = _row_errors(self.w, values, kept, self.h)
+        rows = errors < self.errors
+        if not rows.any():
+            return
+        self.codes[rows], self.values[rows], self.scale[rows] = codes[rows], values[rows], scales.scale[rows]
+        if self.kept is not None:
+            self.kept[rows] = kept[rows]
+        self.errors = torch.where(rows, errors, self.errors)
 
 
 def _refitted(w, keep, codes, sc: GroupScales, h, spec: FormatSpec, fmt):

@@ -46,7 +46,7 @@ class QuantOptions:
     damp: float = DEFAULT_DAMP
     act_order: bool = True
     block_size: int = DEFAULT_BLOCK
-    refit: bool = True  # GPTQ: refit the scales to the chosen codes (quant/gptq.py)
+    refit: int = 1  # GPTQ: rounds of scale refitting (quant/gptq.py), 0 = off
     awq_grid: int = awq_mod.DEFAULT_GRID
     awq_clip: bool = True
     keep_outliers: float = 0.0  # percent of each matrix's weights kept in bf16

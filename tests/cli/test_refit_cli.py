@@ -1,9 +1,11 @@
-"""`--refit/--no-refit`: GPTQ's scale refit is on by default, changes the checkpoint, is
-deterministic, and `--no-refit` with a method that has no GPTQ is a one-line error."""
+"""`--refit-rounds N`: GPTQ's scale refit is on by default (one round), changes the checkpoint, is
+deterministic, and bad values or a method without GPTQ are one-line errors."""
 
 from __future__ import annotations
 
 import hashlib
+
+import pytest
 
 TEXT = " ".join(f"Boat {i} carried {i * 3 % 17} crates of salt down the canal to market {i % 5}." for i in range(300))
 
@@ -20,17 +22,22 @@ def test_refit_is_default_and_deterministic(tiny_float_model, tmp_path, run_cli)
     text = tmp_path / "calib.txt"
     text.write_text(TEXT)
     default = _gptq(src, text, tmp_path / "default", run_cli)
-    explicit = _gptq(src, text, tmp_path / "explicit", run_cli, "--refit")
-    plain = _gptq(src, text, tmp_path / "plain", run_cli, "--no-refit")
-    assert default == explicit and default != plain
+    explicit = _gptq(src, text, tmp_path / "explicit", run_cli, "--refit-rounds", "1")
+    plain = _gptq(src, text, tmp_path / "plain", run_cli, "--refit-rounds", "0")
+    more = _gptq(src, text, tmp_path / "more", run_cli, "--refit-rounds", "3")
+    assert default == explicit and len({default, plain, more}) == 3
 
 
-def test_no_refit_without_gptq_is_one_line(tiny_float_model, tmp_path, run_cli):
+@pytest.mark.parametrize("method, rounds, message", [
+    ("awq", "0", "--refit-rounds goes with --method gptq or awq+gptq, not awq"),
+    ("gptq", "-1", "--refit-rounds must be between 0 and 100, got -1"),
+])
+def test_bad_refit_rounds_is_one_line(method, rounds, message, tiny_float_model, tmp_path, run_cli):
     src = tiny_float_model("llama")
     text = tmp_path / "calib.txt"
     text.write_text(TEXT)
     out = tmp_path / "out"
-    code, _, err = run_cli(["quantize", str(src), "--format", "int4", "--method", "awq", "--data", str(text),
-                            "--no-refit", "-o", str(out)])
-    assert code == 2 and err.count("\n") == 1 and "--no-refit goes with --method gptq or awq+gptq" in err, err
+    code, _, err = run_cli(["quantize", str(src), "--format", "int4", "--method", method, "--data", str(text),
+                            "--refit-rounds", rounds, "-o", str(out)])
+    assert code == 2 and err.count("\n") == 1 and message in err, err
     assert not out.exists()
