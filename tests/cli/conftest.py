@@ -20,3 +20,18 @@ def run_cli(capsys):
         return info.value.code or 0, captured.out, captured.err
 
     return run
+
+
+@pytest.fixture
+def gptq_digest(run_cli):
+    """gptq_digest(src, text, out, *extra, fmt="int4") -> sha256 of the checkpoint that
+    `lowbit quantize SRC --format FMT -g 32 --method gptq --data TEXT` (4 × 32 tokens) writes."""
+    import hashlib
+
+    def run(src, text, out, *extra, fmt="int4"):
+        code, _, err = run_cli(["quantize", str(src), "--format", fmt, "--group-size", "32", "--method", "gptq",
+                                "--data", str(text), "--samples", "4", "--seqlen", "32", "-o", str(out), *extra])
+        assert code == 0, err
+        return hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
+
+    return run

@@ -3,28 +3,19 @@ deterministic, and bad values or a method without GPTQ are one-line errors."""
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 
 TEXT = " ".join(f"Boat {i} carried {i * 3 % 17} crates of salt down the canal to market {i % 5}." for i in range(300))
 
 
-def _gptq(src, text, out, run_cli, *extra) -> str:
-    code, _, err = run_cli(["quantize", str(src), "--format", "int4-asym", "--group-size", "32", "--method", "gptq",
-                            "--data", str(text), "--samples", "4", "--seqlen", "32", "-o", str(out), *extra])
-    assert code == 0, err
-    return hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
-
-
-def test_refit_is_default_and_deterministic(tiny_float_model, tmp_path, run_cli):
+def test_refit_is_default_and_deterministic(tiny_float_model, tmp_path, gptq_digest):
     src = tiny_float_model("llama")
     text = tmp_path / "calib.txt"
     text.write_text(TEXT)
-    default = _gptq(src, text, tmp_path / "default", run_cli)
-    explicit = _gptq(src, text, tmp_path / "explicit", run_cli, "--refit-rounds", "1")
-    plain = _gptq(src, text, tmp_path / "plain", run_cli, "--refit-rounds", "0")
-    more = _gptq(src, text, tmp_path / "more", run_cli, "--refit-rounds", "3")
+    default = gptq_digest(src, text, tmp_path / "default", fmt="int4-asym")
+    explicit = gptq_digest(src, text, tmp_path / "explicit", "--refit-rounds", "1", fmt="int4-asym")
+    plain = gptq_digest(src, text, tmp_path / "plain", "--refit-rounds", "0", fmt="int4-asym")
+    more = gptq_digest(src, text, tmp_path / "more", "--refit-rounds", "3", fmt="int4-asym")
     assert default == explicit and len({default, plain, more}) == 3
 
 

@@ -4,33 +4,20 @@ and bad values are one-line errors that write nothing."""
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 
 
 TEXT = " ".join(f"The {i}th river flows past the old mill near town number {i * 7 % 13}." for i in range(300))
 
 
-def _digest(directory) -> str:
-    return hashlib.sha256((directory / "model.safetensors").read_bytes()).hexdigest()
-
-
-def _gptq(src, text, out, run_cli, *extra) -> str:
-    code, _, err = run_cli(["quantize", str(src), "--format", "int4", "--group-size", "32", "--method", "gptq",
-                            "--data", str(text), "--samples", "4", "--seqlen", "32", "-o", str(out), *extra])
-    assert code == 0, err
-    return _digest(out)
-
-
-def test_sink_weight_changes_gptq_and_defaults_to_one_on_short_windows(tiny_float_model, tmp_path, run_cli):
+def test_sink_weight_changes_gptq_and_defaults_to_one_on_short_windows(tiny_float_model, tmp_path, gptq_digest):
     src = tiny_float_model("llama")
     text = tmp_path / "calib.txt"
     text.write_text(TEXT)
-    default = _gptq(src, text, tmp_path / "default", run_cli)
-    one = _gptq(src, text, tmp_path / "one", run_cli, "--sink-weight", "1")
-    heavy = _gptq(src, text, tmp_path / "heavy", run_cli, "--sink-weight", "16")
-    again = _gptq(src, text, tmp_path / "again", run_cli, "--sink-weight", "16")
+    default = gptq_digest(src, text, tmp_path / "default")
+    one = gptq_digest(src, text, tmp_path / "one", "--sink-weight", "1")
+    heavy = gptq_digest(src, text, tmp_path / "heavy", "--sink-weight", "16")
+    again = gptq_digest(src, text, tmp_path / "again", "--sink-weight", "16")
     assert default == one  # 32-token windows: seqlen / 32 = 1
     assert heavy != one and heavy == again
 
