@@ -251,36 +251,53 @@ def _refit_pass(ws, keeps, state, prepared: PreparedHessian, spec: FormatSpec, f
     h = prepared.hessian
     if any(fmt.scales_from_values(sc.scale, sc, spec) is None for _, _, _, sc in state):
         return state  # this spec's scales cannot take arbitrary values (e.g. nf4 double quantization)
-    best = [_RowBest(w, cand, h) for w, cand in zip(ws, state)]
+    h64 = h.double()
+    best: list[_RowBest | None] = [None] * len(ws)
     current = state
     for r in range(rounds + 1):
-        refitted = [_refitted(w, keep, c, sc, h, spec, fmt) for w, keep, (c, _, _, sc) in zip(ws, keeps, current)]
-        for b, cand in zip(best, refitted):
-            b.offer(cand)
+        refitted = []
+        for m, (w, keep, cand) in enumerate(zip(ws, keeps, current)):
+            codes, values, kept, sc = cand
+            k = w.shape[1]
+            unit = fmt.dequantize_codes(codes, torch.ones(()), _expand(sc.zero, sc.group_size, k), spec)
+            target, new_kept = w, None
+            if keep is not None:
+                unit = unit.masked_fill(keep, 0.0)
+                new_kept = torch.where(keep, w.to(torch.bfloat16).float(), 0.0)
+                target = w - new_kept
+            system = _NormalEquations(target, unit, sc.group_size, h64)
+            new = fmt.scales_from_values(system.solve(fallback=sc.scale), sc, spec)
+            new_values = unit * _expand(new.scale, sc.group_size, k)
+            if keep is None:  # both candidates are these codes at some scales: errors from the system
+                errors, new_errors = system.errors(sc.scale), system.errors(new.scale)
+            else:  # GPTQ's kept values differ from the refit's: measure both directly
+                errors, new_errors = _row_errors(w, values, kept, h), _row_errors(w, new_values, new_kept, h)
+            if best[m] is None:
+                best[m] = _RowBest(cand, errors)
+            else:
+                best[m].offer(cand, errors)
+            best[m].offer((codes, new_values, new_kept, new), new_errors)
+            refitted.append(new)
         if r == rounds:
             break
-        current = _column_pass(ws, [x[3] for x in refitted], keeps, prepared, spec, fmt, block_size)
-        for b, cand in zip(best, current):
-            b.offer(cand)
+        current = _column_pass(ws, refitted, keeps, prepared, spec, fmt, block_size)
     return [(b.codes, b.values, b.kept, fmt.scales_from_values(b.scale, b.scales, spec)) for b in best]
 
 
 class _RowBest:
     """Per row, the candidate (codes, values, kept, scales) with the least output error so far."""
 
-    __slots__ = ("w", "h", "codes", "values", "kept", "scale", "scales", "errors")
+    __slots__ = ("codes", "values", "kept", "scale", "scales", "errors")
 
-    def __init__(self, w, cand, h):
-        self.w, self.h = w, h
+    def __init__(self, cand, errors):
         codes, values, kept, scales = cand
         self.codes, self.values, self.scales = codes.clone(), values.clone(), scales
         self.kept = None if kept is None else kept.clone()
         self.scale = scales.scale.clone()
-        self.errors = _row_errors(w, values, kept, h)
+        self.errors = errors
 
-    def offer(self, cand):
+    def offer(self, cand, errors):
         codes, values, kept, scales = cand
-        errors = _row_errors(self.w, values, kept, self.h)
         rows = errors < self.errors
         if not rows.any():
             return
@@ -290,19 +307,51 @@ class _RowBest:
         self.errors = torch.where(rows, errors, self.errors)
 
 
-def _refitted(w, keep, codes, sc: GroupScales, h, spec: FormatSpec, fmt):
-    """The candidate (codes, values, kept, scales) with the scales refitted to these codes."""
-    k = w.shape[1]
-    unit = fmt.dequantize_codes(codes, torch.ones(()), _expand(sc.zero, sc.group_size, k), spec)
-    target = w
-    kept = None
-    if keep is not None:
-        unit = unit.masked_fill(keep, 0.0)
-        kept = torch.where(keep, w.to(torch.bfloat16).float(), 0.0)
-        target = w - kept
-    new = fmt.scales_from_values(refit_scales(target, unit, sc.group_size, h, fallback=sc.scale), sc, spec)
-    values = unit * _expand(new.scale, sc.group_size, k)
-    return codes, values, kept, new
+class _NormalEquations:
+    """For fixed codes, the output error of every row as a function of its group scales s [G]:
+    e(s) = tᵀHt − 2 sᵀv + sᵀMs, with M_ab = Σ_{i∈a, j∈b} u_i H_ij u_j and v_a = Σ_{i∈a} u_i (H t)_i
+    (u: the codes' values at scale 1, t: the weights they stand for). In float64 throughout, so
+    that e(s), a small difference of large terms, stays exact enough to rank candidates."""
+
+    __slots__ = ("m", "v", "tht", "group_size")
+
+    def __init__(self, target: torch.Tensor, unit: torch.Tensor, group_size: int, hessian: torch.Tensor):
+        n, k = target.shape
+        g = self.group_size = group_size
+        groups = -(-k // g)
+        pad = groups * g - k
+        h = hessian.double()
+        t = target.double()
+        u = torch.nn.functional.pad(unit.double(), (0, pad)).reshape(n, groups, g)
+        ht = t @ h  # rows of (H t)
+        self.tht = (ht * t).sum(1)
+        self.v = (u * torch.nn.functional.pad(ht, (0, pad)).reshape(n, groups, g)).sum(-1)  # [N, G]
+        hp = torch.nn.functional.pad(h, (0, pad, 0, pad))
+        flat = u.reshape(n, groups * g)
+        self.m = torch.empty(n, groups, groups, dtype=torch.float64)
+        for a in range(groups):
+            # row a of every M: (u_a H_a,:) summed within each group b against u_b; one GEMM per
+            # group beats a single einsum over all of them (3-4x, its [N, G, Kp] temporaries)
+            p = flat[:, a * g : (a + 1) * g] @ hp[a * g : (a + 1) * g]  # [N, Kp]
+            self.m[:, a] = (p.view(n, groups, g) * u).sum(-1)
+
+    def solve(self, fallback: torch.Tensor | None = None) -> torch.Tensor:
+        """The least-squares scales float32 [N, G]; a group whose codes are all zero keeps its
+        `fallback` scale (0 without one)."""
+        diag = torch.diagonal(self.m, dim1=1, dim2=2)
+        empty = diag <= 0
+        ridge = 1e-9 * diag.mean(-1, keepdim=True).clamp(min=1e-300)
+        m = self.m + torch.diag_embed(torch.where(empty, torch.ones_like(diag), ridge))
+        rhs = torch.where(empty, torch.zeros_like(self.v), self.v)
+        solved = torch.linalg.solve(m, rhs.unsqueeze(-1)).squeeze(-1)
+        if fallback is not None:
+            solved = torch.where(empty, fallback.double(), solved)
+        return solved.float()
+
+    def errors(self, scale: torch.Tensor) -> torch.Tensor:
+        """e(s) per row for scales float [N, G]."""
+        s = scale.double()
+        return self.tht - 2 * (s * self.v).sum(1) + torch.einsum("ra,rab,rb->r", s, self.m, s)
 
 
 def _expand(t, group_size: int, k: int):
@@ -315,36 +364,10 @@ def refit_scales(
     """Per row, the group scales s [N, G] minimising (t − ŵ) H (t − ŵ)ᵀ for ŵ_j = unit_j · s_g(j).
 
     unit [N, K] are the chosen codes' values at scale 1 and target [N, K] the weights they stand
-    for. Each row is a G×G least-squares problem: M s = v with M_ab = Σ_{i∈a, j∈b} u_i H_ij u_j
-    and v_a = Σ_{i∈a} u_i (H t)_i. A group whose codes are all zero keeps its `fallback` scale
-    (0 without one).
+    for. Each row is a G×G least-squares problem M s = v (`_NormalEquations`). A group whose codes
+    are all zero keeps its `fallback` scale (0 without one).
     """
-    n, k = target.shape
-    g = group_size
-    groups = -(-k // g)
-    pad = groups * g - k
-    u = torch.nn.functional.pad(unit.float(), (0, pad)).reshape(n, groups, g)
-    hp = torch.nn.functional.pad(hessian.float(), (0, pad, 0, pad))  # [Kp, Kp]
-    ht = torch.nn.functional.pad(target.float() @ hessian.float(), (0, pad))  # rows of (H t)
-    v = (u * ht.reshape(n, groups, g)).sum(-1).double()  # [N, G]
-    hg = hp.reshape(groups, g, groups * g)  # [G, g, Kp]
-    out = torch.empty(n, groups, dtype=torch.float64)
-    chunk = max(1, (1 << 23) // (groups * groups * g))
-    for r0 in range(0, n, chunk):
-        r1 = min(n, r0 + chunk)
-        ur = u[r0:r1]  # [R, G, g]
-        p = torch.einsum("rai,aik->rak", ur, hg)  # Σ_{i∈a} u_i H_ik: [R, G, Kp]
-        m = (p.reshape(r1 - r0, groups, groups, g) * ur[:, None]).sum(-1).double()  # [R, G, G]
-        diag = torch.diagonal(m, dim1=1, dim2=2)
-        empty = diag <= 0
-        ridge = 1e-7 * diag.mean(-1, keepdim=True).clamp(min=1e-30)
-        m = m + torch.diag_embed(torch.where(empty, torch.ones_like(diag), ridge))
-        rhs = torch.where(empty, torch.zeros_like(v[r0:r1]), v[r0:r1])
-        solved = torch.linalg.solve(m, rhs.unsqueeze(-1)).squeeze(-1)
-        if fallback is not None:
-            solved = torch.where(empty, fallback[r0:r1].double(), solved)
-        out[r0:r1] = solved
-    return out.float()
+    return _NormalEquations(target, unit, group_size, hessian).solve(fallback)
 
 
 def _row_errors(w, values, kept, h):
