@@ -39,6 +39,8 @@ def why_not_exact(qt: QTensor, group: int) -> str | None:
     spec, (n, k) = qt.spec, qt.shape
     if spec.family != "int" or spec.bits != 4:
         return f"AWQ holds 4-bit integer codes, not {spec.name}"
+    if spec.double_quant:
+        return f"AWQ holds fp16 scales, not {spec.label}'s 8-bit scale codes"
     if spec.granularity != "group" or spec.group_size != group:
         return f"the checkpoint uses group size {group}, this layer is {spec.label}"
     if k % group:

@@ -52,6 +52,8 @@ def why_not_exact(qt: QTensor) -> str | None:
     """None when compressed-tensors can hold `qt` exactly, else the reason."""
     spec, (n, k) = qt.spec, qt.shape
     if spec.family == "int":
+        if spec.double_quant:
+            return f"compressed-tensors holds float scales, not {spec.label}'s 8-bit scale codes"
         if spec.granularity == "group" and k % spec.group_size:
             return f"in_features {k} is not a multiple of group size {spec.group_size} (compressed-tensors groups must divide the row)"
         return None

@@ -29,7 +29,8 @@ def exact_gguf_type(spec: FormatSpec, in_features: int) -> str | None:
     """The GGUF block type that holds this spec exactly, or None."""
     if in_features % BLOCK:
         return None
-    if spec.family == "int" and spec.granularity == "group" and spec.group_size == BLOCK and spec.scale_dtype == "float16":
+    if (spec.family == "int" and spec.granularity == "group" and spec.group_size == BLOCK and spec.scale_dtype == "float16"
+            and not spec.double_quant):
         if spec.bits == 8 and spec.symmetric:
             return "Q8_0"
         if spec.bits == 4 and spec.symmetric:

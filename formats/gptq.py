@@ -47,6 +47,8 @@ def why_not_exact(qt: QTensor, scheme: tuple[int, int, bool]) -> str | None:
     spec, (n, k) = qt.spec, qt.shape
     if spec.family != "int":
         return f"GPTQ holds integer codes with fp16 scales, not {spec.name}"
+    if spec.double_quant:
+        return f"GPTQ holds fp16 scales, not {spec.label}'s 8-bit scale codes"
     g = spec.group_size if spec.granularity == "group" else -1
     if (spec.bits, g) != (bits, group):
         return f"the checkpoint is {bits}-bit with group size {group}, this layer is {spec.label}"

@@ -16,6 +16,14 @@ Stored parts for W[N, K], group size g (g = K for per-row scales), G = ceil(K / 
   zeros    asymmetric only: uint8 [N, G]
 Bits per weight = b + (scale bits [+ 8 zero bits]) / g.
 
+Double quantization (`dq`, group scales only; llama.cpp's k-quants do the same with 6-bit codes
+per 256-weight super-block): each group's scale is an 8-bit code times one float16 step per row,
+scale = code · d_n (asymmetric: code in 0..255; symmetric: signed code in −127..127), and
+asymmetric zero points are packed at b bits. Parts: scales uint8/int8 [N, G], scales_scale
+float16 [N] (d_n), zeros uint8 [N, ceil(G·b/8)]. int4-asym-g32-dq is 4 + (8 + 4)/32 = 4.375 bits
+plus 16/K per row, where int4-asym-g32 is 4.75. The scale search runs on the code grid: the
+row's step comes from the best unconstrained scales, then every candidate is rounded onto it.
+
 Scale choice (spec.scale_rule):
   absmax  symmetric: extreme → -2^(b-1) (llama.cpp Q4_0's rule); asymmetric: the group's min/max
   mse     (default) the absmax candidate plus 17 clipped/stretched ones (the extreme mapped to
@@ -61,6 +69,12 @@ def part_layout(spec: FormatSpec, shape: tuple[int, int]) -> dict:
         layout = {"qweight": ((n, k), torch.int8)}
     else:
         layout = {"qweight": ((n, packed_width(k, spec.bits)), torch.uint8)}
+    if spec.double_quant:
+        layout["scales"] = ((n, g), torch.int8 if spec.symmetric else torch.uint8)
+        layout["scales_scale"] = ((n,), torch.float16)
+        if not spec.symmetric:
+            layout["zeros"] = ((n, packed_width(g, spec.bits)), torch.uint8)
+        return layout
     layout["scales"] = ((n, g), scale_torch_dtype(spec.scale_dtype))
     if not spec.symmetric:
         layout["zeros"] = ((n, g), torch.uint8)
@@ -96,8 +110,12 @@ def compute_scales(w, spec: FormatSpec, *, stats=None, global_scale=None) -> Gro
     g = group_size_of(spec, k)
     wg = grouped(w, g)
     weight = grouped_weights(stats, k, g, w.device)
-    candidates = _symmetric_candidates(wg, spec) if spec.symmetric else _asymmetric_candidates(wg, spec)
-    best = search_best(wg, weight, candidates, lambda x, s, z=None: _fake_quantize(x, s, z, spec))
+    rounder = lambda x: round_scale(x, spec.scale_dtype)  # noqa: E731
+    best = _search(wg, weight, spec, rounder)
+    if spec.double_quant:
+        step = _row_step(best[0].squeeze(-1), spec)
+        best = _search(wg, weight, spec, lambda x: _on_grid(x, step[:, None, None], spec))
+        return _double_quantized(best[0].squeeze(-1), None if spec.symmetric else best[1].squeeze(-1), step, g, spec)
     scale = best[0].squeeze(-1)
     stored = {"scales": scale.to(scale_torch_dtype(spec.scale_dtype))}
     zero = None
@@ -107,30 +125,71 @@ def compute_scales(w, spec: FormatSpec, *, stats=None, global_scale=None) -> Gro
     return GroupScales(scale=scale, zero=zero, group_size=g, stored=stored)
 
 
-def _symmetric_candidates(wg, spec: FormatSpec):
+def _search(wg, weight, spec: FormatSpec, rounder):
+    candidates = _symmetric_candidates(wg, spec, rounder) if spec.symmetric else _asymmetric_candidates(wg, spec, rounder)
+    return search_best(wg, weight, candidates, lambda x, s, z=None: _fake_quantize(x, s, z, spec))
+
+
+def _code_max(spec: FormatSpec) -> int:
+    return 127 if spec.symmetric else 255
+
+
+def _row_step(scale: torch.Tensor, spec: FormatSpec) -> torch.Tensor:
+    """dq: each row's float16 step d (as float32) so that its largest |scale| is the top code."""
+    step = (scale.abs().amax(-1) / _code_max(spec)).to(torch.float16).float()
+    # a step that rounds down would clip the largest scale by a code; one ulp up never does
+    bumped = torch.nextafter(step.half(), torch.tensor(float("inf"), dtype=torch.float16)).float()
+    step = torch.where(step * _code_max(spec) < scale.abs().amax(-1), bumped, step)
+    return torch.where(step > 0, step, torch.ones_like(step))
+
+
+def _on_grid(scale: torch.Tensor, step: torch.Tensor, spec: FormatSpec) -> torch.Tensor:
+    top = _code_max(spec)
+    return (torch.round(scale / step).clamp(-top, top)) * step
+
+
+def _double_quantized(scale, zero, step, group_size: int, spec: FormatSpec) -> GroupScales:
+    """GroupScales for dq from scales already on each row's grid (or any, rounded onto it)."""
+    top = _code_max(spec)
+    codes = torch.round(scale / step[:, None]).clamp(-top, top)
+    stored = {
+        "scales": codes.to(torch.int8 if spec.symmetric else torch.uint8),
+        "scales_scale": step.to(torch.float16),
+    }
+    decoded = codes * step[:, None]
+    if zero is not None:
+        stored["zeros"] = pack_bits(zero.to(torch.uint8), spec.bits)
+    return GroupScales(scale=decoded, zero=zero, group_size=group_size, stored=stored)
+
+
+def _symmetric_candidates(wg, spec: FormatSpec, rounder):
     neg = float(1 << (spec.bits - 1))
     extreme = wg.gather(-1, wg.abs().argmax(-1, keepdim=True))  # signed largest-magnitude value
-    yield (round_scale(-extreme / neg, spec.scale_dtype),)
+    yield (rounder(-extreme / neg),)
     if spec.scale_rule == "mse":
         # Only the orientation that gives the extreme the wider (negative) side: on SmolLM2 adding
         # the other orientation halves the speed for 0.1% less error.
         for r in _SYM_GRID:
-            yield (round_scale(-extreme / (neg * r), spec.scale_dtype),)
+            yield (rounder(-extreme / (neg * r)),)
 
 
-def _asymmetric_candidates(wg, spec: FormatSpec):
+def _asymmetric_candidates(wg, spec: FormatSpec, rounder):
     top = float((1 << spec.bits) - 1)
     lo = wg.amin(-1, keepdim=True).clamp(max=0)
     hi = wg.amax(-1, keepdim=True).clamp(min=0)
     shrinks = [1.0] + (_ASYM_SHRINK if spec.scale_rule == "mse" else [])
     for p in shrinks:
-        scale = round_scale((hi - lo) * p / top, spec.scale_dtype)
+        scale = rounder((hi - lo) * p / top)
         zero = torch.round(-lo * p / safe_divisor(scale)).clamp(0, top)
         yield scale, zero
 
 
 def scales_from_values(scale: torch.Tensor, sc: GroupScales, spec: FormatSpec) -> GroupScales:
     """`sc` with new float32 scales [N, G] (zeros kept), rounded to the storage dtype (GPTQ's refit)."""
+    if spec.double_quant:
+        if not spec.symmetric:
+            scale = scale.clamp(min=0)
+        return _double_quantized(scale, sc.zero, _row_step(scale, spec), sc.group_size, spec)
     dtype = scale_torch_dtype(spec.scale_dtype)
     s = round_scale(scale.clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max), spec.scale_dtype)
     stored = {"scales": s.to(dtype)}
@@ -140,8 +199,14 @@ def scales_from_values(scale: torch.Tensor, sc: GroupScales, spec: FormatSpec) -
 
 
 def scales_from_parts(qt: QTensor) -> GroupScales:
-    zero = None if qt.zeros is None else qt.zeros.float()
     g = group_size_of(qt.spec, qt.shape[1])
+    if qt.spec.double_quant:
+        scale = qt.scales.float() * qt.scales_scale.float()[:, None]
+        zero = None
+        if qt.zeros is not None:
+            zero = unpack_bits(qt.zeros, qt.spec.bits, qt.scales.shape[1]).float()
+        return GroupScales(scale=scale, zero=zero, group_size=g, stored=qt.scale_parts())
+    zero = None if qt.zeros is None else qt.zeros.float()
     return GroupScales(scale=qt.scales.float(), zero=zero, group_size=g, stored=qt.scale_parts())
 
 

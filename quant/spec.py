@@ -9,7 +9,7 @@ Text grammar: `<format>[-<option>]...`, options in any order:
   channel         one scale per output row (int, fp8)
   tensor          one scale for the whole matrix (fp8)
   block<N>        fp8 N x N blocks
-  dq              nf4 double quantization of the block scales
+  dq              double quantization: 8-bit codes for the group scales (nf4, int with groups)
   mse|absmax      int/nf4/fp8/nvfp4 scale rule: searched (default) or the plain largest-value rule
   floor|roundup|mse   mxfp4 scale rule (see quant/mxfp4.py)
   s<dtype>        scale dtype: sfp16, sbf16, sfp32 (int, nf4 and fp8 only)
@@ -83,7 +83,7 @@ class FormatSpec:
     scale_dtype: str  # "float16", "bfloat16", "float32", "float8_e4m3fn" or "e8m0"
     granularity: str = "group"  # "group", "channel", "tensor" or "block" (fp8 2-D blocks)
     scale_rule: str = "mse"  # how RTN picks scales; see each format module
-    double_quant: bool = False  # nf4 only: block scales stored as 8-bit codes
+    double_quant: bool = False  # nf4, int (group scales): scales stored as 8-bit codes
     layout_version: int = LAYOUT_VERSION
 
     @property
@@ -232,8 +232,8 @@ def _validated(spec: FormatSpec) -> FormatSpec:
         raise UsageError(f"format {label} cannot use {spec.granularity} scales (allowed: {', '.join(_GRANULARITIES[family])})")
     if spec.scale_rule not in _RULES[family]:
         raise UsageError(f"format {label} has no scale rule '{spec.scale_rule}' (allowed: {', '.join(_RULES[family])})")
-    if spec.double_quant and family != "nf4":
-        raise UsageError(f"format {label}: double quantization (dq) is an nf4 option")
+    if spec.double_quant and not (family == "nf4" or (family == "int" and spec.granularity == "group")):
+        raise UsageError(f"format {label}: double quantization (dq) is an option of nf4 and of grouped int formats")
     _check_scale_dtype(spec, family)
     _check_group(spec, family)
     return spec

@@ -18,7 +18,7 @@ EXACT_PAIRS = [
     ("int4-g32", "gptq"), ("int4-asym-g64", "gptq"), ("int8-g32", "gptq"), ("int4-channel", "gptq"),
     ("int4-g32", "awq"), ("int4-asym-g64", "awq"), ("int4-g32-sbf16", "gptq"),
     ("int4-g32", "gguf"), ("int8-g32", "gguf"), ("mxfp4", "gguf"),
-    ("nf4-dq", "native"), ("int4-asym-g32", "native"),
+    ("nf4-dq", "native"), ("int4-asym-g32", "native"), ("int4-asym-g32-dq", "native"),
 ]
 
 

@@ -13,7 +13,7 @@ from lowbit.quant.registry import get_format, parse_spec
 def make_qtensors():
     g = torch.Generator().manual_seed(3)
     out = {}
-    for i, label in enumerate(["int4-g128", "int4-asym-g64", "int8", "nf4-dq", "fp8-block128", "mxfp4", "nvfp4"]):
+    for i, label in enumerate(["int4-g128", "int4-asym-g64", "int8", "nf4-dq", "fp8-block128", "mxfp4", "nvfp4", "int4-asym-g32-dq"]):
         w = torch.randn(40, 576, generator=g)
         spec = parse_spec(label)
         out[f"model.layers.{i}.mlp.up_proj"] = get_format(spec).quantize(w, spec)

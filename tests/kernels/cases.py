@@ -10,7 +10,7 @@ from lowbit.quant.registry import get_format, parse_spec
 # Every format and several group sizes; the shapes leave ragged groups (K=192 with g=128, like
 # SmolLM2's K=576) and ragged N/K tiles.
 SPECS = [
-    "int4", "int4-g32", "int4-asym-g64", "int4-asym", "int4-channel", "int8", "int8-g128", "int3-asym-g32", "int2-g16", "int5-g32", "int6-asym",
+    "int4", "int4-g32", "int4-asym-g64", "int4-asym", "int4-channel", "int8", "int8-g128", "int3-asym-g32", "int2-g16", "int5-g32", "int6-asym", "int4-asym-g32-dq", "int4-g16-dq",
     "nf4", "nf4-g128", "nf4-dq", "fp8", "fp8-block128", "fp8-tensor", "fp8-e5m2", "mxfp4", "nvfp4",
 ]
 SHAPES = [(96, 192), (33, 200)]

@@ -58,7 +58,7 @@ def test_search_never_loses_to_identity(fmt_name):
         assert found < base
 
 
-FAKE_SPECS = ["int4-g32", "int4-asym-g64", "int8", "nf4", "nf4-dq", "fp8", "fp8-block128", "mxfp4", "nvfp4"]
+FAKE_SPECS = ["int4-g32", "int4-asym-g64", "int8", "nf4", "nf4-dq", "int4-asym-g32-dq", "fp8", "fp8-block128", "mxfp4", "nvfp4"]
 
 
 @pytest.mark.parametrize("label", FAKE_SPECS)

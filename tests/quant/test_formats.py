@@ -11,7 +11,7 @@ from lowbit.quant.rtn import relative_error
 
 SPECS = [
     "int4", "int4-g32", "int4-asym-g64", "int4-channel", "int8", "int8-g128", "int3", "int2-asym-g32",
-    "int5", "int5-asym-g64", "int6", "int6-asym-g32",
+    "int5", "int5-asym-g64", "int6", "int6-asym-g32", "int4-asym-g32-dq", "int4-g32-dq", "int6-asym-g32-dq",
     "nf4", "nf4-dq", "fp8", "fp8-tensor", "fp8-block128", "fp8-e5m2", "mxfp4", "mxfp4-floor", "mxfp4-roundup", "nvfp4",
 ]
 
@@ -20,6 +20,7 @@ CEILING = {
     "int4": (0.12, 0.22), "int4-g32": (0.10, 0.16), "int4-asym-g64": (0.11, 0.19), "int4-channel": (0.14, 0.35),
     "int8": (0.01, 0.03), "int8-g128": (0.008, 0.015), "int3": (0.23, 0.38), "int2-asym-g32": (0.45, 0.6),
     "int5": (0.062, 0.12), "int5-asym-g64": (0.055, 0.08), "int6": (0.032, 0.062), "int6-asym-g32": (0.025, 0.031),
+    "int4-asym-g32-dq": (0.09, 0.15), "int4-g32-dq": (0.10, 0.16), "int6-asym-g32-dq": (0.025, 0.031),
     "nf4": (0.10, 0.15), "nf4-dq": (0.10, 0.15), "fp8": (0.03, 0.03), "fp8-tensor": (0.03, 0.04),
     "fp8-block128": (0.03, 0.04), "fp8-e5m2": (0.06, 0.06), "mxfp4": (0.13, 0.17), "mxfp4-floor": (0.14, 0.18),
     "mxfp4-roundup": (0.14, 0.19), "nvfp4": (0.10, 0.10),

@@ -19,7 +19,7 @@ from lowbit.quant.registry import weight_bytes
 from lowbit.quant.rtn import quantize_rtn
 from lowbit.runtime.loader import load_model
 
-FORMATS = ["int4", "int4-asym-g32", "int8", "int8-g64", "int3", "int2-asym", "nf4", "nf4-dq", "fp8", "fp8-block32",
+FORMATS = ["int4", "int4-asym-g32", "int4-asym-g32-dq", "int8", "int8-g64", "int3", "int2-asym", "nf4", "nf4-dq", "fp8", "fp8-block32",
            "fp8-tensor", "mxfp4", "mxfp4-floor", "mxfp4-roundup", "nvfp4"]
 IDS = torch.tensor([[256, 5, 77, 130, 9, 200, 41, 41, 3, 250, 17, 88, 101, 64, 2, 199]])
 

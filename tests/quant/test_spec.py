@@ -8,7 +8,7 @@ from lowbit.quant.spec import FormatSpec
 
 LABELS = [
     "int4", "int4-g32", "int4-asym", "int4-asym-g64", "int4-channel", "int4-absmax", "int4-sbf16",
-    "int8", "int8-g128", "int3", "int2-asym-g64", "nf4", "nf4-dq", "nf4-g128-absmax",
+    "int8", "int8-g128", "int3", "int2-asym-g64", "nf4", "nf4-dq", "nf4-g128-absmax", "int4-asym-g32-dq", "int6-g64-dq-absmax",
     "fp8", "fp8-tensor", "fp8-block128", "fp8-e5m2", "mxfp4", "mxfp4-floor", "mxfp4-roundup", "nvfp4",
 ]
 
@@ -48,7 +48,8 @@ def test_defaults_and_overrides():
         ("nvfp4-g32", {}, "exactly 16"),
         ("int4", {"group_size": 100}, "cannot use group size 100"),
         ("nf4-channel", {}, "cannot use channel"),
-        ("int4-dq", {}, "nf4 option"),
+        ("int4-channel-dq", {}, "option of nf4 and of grouped int formats"),
+        ("fp8-dq", {}, "option of nf4 and of grouped int formats"),
         ("mxfp4-absmax", {}, "no scale rule"),
         ("nvfp4-sfp32", {}, "cannot store scales"),
         ("fp8-block100", {}, "100x100"),
@@ -68,6 +69,9 @@ def test_bits_per_weight_counts_scales():
     assert bits_per_weight("nvfp4", (4096, 4096)) == 4.5 + 32 / 4096**2
     assert bits_per_weight("fp8-tensor", (4096, 4096)) == 8 + 32 / 4096**2
     assert abs(bits_per_weight("nf4-dq", (4096, 4096)) - (4 + 8 / 64 + 32 / 64 / 256 + 32 / 4096**2)) < 1e-12
+    # int dq: an 8-bit code per group, 4-bit packed zero points, a float16 step per row
+    assert bits_per_weight("int4-asym-g32-dq", (4096, 4096)) == 4 + (8 + 4) / 32 + 16 / 4096
+    assert bits_per_weight("int4-g32-dq", (4096, 4096)) == 4 + 8 / 32 + 16 / 4096
     # ragged: 576 columns in groups of 128 → 5 scale columns, no padding of the 4-bit codes
     assert weight_bytes("int4-g128", (10, 576)) == 10 * 288 + 10 * 5 * 2
     assert get_format("int4").bits_per_weight(parse_spec("int4"), 4096) == 4 + 16 / 128
