@@ -63,6 +63,7 @@ def prepare_hessian(
     weights = torch.diagonal(h).clone()
     weights[dead] = 0.0
     perm = torch.argsort(torch.diagonal(h), descending=True, stable=True) if act_order else torch.arange(k)
+    unpermuted = h
     h = h[perm][:, perm]
     mean_diag = torch.diagonal(h).mean()
     eye = torch.eye(k, dtype=h.dtype)
@@ -75,8 +76,7 @@ def prepare_hessian(
         if int(info) == 0:
             upper = torch.linalg.solve_triangular(lower.flip(0, 1), eye, upper=True)
             if torch.isfinite(upper).all():
-                damped = torch.empty_like(h)
-                damped[perm[:, None], perm[None, :]] = h + lam * mean_diag * eye
+                damped = unpermuted + lam * mean_diag * eye
                 return PreparedHessian(upper=upper, perm=perm, dead=dead, diag=weights, damp=lam, hessian=damped)
         lam *= 10.0
     return None
@@ -251,9 +251,8 @@ def _refit_pass(ws, keeps, state, prepared: PreparedHessian, spec: FormatSpec, f
     h = prepared.hessian
     if any(fmt.scales_from_values(sc.scale, sc, spec) is None for _, _, _, sc in state):
         return state  # this spec's scales cannot take arbitrary values (e.g. nf4 double quantization)
-    h64 = h.double()
     # t H for the rows' own weights, shared by every round (with kept weights t changes: recomputed)
-    hts = [w.double() @ h64 if keep is None else None for w, keep in zip(ws, keeps)]
+    hts = [(w @ h).double() if keep is None else None for w, keep in zip(ws, keeps)]
     best: list[_RowBest | None] = [None] * len(ws)
     current = state
     for r in range(rounds + 1):
@@ -313,9 +312,9 @@ class _NormalEquations:
     """For fixed codes, the output error of every row as a function of its group scales s [G]:
     e(s) = tᵀHt − 2 sᵀv + sᵀMs, with M_ab = Σ_{i∈a, j∈b} u_i H_ij u_j and v_a = Σ_{i∈a} u_i (H t)_i
     (u: the codes' values at scale 1, t: the weights they stand for). e(s) is a small difference
-    of large terms: tᵀHt and v are float64, M is formed in float32 (2-3x faster; its rounding,
-    ~1e-7 of tᵀHt, is far below the 0.5-10 % of e(s) by which candidates differ, even at 8 bits
-    where e(s) is ~1e-4 of tᵀHt) and solved in float64. `ht` (t H, float64) may be passed in when several code sets share t."""
+    of large terms: the products H t and M are float32 GEMMs (2-4x faster than float64; their
+    rounding, ~1e-7 of tᵀHt, is far below the 0.5-10 % of e(s) by which candidates differ, even at
+    8 bits where e(s) is ~1e-4 of tᵀHt), the sums over them and the solve are float64. `ht` (t H, float64) may be passed in when several code sets share t."""
 
     __slots__ = ("m", "v", "tht", "group_size")
 
@@ -327,7 +326,7 @@ class _NormalEquations:
         pad = groups * g - k
         t = target.double()
         if ht is None:
-            ht = t @ hessian.double()  # rows of (H t)
+            ht = (target.float() @ hessian.float()).double()  # rows of (H t)
         self.tht = (ht * t).sum(1)
         u32 = torch.nn.functional.pad(unit.float(), (0, pad))
         u = u32.double().reshape(n, groups, g)
