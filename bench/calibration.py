@@ -102,7 +102,8 @@ def calibrate_stats(model: str, data: str, samples: int, seqlen: int, out: Path)
     return calibrate(inputs, out, overwrite=True)
 
 
-def quantized_copy(model_dir: Path, stats_path: Path, spec_label: str, method: str, outliers: float, refit: int = 1):
+def quantized_copy(model_dir: Path, stats_path: Path, spec_label: str, method: str, outliers: float, refit: int = 1,
+                   salience: str = "act"):
     """(float model holding the quantized weights, linear bits/weight, seconds, notes)."""
     from lowbit.quant.calibrate import LayerStats, LayerwiseModel
     from lowbit.quant.outliers import outlier_bits
@@ -117,7 +118,7 @@ def quantized_copy(model_dir: Path, stats_path: Path, spec_label: str, method: s
     stats_file.check(lm.identity())
     module_specs = recipe_specs(spec_label, stats_file) if spec_label.startswith("@") else None
     spec = None if module_specs is not None else parse_spec(spec_label)
-    options = QuantOptions(method=method, keep_outliers=outliers, refit=refit)
+    options = QuantOptions(method=method, keep_outliers=outliers, refit=refit, outlier_salience=salience)
     bits = params = 0.0
     notes: list[str] = []
     began = time.perf_counter()
@@ -179,8 +180,11 @@ def _row_key(row: dict) -> tuple[str, str, float]:
 
 
 def _settings(args, stats_tag: str) -> dict:
-    return {"model": args.model, "calibration": stats_tag, "eval_data": args.eval_data, "ctx": args.ctx, "chunks": args.chunks,
-            "refit_rounds": args.refit_rounds}
+    settings = {"model": args.model, "calibration": stats_tag, "eval_data": args.eval_data, "ctx": args.ctx,
+                "chunks": args.chunks, "refit_rounds": args.refit_rounds}
+    if args.outlier_salience != "act":  # rows files from before the option stay resumable
+        settings["outlier_salience"] = args.outlier_salience
+    return settings
 
 
 def run(args) -> dict:
@@ -246,7 +250,8 @@ def run(args) -> dict:
             if (fmt, method, pct) in done:
                 report["rows"].append(done[(fmt, method, pct)])
                 continue
-            model, bpw, seconds, notes = quantized_copy(model_dir, stats_path, fmt, method, pct, args.refit_rounds)
+            model, bpw, seconds, notes = quantized_copy(model_dir, stats_path, fmt, method, pct, args.refit_rounds,
+                                                        args.outlier_salience)
             result = evaluate_tokens(model, tokens, windows, bos_id, base_model=ReplayModel(work, config))
             del model
             k = result.kld
@@ -341,6 +346,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunks", type=int, default=10)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--refit-rounds", type=int, default=1, help="GPTQ scale-refit rounds (lowbit quantize --refit-rounds; 0: off)")
+    parser.add_argument("--outlier-salience", choices=("act", "hessian"), default="act",
+                        help="how kept outliers are ranked (lowbit quantize --outlier-salience)")
     parser.add_argument("--stats", type=Path, default=None, help="reuse this STATS file instead of calibrating")
     parser.add_argument("--workdir", default=None, help="where the STATS file and the float model's logits go (default: the temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="rows file (default bench/results/calibration[-MODEL].json)")
