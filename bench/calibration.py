@@ -209,7 +209,8 @@ def run(args) -> dict:
             report["calibration_run"] = old.get("calibration_run")
             print(f"resuming: {len(done)} rows already in {out_json}", file=sys.stderr)
 
-    formats, methods = args.formats.split(","), args.methods.split(",")
+    formats = [f for f in args.formats.split(",") if f]  # empty: only the --best configurations
+    methods = [m for m in args.methods.split(",") if m]
     outliers = [float(p) for p in args.outliers.split(",")]
     configs = configurations(formats, methods, outliers,
                              args.outlier_formats.split(",") if args.outlier_formats else formats,

@@ -44,7 +44,7 @@ def test_recipe_quantizes_every_linear(path):
 
 
 @pytest.mark.parametrize(("name", "pct", "expected"), [
-    ("v5-int4-asym-g32-dq.yaml", 0.14, 4.4982),  # the recipe that beats Q4_K_M
+    ("v5-int4-asym-g32-dq.yaml", 0.14, 4.4982),  # the recipe level with Q4_K_M
     ("v5-int4-asym-g32-dq.yaml", 0.1, 4.4790),
     ("v6-int4-asym-g32-dq.yaml", 0.07, 4.4967),
     ("v6-int4-asym-g64.yaml", 0.1, 4.4855),
