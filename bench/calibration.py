@@ -336,7 +336,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calib-data", default="wiki-calib")
     parser.add_argument("--samples", type=int, default=128)
     parser.add_argument("--seqlen", type=int, default=2048)
-    parser.add_argument("--formats", default="int4-g128,nf4,mxfp4,nvfp4,fp8,int8")
+    parser.add_argument("--formats", default="int4-g128,nf4,mxfp4,nvfp4,fp8,int8",
+                        help="comma-separated formats run with every --methods entry (\"\": only the --best configurations)")
     parser.add_argument("--methods", default="rtn,gptq,awq,awq+gptq")
     parser.add_argument("--outliers", default="0", help="comma-separated percentages of weights kept in bf16")
     parser.add_argument("--outlier-formats", default="", help="formats the outlier percentages apply to (default: all)")

@@ -41,6 +41,8 @@ def test_configurations_and_best_recipe():
                                    calib.parse_best("nf4:gptq:0.1,int4-asym-g32:awq+gptq:0.2"))
     assert configs == [("int4-g64", "rtn", 0.0), ("int4-g64", "gptq", 0.0), ("nf4", "rtn", 0.0), ("nf4", "gptq", 0.0),
                        ("nf4", "gptq", 0.1), ("int4-asym-g32", "awq+gptq", 0.2)]
+    # --formats "" --methods "": only the --best configurations
+    assert calib.configurations([], [], [0.0, 0.1], [], [], calib.parse_best("nf4:gptq:0.14")) == [("nf4", "gptq", 0.14)]
     text = calib.markdown(_report())
     assert "| int4-g64 (4.250) | 0.3000 | 0.1500 | 0.2000 | 0.1400 |" in text
     assert "| int4-g64 | awq+gptq | 0.1400 (4.25) | 0.0900 (4.49) | 0.0500 (4.73) |" in text
