@@ -103,7 +103,7 @@ def calibrate_stats(model: str, data: str, samples: int, seqlen: int, out: Path)
 
 
 def quantized_copy(model_dir: Path, stats_path: Path, spec_label: str, method: str, outliers: float, refit: int = 1,
-                   salience: str = "act"):
+                   salience: str = "act", damp: float | None = None):
     """(float model holding the quantized weights, linear bits/weight, seconds, notes)."""
     from lowbit.quant.calibrate import LayerStats, LayerwiseModel
     from lowbit.quant.outliers import outlier_bits
@@ -119,6 +119,8 @@ def quantized_copy(model_dir: Path, stats_path: Path, spec_label: str, method: s
     module_specs = recipe_specs(spec_label, stats_file) if spec_label.startswith("@") else None
     spec = None if module_specs is not None else parse_spec(spec_label)
     options = QuantOptions(method=method, keep_outliers=outliers, refit=refit, outlier_salience=salience)
+    if damp is not None:
+        options.damp = damp
     bits = params = 0.0
     notes: list[str] = []
     began = time.perf_counter()
@@ -184,6 +186,8 @@ def _settings(args, stats_tag: str) -> dict:
                 "chunks": args.chunks, "refit_rounds": args.refit_rounds}
     if args.outlier_salience != "act":  # rows files from before the option stay resumable
         settings["outlier_salience"] = args.outlier_salience
+    if args.damp is not None:
+        settings["damp"] = args.damp
     return settings
 
 
@@ -252,7 +256,7 @@ def run(args) -> dict:
                 report["rows"].append(done[(fmt, method, pct)])
                 continue
             model, bpw, seconds, notes = quantized_copy(model_dir, stats_path, fmt, method, pct, args.refit_rounds,
-                                                        args.outlier_salience)
+                                                        args.outlier_salience, args.damp)
             result = evaluate_tokens(model, tokens, windows, bos_id, base_model=ReplayModel(work, config))
             del model
             k = result.kld
@@ -350,6 +354,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--refit-rounds", type=int, default=1, help="GPTQ scale-refit rounds (lowbit quantize --refit-rounds; 0: off)")
     parser.add_argument("--outlier-salience", choices=("act", "hessian"), default="act",
                         help="how kept outliers are ranked (lowbit quantize --outlier-salience)")
+    parser.add_argument("--damp", type=float, default=None,
+                        help="GPTQ dampening as a fraction of mean diag(H) (default: lowbit's, 0.01)")
     parser.add_argument("--stats", type=Path, default=None, help="reuse this STATS file instead of calibrating")
     parser.add_argument("--workdir", default=None, help="where the STATS file and the float model's logits go (default: the temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="rows file (default bench/results/calibration[-MODEL].json)")
