@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunks", type=int, default=10)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--refit-rounds", type=int, default=1, help="GPTQ scale-refit rounds (lowbit quantize --refit-rounds; 0: off)")
-    parser.add_argument("--outlier-salience", choices=("act", "hessian"), default="act",
+    parser.add_argument("--outlier-salience", choices=("act", "hessian", "error"), default="act",
                         help="how kept outliers are ranked (lowbit quantize --outlier-salience)")
     parser.add_argument("--damp", type=float, default=None,
                         help="GPTQ dampening as a fraction of mean diag(H) (default: lowbit's, 0.01)")

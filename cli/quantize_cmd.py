@@ -56,6 +56,12 @@ def quantize_command(
         "and run GPTQ again with those scales, N times; every row keeps whichever result has the least output error "
         "(int, nf4, fp8 per-channel and nvfp4 scales). 0 turns it off; each round costs one more GPTQ pass.",
     ),
+    float_target: bool = typer.Option(
+        False, "--float-target",
+        help="GPTQ with --data: match each Linear's outputs to the float model's, not to the float layer's on the "
+        "quantized model's inputs, so each layer also corrects the error of the layers below (asymmetric "
+        "calibration, as in GPTAQ). Runs the float model beside the quantized one: about twice the time.",
+    ),
     keep_outliers: float = typer.Option(
         0.0, "--keep-outliers", metavar="P",
         help="Keep the P % most salient weights of every quantized Linear in bf16, in a sparse side matrix added "
@@ -68,7 +74,8 @@ def quantize_command(
     ),
     outlier_salience: str = typer.Option(
         "act", "--outlier-salience",
-        help="How --keep-outliers ranks weights: act = |w|·sqrt(E(x²)); hessian = w² / (H⁻¹)kk (OBS).",
+        help="How --keep-outliers ranks weights: act = |w|·sqrt(E(x²)); hessian = w² / (H⁻¹)kk (OBS); error = how much "
+        "its group's rounding error drops when it leaves the group (picks the weights that stretch a group's range).",
     ),
     recipe: Optional[Path] = typer.Option(
         None, "--recipe",
@@ -105,6 +112,10 @@ def quantize_command(
         if method not in ("gptq", "awq+gptq"):
             raise UsageError(f"--refit-rounds goes with --method gptq or awq+gptq, not {method}")
         method_options["refit"] = refit_rounds
+    if float_target:
+        if method != "gptq" or data is None:
+            raise UsageError("--float-target goes with --method gptq and --data (it runs the float model beside the quantized one)")
+        method_options["float_target"] = True
     if wants_outliers:
         method_options.update(keep_outliers=keep_outliers, keep_channels=keep_channels, outlier_salience=outlier_salience)
 
@@ -132,8 +143,10 @@ def _check_outlier_flags(keep_outliers: float, keep_channels: float, salience: s
     for flag, value in (("--keep-outliers", keep_outliers), ("--keep-channels", keep_channels)):
         if not 0 <= value < 100:
             raise UsageError(f"{flag} is a percentage in [0, 100), got {value:g}")
-    if salience not in ("act", "hessian"):
-        raise UsageError(f"--outlier-salience must be act or hessian, got '{salience}'")
+    from lowbit.quant.outliers import SALIENCES
+
+    if salience not in SALIENCES:
+        raise UsageError(f"--outlier-salience must be one of {', '.join(SALIENCES)}, got '{salience}'")
     return bool(keep_outliers or keep_channels)
 
 

@@ -82,6 +82,19 @@ def prepare_hessian(
     return None
 
 
+def float_target(w: torch.Tensor, shift: torch.Tensor, damped_hessian: torch.Tensor) -> torch.Tensor:
+    """The weight GPTQ should approximate when its inputs x come from the quantized model but its
+    outputs should match the float model's W x_float (asymmetric calibration, as in GPTAQ).
+
+    Minimising E‖W' x − W x_float‖² + λ‖W' − W‖² (λ: GPTQ's dampening) over W' gives
+    W' (H + λI) = W (H + λI) + W E[(x_float − x) xᵀ], that is W' = W + W · shift · (H + λI)⁻¹, and
+    for any Q, E‖Q x − W x_float‖² = E‖(Q − W') x‖² + const without the λ term: GPTQ on W' with
+    the quantized inputs' H minimises the error against the float model. W' = W when the inputs
+    agree."""
+    correction = (w.double() @ shift.double()).T
+    return (w.double() + torch.linalg.solve(damped_hessian.double(), correction).T).float()
+
+
 @dataclass(slots=True)
 class GPTQResult:
     qtensor: QTensor

@@ -27,7 +27,7 @@ from torch import nn
 from lowbit.errors import LowbitError, UsageError
 from lowbit.quant import awq as awq_mod
 from lowbit.quant.calibrate import LayerStats, LayerwiseModel, collect_stats, prepare_calibration, propagate
-from lowbit.quant.gptq import DEFAULT_BLOCK, DEFAULT_DAMP, gptq_quantize, gptq_quantize_shared, prepare_hessian
+from lowbit.quant.gptq import DEFAULT_BLOCK, DEFAULT_DAMP, float_target, gptq_quantize, gptq_quantize_shared, prepare_hessian
 from lowbit.quant.outliers import outlier_mask, pack_outliers, unpack_outliers
 from lowbit.quant.qtensor import PART_NAMES, QTensor
 from lowbit.quant.registry import get_format
@@ -52,6 +52,7 @@ class QuantOptions:
     keep_outliers: float = 0.0  # percent of each matrix's weights kept in bf16
     keep_channels: float = 0.0  # percent of input channels kept whole in bf16
     outlier_salience: str = "act"
+    float_target: bool = False  # GPTQ with --data: match the float model's outputs (quant/gptq.float_target)
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -142,16 +143,26 @@ def quantize_layer(
             global_scales.update(dict.fromkeys(members, scale))
 
     gptq_jobs: dict[tuple[str, FormatSpec], list[tuple[str, torch.Tensor, object, object]]] = {}
+    prepared: dict[str, object] = {}
+
+    def prepare(site: str):
+        if site not in prepared:
+            prepared[site] = prepare_hessian(site_stats[site].hessian, damp=options.damp, act_order=options.act_order)
+        return prepared[site]
+
     for name, module in local.items():
         spec = specs[module]
         fmt = get_format(spec)
         site, _ = by_module[module]
         st = site_stats[site]
         w = layer.get_submodule(name).weight.data.float()
+        if st.shift is not None and options.method in ("gptq", "awq+gptq") and prepare(site) is not None:
+            w = float_target(w, st.shift, prepared[site].hessian)
         gscale = global_scales.get(module)
         keep = None
         if options.keep_outliers or options.keep_channels:
-            keep = outlier_mask(w, st, options.keep_outliers, channel_percent=options.keep_channels, kind=options.outlier_salience)
+            keep = outlier_mask(w, st, options.keep_outliers, channel_percent=options.keep_channels, kind=options.outlier_salience,
+                                spec=spec)
         if options.method == "awq" and options.awq_clip and keep is None:
             w = _clip_if_better(w, spec, st, gscale)
         if options.method in ("gptq", "awq+gptq"):
@@ -162,12 +173,9 @@ def quantize_layer(
         if keep is not None:
             outcome.outliers[module] = pack_outliers(torch.where(keep, w.to(torch.bfloat16).float(), 0.0), keep)
 
-    prepared: dict[str, object] = {}
     for (site, spec), jobs in gptq_jobs.items():
         st = site_stats[site]
-        if site not in prepared:
-            prepared[site] = prepare_hessian(st.hessian, damp=options.damp, act_order=options.act_order)
-        if prepared[site] is None:
+        if prepare(site) is None:
             results = [gptq_quantize(w, spec, st.hessian, global_scale=g, keep=kp) for _, w, g, kp in jobs]
         else:
             # Linears reading the same input go through GPTQ together (rows are independent).
@@ -216,9 +224,9 @@ def apply_outcome(layer: nn.Module, prefix: str, outcome: LayerOutcome) -> None:
 
 
 def _quantize_staged(lm, layer: nn.Module, index: int, hidden: torch.Tensor, specs: dict[str, FormatSpec], options: QuantOptions,
-                     first_weight: float = 1.0) -> LayerOutcome:
+                     first_weight: float = 1.0, reference: torch.Tensor | None = None) -> LayerOutcome:
     """GPTQ site by site on the outputs of the already-quantized sites (quant/staged.py); `hidden`
-    ends up holding the quantized layer's outputs."""
+    ends up holding the quantized layer's outputs (and `reference`, if given, the float layer's)."""
     prefix = lm.layer_prefix(index)
     outcome = LayerOutcome(qtensors={})
 
@@ -239,7 +247,7 @@ def _quantize_staged(lm, layer: nn.Module, index: int, hidden: torch.Tensor, spe
             weights[module[len(prefix):]] = w
         return weights
 
-    run_staged(lm, layer, index, hidden, quantize_site, first_weight=first_weight)
+    run_staged(lm, layer, index, hidden, quantize_site, first_weight=first_weight, reference=reference)
     outcome.qtensors = {m: outcome.qtensors[m] for m in specs if m in outcome.qtensors}
     outcome.outliers = {m: outcome.outliers[m] for m in specs if m in outcome.outliers}
     return outcome
@@ -283,12 +291,29 @@ def make_layer_method(context):
     snapshot_at = 0
     snapshot_every_s = float(opts.get("snapshot_every_s", 60.0))
     last_snapshot = [time.monotonic()]
+    reference = None  # the float model's hidden states, for --float-target
+    if options.float_target and (stats_file is not None or options.method != "gptq"):
+        raise UsageError("--float-target goes with --method gptq and --data (it runs the float model beside the quantized one)")
     if stats_file is None:
         snap = work.load_hidden() if work is not None and work.resumed else None
+        if snap is not None and options.float_target:
+            ref_snap = work.load_hidden("reference")
+            snap = None if ref_snap is None or ref_snap[1] != snap[1] else snap
         if snap is not None and snap[1] <= work.finished_layers() and snap[0].dtype == lm.compute_dtype:
             hidden, snapshot_at = snap[0].clone(), snap[1]
+            if options.float_target:
+                reference = ref_snap[0].clone()
         else:
             hidden = lm.embed(inputs.ids)
+            if options.float_target:
+                reference = hidden.clone()
+
+    def snapshot(next_layer: int) -> None:
+        if work is not None and next_layer < lm.num_layers and time.monotonic() - last_snapshot[0] >= snapshot_every_s:
+            work.save_hidden(hidden, next_layer)
+            if reference is not None:
+                work.save_hidden(reference, next_layer, "reference")
+            last_snapshot[0] = time.monotonic()
 
     def layer_method(part):
         if part.index is None:
@@ -300,6 +325,8 @@ def make_layer_method(context):
         layer = lm.load_layer(i)
         moved = False  # whether `hidden` already holds this layer's quantized outputs
         staged = stats_file is None and options.method == "gptq" and stageable(layer)
+        if reference is not None and not staged:
+            raise LowbitError(f"--float-target needs the staged GPTQ pass, which {prefix.rstrip('.')} does not fit")
         if work is not None and work.has_layer(i):
             outcome = LayerOutcome.from_tensors(*work.load_layer(i))
         else:
@@ -307,7 +334,7 @@ def make_layer_method(context):
                 sites = stats_file.layer_sites(prefix)
                 stats = LayerStats(sites={s: stats_file.site(s) for s in sites}, site_modules=sites)
             elif staged:
-                outcome = _quantize_staged(lm, layer, i, hidden, part.specs, options, first_weight)
+                outcome = _quantize_staged(lm, layer, i, hidden, part.specs, options, first_weight, reference)
                 moved = True
             else:
                 stats = collect_stats(lm, layer, i, hidden, write_outputs=False, first_weight=first_weight)
@@ -317,17 +344,15 @@ def make_layer_method(context):
                 work.save_layer(i, *outcome.to_tensors())
                 outcome = LayerOutcome.from_tensors(*work.load_layer(i))
         if moved:
-            if work is not None and i + 1 < lm.num_layers and time.monotonic() - last_snapshot[0] >= snapshot_every_s:
-                work.save_hidden(hidden, i + 1)
-                last_snapshot[0] = time.monotonic()
+            snapshot(i + 1)
         elif hidden is not None and i >= snapshot_at:
+            if reference is not None:  # the float layer first, then the same layer quantized
+                replay_staged(lm, lm.load_layer(i), i, reference)
             layer = lm.load_layer(i)  # a fresh float layer, then exactly the saved changes
             apply_outcome(layer, prefix, outcome)
             # a staged layer moves `hidden` by the stages' own arithmetic (quant/staged.py)
             (replay_staged if staged else propagate)(lm, layer, i, hidden)
-            if work is not None and i + 1 < lm.num_layers and time.monotonic() - last_snapshot[0] >= snapshot_every_s:
-                work.save_hidden(hidden, i + 1)
-                last_snapshot[0] = time.monotonic()
+            snapshot(i + 1)
         lm.release_layer(i)
         dense = {n: t.to(part.tensors[n].dtype) if n.endswith("bias") else t for n, t in outcome.dense.items()}
         return LayerResult(qtensors=outcome.qtensors, dense=dense, notes=outcome.notes, outliers=outcome.outliers)

@@ -18,6 +18,7 @@ layers with `replay_staged` (the same stages without statistics) and so reaches 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
@@ -25,7 +26,7 @@ from torch import nn
 
 from lowbit.quant.causal_attention import BlockCausalAttention
 from lowbit.quant.calibrate import DEFAULT_BATCH_TOKENS, LayerwiseModel, _batches, _check_finite
-from lowbit.quant.stats import InputStats, StatsAccumulator
+from lowbit.quant.stats import InputStats, ShiftAccumulator, StatsAccumulator
 
 SITES = (
     ("self_attn.q_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
@@ -71,6 +72,70 @@ def _swapped(module: nn.Module, name: str, replacement: nn.Module):
     return Swap()
 
 
+class _Stream:
+    """One stream of hidden states through the layer's stages (see `run_staged`), with its own
+    scratch buffer: one for the model being quantized, one for the float model it is matched to."""
+
+    def __init__(self, fwd: nn.Module, hidden: torch.Tensor, rope, attention_kernel):
+        self.fwd, self.hidden, self.rope, self.kernel = fwd, hidden, rope, attention_kernel
+        self.post_attn, self.pre_ffn, self.post_ffn = _norms(fwd)
+        # One scratch buffer holds, for each batch of samples, first the input norm's output and
+        # the attention output side by side, then the pre-FFN norm's output, and last the MLP
+        # activation (which needs the most room): each is read before the next one overwrites it,
+        # so the norms are computed once (a norm is ~5% of a layer on CPU) and the layer's
+        # activations take no more memory than the MLP activation alone.
+        self.n_tokens, self.dim = hidden.shape[1], hidden.shape[2]
+        self.attn_dim = fwd.self_attn.o_proj.in_features
+        self.mlp_dim = fwd.mlp.down_proj.in_features
+        self.width = max(self.mlp_dim, self.dim + self.attn_dim)
+        self.scratch = torch.empty(hidden.shape[0] * self.n_tokens * self.width, dtype=hidden.dtype)
+
+    def region(self, s, e, offset, size):
+        base = s * self.n_tokens * self.width + offset * (e - s) * self.n_tokens
+        return self.scratch[base : base + size * (e - s) * self.n_tokens].view(e - s, self.n_tokens, size)
+
+    def input_norm(self, s, e):  # site 1
+        normed = self.region(s, e, 0, self.dim)
+        normed.copy_(self.fwd.input_layernorm(self.hidden[s:e]))
+        return normed
+
+    def attention(self, s, e):  # site 2
+        out = self.region(s, e, self.dim, self.attn_dim)
+        with _swapped(self.fwd.self_attn, "o_proj", nn.Identity()):
+            out.copy_(self.fwd.self_attn(self.region(s, e, 0, self.dim), *self.rope, self.kernel))
+        return out
+
+    def residual(self, s, e):  # site 3
+        a = self.fwd.self_attn.o_proj(self.region(s, e, self.dim, self.attn_dim))
+        if self.post_attn is not None:
+            a = self.post_attn(a)
+        self.hidden[s:e] = self.hidden[s:e] + a
+        normed = self.region(s, e, 0, self.dim)
+        normed.copy_(self.pre_ffn(self.hidden[s:e]))
+        return normed
+
+    def activation(self, s, e):  # site 4
+        # GatedMLP's torch arithmetic, act(gate) * up (its reference path). The fused C row op
+        # (kernels/cpu_rowops.py) agrees to the last bits only and at 8192 rows takes 17 ms
+        # against torch's 5 ms, so calibration keeps torch.
+        mlp = self.fwd.mlp
+        x = self.region(s, e, 0, self.dim)
+        act = mlp.act(mlp.gate_proj(x)).mul_(mlp.up_proj(x))  # x is read before it is overwritten
+        out = self.region(s, e, 0, self.mlp_dim)
+        out.copy_(act)
+        return out
+
+    def output(self, s, e, index):
+        m = self.fwd.mlp.down_proj(self.region(s, e, 0, self.mlp_dim))
+        if self.post_ffn is not None:
+            m = self.post_ffn(m)
+        out = self.hidden[s:e] + m
+        # One float32 sum is finite when every element is (the exact check runs only if not).
+        if not torch.isfinite(out.sum(dtype=torch.float32)):
+            _check_finite(out, f"after layer {index}", s)
+        self.hidden[s:e] = out
+
+
 def run_staged(
     lm: LayerwiseModel,
     layer: nn.Module,
@@ -80,96 +145,61 @@ def run_staged(
     *,
     batch_tokens: int = DEFAULT_BATCH_TOKENS,
     first_weight: float = 1.0,
+    reference: torch.Tensor | None = None,
 ) -> None:
     """Quantize the layer site by site (see the module docstring); `hidden` becomes its output.
-    With quantize=None the layer (already quantized) only moves `hidden`, by the same arithmetic."""
-    fwd = lm.forward_copy(layer)
-    post_attn, pre_ffn, post_ffn = _norms(fwd)
-    batches = list(_batches(hidden.shape[0], hidden.shape[1], batch_tokens))
-    cos, sin, ctx = lm.rope(index, hidden.shape[1], hidden.dtype)
-    attention_kernel = BlockCausalAttention()
+    With quantize=None the layer (already quantized) only moves `hidden`, by the same arithmetic.
 
-    def stage(site: str, modules: tuple[str, ...], inputs: Callable[[int, int], torch.Tensor]) -> None:
+    `reference` (float targets, GPTAQ): the float model's hidden states entering this layer. They
+    go through the float layer beside `hidden`, and each site's statistics gain `shift`,
+    E[(x_float − x) xᵀ], with which GPTQ matches the float model's outputs rather than the
+    float layer's on the quantized inputs (quant/gptq.float_target). `reference` becomes the
+    float layer's output."""
+    fwd = lm.forward_copy(layer)
+    batches = list(_batches(hidden.shape[0], hidden.shape[1], batch_tokens))
+    rope = lm.rope(index, hidden.shape[1], hidden.dtype)
+    attention_kernel = BlockCausalAttention()
+    stream = _Stream(fwd, hidden, rope, attention_kernel)
+    ref = None
+    if reference is not None:
+        ref_fwd = lm.forward_copy(layer)
+        if ref_fwd is fwd:  # float32 compute: the float stream must not see the quantized weights
+            ref_fwd = copy.deepcopy(layer)
+        ref = _Stream(ref_fwd, reference, rope, attention_kernel)
+
+    def stage(site: str, modules: tuple[str, ...], step: str) -> None:
+        inputs = getattr(stream, step)
+        ref_inputs = None if ref is None else getattr(ref, step)
         if quantize is None:
             for start, end in batches:
                 inputs(start, end)
             return
-        acc = None
+        acc = shift = None
         for start, end in batches:
             x = inputs(start, end)
             if acc is None:
                 acc = StatsAccumulator(x.shape[-1], moments=False, first_weight=first_weight)  # GPTQ reads only H
+                shift = None if ref is None else ShiftAccumulator(x.shape[-1], first_weight=first_weight)
             acc.add(x)
             if not acc.finite():  # the diagonal's K values: find the sample only when it is needed
                 _check_finite(x, f"entering {lm.layer_prefix(index)}{site}", start)
-        for name, weight in quantize(site, modules, acc.finish()).items():
+            if shift is not None:
+                shift.add(ref_inputs(start, end), x)
+        stats = acc.finish()
+        if shift is not None:
+            stats.shift = shift.finish()
+        for name, weight in quantize(site, modules, stats).items():
             fwd.get_submodule(name).weight.data = weight.to(fwd.get_submodule(name).weight.dtype)
 
     with torch.inference_mode():
-        # One scratch buffer holds, for each batch of samples, first the input norm's output and
-        # the attention output side by side, then the pre-FFN norm's output, and last the MLP
-        # activation (which needs the most room): each is read before the next one overwrites it,
-        # so the norms are computed once (a norm is ~5% of a layer on CPU) and the layer's
-        # activations take no more memory than the MLP activation alone.
-        n_tokens, dim = hidden.shape[1], hidden.shape[2]
-        attn_dim = fwd.self_attn.o_proj.in_features
-        mlp_dim = fwd.mlp.down_proj.in_features
-        width = max(mlp_dim, dim + attn_dim)
-        scratch = torch.empty(hidden.shape[0] * n_tokens * width, dtype=hidden.dtype)
-
-        def region(s, e, offset, size):
-            base = s * n_tokens * width + offset * (e - s) * n_tokens
-            return scratch[base : base + size * (e - s) * n_tokens].view(e - s, n_tokens, size)
-
-        def input_norm(s, e):
-            normed = region(s, e, 0, dim)
-            normed.copy_(fwd.input_layernorm(hidden[s:e]))
-            return normed
-
-        stage(*SITES[0], input_norm)
-
-        def attention(s, e):
-            out = region(s, e, dim, attn_dim)
-            with _swapped(fwd.self_attn, "o_proj", nn.Identity()):
-                out.copy_(fwd.self_attn(region(s, e, 0, dim), cos, sin, ctx, attention_kernel))
-            return out
-
-        stage(*SITES[1], attention)
-
-        def residual(s, e):
-            a = fwd.self_attn.o_proj(region(s, e, dim, attn_dim))
-            if post_attn is not None:
-                a = post_attn(a)
-            hidden[s:e] = hidden[s:e] + a
-            normed = region(s, e, 0, dim)
-            normed.copy_(pre_ffn(hidden[s:e]))
-            return normed
-
-        stage(*SITES[2], residual)
-
-        mlp = fwd.mlp
-
-        def activation(s, e):
-            # GatedMLP's torch arithmetic, act(gate) * up (its reference path). The fused C row op
-            # (kernels/cpu_rowops.py) agrees to the last bits only and at 8192 rows takes 17 ms
-            # against torch's 5 ms, so calibration keeps torch.
-            x = region(s, e, 0, dim)
-            act = mlp.act(mlp.gate_proj(x)).mul_(mlp.up_proj(x))  # x is read before it is overwritten
-            out = region(s, e, 0, mlp_dim)
-            out.copy_(act)
-            return out
-
-        stage(*SITES[3], activation)
-
+        stage(*SITES[0], "input_norm")
+        stage(*SITES[1], "attention")
+        stage(*SITES[2], "residual")
+        stage(*SITES[3], "activation")
         for s, e in batches:
-            m = fwd.mlp.down_proj(region(s, e, 0, mlp_dim))
-            if post_ffn is not None:
-                m = post_ffn(m)
-            out = hidden[s:e] + m
-            # One float32 sum is finite when every element is (the exact check runs only if not).
-            if not torch.isfinite(out.sum(dtype=torch.float32)):
-                _check_finite(out, f"after layer {index}", s)
-            hidden[s:e] = out
+            stream.output(s, e, index)
+            if ref is not None:
+                ref.output(s, e, index)
 
 
 def replay_staged(lm: LayerwiseModel, layer: nn.Module, index: int, hidden: torch.Tensor, *,

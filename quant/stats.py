@@ -45,6 +45,9 @@ class InputStats:
     sq_mean: torch.Tensor
     max_abs: torch.Tensor | None  # likewise
     tokens: int
+    # E[(x_float − x) xᵀ] [K, K]: how the float model's inputs differ from these, measured only by
+    # the staged pass with float targets (quant/staged.py); never stored in a STATS file.
+    shift: torch.Tensor | None = None
 
     @property
     def channels(self) -> int:
@@ -60,6 +63,7 @@ class InputStats:
             sq_mean=self.sq_mean * inv * inv,
             max_abs=None if self.max_abs is None else self.max_abs * inv,
             tokens=self.tokens,
+            shift=None if self.shift is None else self.shift * inv[:, None] * inv[None, :],
         )
 
 
@@ -135,6 +139,38 @@ class StatsAccumulator:
             max_abs=None if self.max_abs is None else self.max_abs.clone(),
             tokens=self.tokens,
         )
+
+
+class ShiftAccumulator:
+    """Σ (x_float − x) xᵀ for one site, weighted like `StatsAccumulator` (the first position of each
+    window counts `first_weight` times); `finish()` divides by the same total weight."""
+
+    __slots__ = ("sum", "first_weight", "weight_sum")
+
+    def __init__(self, channels: int, first_weight: float = 1.0):
+        self.sum = torch.zeros(channels, channels, dtype=torch.float64)
+        self.first_weight = first_weight
+        self.weight_sum = 0.0
+
+    def add(self, x_float: torch.Tensor, x: torch.Tensor) -> None:
+        """x_float, x: [windows, positions, K], the float model's and the quantized model's inputs."""
+        diff = x_float.float() - x.float()
+        extra = self.first_weight - 1.0
+        if extra and x.dim() == 3:
+            first_diff, first = diff[:, 0, :], x[:, 0, :].float()
+            self.sum += (first_diff.T @ first).double().mul_(extra)
+            self.weight_sum += extra * first.shape[0]
+        diff = diff.reshape(-1, diff.shape[-1])
+        x = x.reshape(-1, x.shape[-1])
+        if x.dtype == torch.bfloat16:  # same speed argument as StatsAccumulator.add
+            diff = diff.to(torch.bfloat16)
+        else:
+            x = x.float()
+        self.sum += (diff.T @ x).double()
+        self.weight_sum += x.shape[0]
+
+    def finish(self) -> torch.Tensor:
+        return (self.sum / max(self.weight_sum, 1.0)).float()
 
 
 def config_hash(config: dict) -> str:

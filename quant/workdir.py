@@ -4,6 +4,7 @@ The work folder sits beside the output (`.<out-name>.lowbit-work`) and holds
   manifest.json             the job's fingerprint (model, data, settings); another job starts afresh
   layer-00007.safetensors   layer 7's result (stats, or quantized tensors), written atomically
   hidden.bin + hidden.json  a snapshot of the hidden states entering layer `next_layer`
+  reference.bin + .json     the float model's hidden states beside them (GPTQ with float targets)
 
 Writing the hidden states (hundreds of MB) after every layer would cost more than the layer, so
 they are snapshotted at most every `snapshot_every_s` seconds; a resumed run reloads the snapshot
@@ -71,12 +72,14 @@ class WorkDir:
             meta = json.loads((f.metadata() or {})["meta"])
             return {k: f.get_tensor(k) for k in f.keys()}, meta
 
-    def save_hidden(self, hidden: torch.Tensor, next_layer: int) -> None:
-        data, info = self.path / "hidden.bin", self.path / "hidden.json"
+    def save_hidden(self, hidden: torch.Tensor, next_layer: int, stream: str = "hidden") -> None:
+        """Snapshot one stream of hidden states (`stream`: "hidden", or "reference" for the float
+        model's beside it); a reader checks that all the streams it needs name the same layer."""
+        data, info = self.path / f"{stream}.bin", self.path / f"{stream}.json"
         # The old snapshot stays valid until the new one is complete.
         with contextlib.suppress(FileNotFoundError):
             info.unlink()
-        tmp = data.with_name("hidden.bin.tmp")
+        tmp = data.with_name(data.name + ".tmp")
         raw = hidden.contiguous()
         if raw.dtype == torch.bfloat16:  # numpy has no bfloat16: write the same bytes as int16
             raw = raw.view(torch.int16)
@@ -86,8 +89,8 @@ class WorkDir:
         dtype = str(hidden.dtype).removeprefix("torch.")
         _write_text(info, json.dumps({"next_layer": next_layer, "shape": list(hidden.shape), "dtype": dtype}))
 
-    def load_hidden(self) -> tuple[torch.Tensor, int] | None:
-        info = self.path / "hidden.json"
+    def load_hidden(self, stream: str = "hidden") -> tuple[torch.Tensor, int] | None:
+        info = self.path / f"{stream}.json"
         if not info.is_file():
             return None
         meta = json.loads(info.read_text())
@@ -96,7 +99,7 @@ class WorkDir:
         for d in shape:
             count *= d
         dtype = getattr(torch, meta.get("dtype", "float32"))
-        data = torch.from_file(str(self.path / "hidden.bin"), shared=False, size=count, dtype=dtype)
+        data = torch.from_file(str(self.path / f"{stream}.bin"), shared=False, size=count, dtype=dtype)
         return data.view(*shape), int(meta["next_layer"])
 
     def remove(self) -> None:

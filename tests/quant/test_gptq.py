@@ -199,3 +199,50 @@ def test_refit_with_kept_weights_and_where_it_does_not_apply():
         a = gptq_quantize(w, parse_spec(name), h)
         b = gptq_quantize(w, parse_spec(name), h, refit=False)
         assert torch.equal(a.values, b.values)
+
+
+def test_float_target_is_the_ridge_solution_and_leaves_equal_inputs_alone():
+    # W' = argmin E‖W' x − W x_float‖² + λ‖W' − W‖², solved directly in float64 as one least squares
+    # over stacked rows [X; sqrt(λ) I] against [X_float Wᵀ; sqrt(λ) Wᵀ].
+    from lowbit.quant.gptq import float_target
+    from lowbit.quant.stats import ShiftAccumulator, StatsAccumulator
+
+    g = torch.Generator().manual_seed(3)
+    n_tok, k, n = 400, 24, 10
+    x_float = torch.randn(1, n_tok, k, generator=g, dtype=torch.float64)
+    x = x_float + 0.2 * torch.randn(1, n_tok, k, generator=g, dtype=torch.float64)
+    w = torch.randn(n, k, generator=g)
+    acc, shift = StatsAccumulator(k), ShiftAccumulator(k)
+    acc.add(x)
+    shift.add(x_float, x)
+    h, s = acc.finish().hessian, shift.finish()
+    lam = 0.05 * float(torch.diagonal(h).mean())
+    damped = h + lam * torch.eye(k)
+    got = float_target(w, s, damped).double()
+
+    xs, xf = x[0], x_float[0]
+    a = torch.cat([xs / n_tok**0.5, lam**0.5 * torch.eye(k, dtype=torch.float64)])
+    b = torch.cat([xf @ w.double().T / n_tok**0.5, lam**0.5 * w.double().T])
+    want = torch.linalg.lstsq(a, b).solution.T
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+    # The correction is real (the inputs differ) and vanishes when they agree.
+    assert (got - w.double()).abs().max() > 0.05
+    same = ShiftAccumulator(k)
+    same.add(x, x)
+    assert torch.equal(float_target(w, same.finish(), damped), w)
+
+
+def test_shift_accumulator_weights_the_first_position_like_the_hessian():
+    from lowbit.quant.stats import ShiftAccumulator
+
+    g = torch.Generator().manual_seed(4)
+    x_float = torch.randn(3, 5, 4, generator=g)
+    x = torch.randn(3, 5, 4, generator=g)
+    acc = ShiftAccumulator(4, first_weight=3.0)
+    acc.add(x_float[:2], x[:2])
+    acc.add(x_float[2:], x[2:])
+    weights = torch.ones(3, 5, 1, dtype=torch.float64)
+    weights[:, 0] = 3.0
+    d = (x_float - x).double()
+    want = ((d * weights).reshape(-1, 4).T @ x.double().reshape(-1, 4)) / weights.sum()
+    assert torch.allclose(acc.finish().double(), want, rtol=1e-5, atol=1e-6)

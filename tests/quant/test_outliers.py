@@ -65,3 +65,42 @@ def test_keeping_outliers_lowers_output_error(fmt_name):
     held = fmt.quantize(w.masked_fill(mask, 0.0), spec, stats=stats.sq_mean).dequantize()
     held = held.masked_fill(mask, 0.0) + torch.where(mask, w.bfloat16().float(), 0.0)
     assert output_error(w, held, stats.hessian) < 0.8 * output_error(w, plain, stats.hessian)
+
+
+def _rtn_error(w, mask, spec, stats):
+    base = w.masked_fill(mask, 0.0)
+    deq = get_format(spec).quantize(base, spec, stats=stats.sq_mean).dequantize()
+    return float(((deq - base).square() * stats.sq_mean).masked_fill(mask, 0.0).sum())
+
+
+def test_error_salience_takes_the_weight_that_stretches_its_group():
+    # Group 1 of row 2 has a large weight whose neighbours are tiny: leaving it out shrinks the
+    # group's range ~100×. Elsewhere a larger |w|·sqrt(E[x²]) sits in a group whose range it does
+    # not set alone (its neighbour is as large), which "act" prefers and "error" must not.
+    stats = _stats(64)
+    spec = parse_spec("int4-asym-g32")
+    w = 0.001 * torch.randn(4, 64, generator=torch.Generator().manual_seed(5))
+    w[2, 40] = 0.5
+    w[0, 60], w[0, 61] = 1.0, 0.99
+    error = outlier_mask(w, stats, 100 / 256, kind="error", spec=spec)  # one weight
+    assert error.nonzero().tolist() == [[2, 40]]
+    assert outlier_mask(w, stats, 100 / 256, kind="act").nonzero().tolist() in ([[0, 60]], [[0, 61]])
+    with pytest.raises(Exception, match="needs the matrix's format"):
+        outlier_mask(w, stats, 1.0, kind="error")
+
+
+@pytest.mark.parametrize("fmt_name", ["int4-asym-g32-dq", "int4-g32", "nf4"])
+def test_error_salience_lowers_rounding_error_more_than_act(fmt_name):
+    # Heavy-tailed weights, ragged groups (K = 200 is not a multiple of 32): the "error" choice
+    # leaves less E[x²]-weighted rounding error than the same number of weights ranked by act.
+    spec = parse_spec(fmt_name)
+    stats = _stats(200, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    w = 0.02 * torch.randn(96, 200, generator=gen)
+    w.view(-1)[torch.randperm(w.numel(), generator=gen)[:100]] *= 6
+    count = 60
+    error = outlier_mask(w, stats, 100 * count / w.numel(), kind="error", spec=spec)
+    act = outlier_mask(w, stats, 100 * count / w.numel(), kind="act")
+    assert int(error.sum()) == int(act.sum()) == count
+    none = torch.zeros_like(error)
+    assert _rtn_error(w, error, spec, stats) < _rtn_error(w, act, spec, stats) < _rtn_error(w, none, spec, stats)
