@@ -55,6 +55,12 @@ def test_gptq_with_outliers_counts_them_and_eval_uses_them(tiny_float_model, tmp
         n, k = m["shape"]
         assert m["outliers"] >= n * round(k * 0.02) and m["outliers"] >= round(n * k * 0.005)
 
+    # the error salience keeps exactly as many, and not the same ones as act
+    error = _quantize(src, tmp_path / "ge", run_cli, "--method", "gptq", *calib, "--keep-outliers", "0.5",
+                      "--outlier-salience", "error")
+    assert [m["outliers"] for m in error["modules"]] == [m["outliers"] for m in summary["modules"]]
+    assert (tmp_path / "ge" / "model.safetensors").read_bytes() != (tmp_path / "g" / "model.safetensors").read_bytes()
+
     plain = _quantize(src, tmp_path / "p", run_cli, "--method", "gptq", *calib)
     assert plain["outliers"] == 0 and plain["linear_bits_per_weight"] == pytest.approx(base_bits)
     assert "outliers" not in json.loads((tmp_path / "p" / "config.json").read_text())["quantization_config"]
@@ -79,7 +85,7 @@ def test_rtn_with_outliers_calibrates_and_beats_plain_rtn(tiny_float_model, tmp_
         (["--keep-channels", "1"], "needs exactly one of --calib STATS or --data TEXT"),
         (["--keep-outliers", "100", "--data", "x.txt"], "--keep-outliers is a percentage in [0, 100), got 100"),
         (["--keep-channels", "-1", "--data", "x.txt"], "--keep-channels is a percentage"),
-        (["--keep-outliers", "1", "--outlier-salience", "magic", "--data", "x.txt"], "act or hessian"),
+        (["--keep-outliers", "1", "--outlier-salience", "magic", "--data", "x.txt"], "one of act, hessian, error, got 'magic'"),
         (["--data", "x.txt"], "go with --method"),
     ],
 )
