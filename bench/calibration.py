@@ -103,7 +103,7 @@ def calibrate_stats(model: str, data: str, samples: int, seqlen: int, out: Path)
 
 
 def quantized_copy(model_dir: Path, stats_path: Path, spec_label: str, method: str, outliers: float, refit: int = 1,
-                   salience: str = "act", damp: float | None = None):
+                   salience: str = "error", damp: float | None = None):
     """(float model holding the quantized weights, linear bits/weight, seconds, notes)."""
     from lowbit.quant.calibrate import LayerStats, LayerwiseModel
     from lowbit.quant.outliers import outlier_bits
@@ -184,7 +184,8 @@ def _row_key(row: dict) -> tuple[str, str, float]:
 def _settings(args, stats_tag: str) -> dict:
     settings = {"model": args.model, "calibration": stats_tag, "eval_data": args.eval_data, "ctx": args.ctx,
                 "chunks": args.chunks, "refit_rounds": args.refit_rounds}
-    if args.outlier_salience != "act":  # rows files from before the option stay resumable
+    # Rows files from before the option hold act rows and no key, so "act" adds none: they stay resumable.
+    if args.outlier_salience != "act":
         settings["outlier_salience"] = args.outlier_salience
     if args.damp is not None:
         settings["damp"] = args.damp
@@ -352,7 +353,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunks", type=int, default=10)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--refit-rounds", type=int, default=1, help="GPTQ scale-refit rounds (lowbit quantize --refit-rounds; 0: off)")
-    parser.add_argument("--outlier-salience", choices=("act", "hessian", "error"), default="act",
+    parser.add_argument("--outlier-salience", choices=("act", "hessian", "error"), default="error",
                         help="how kept outliers are ranked (lowbit quantize --outlier-salience)")
     parser.add_argument("--damp", type=float, default=None,
                         help="GPTQ dampening as a fraction of mean diag(H) (default: lowbit's, 0.01)")

@@ -73,7 +73,7 @@ def quantize_command(
         "(same side matrix). Needs --calib or --data.",
     ),
     outlier_salience: str = typer.Option(
-        "act", "--outlier-salience",
+        "error", "--outlier-salience",
         help="How --keep-outliers ranks weights: act = |w|·sqrt(E(x²)); hessian = w² / (H⁻¹)kk (OBS); error = how much "
         "its group's rounding error drops when it leaves the group (picks the weights that stretch a group's range).",
     ),

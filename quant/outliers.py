@@ -5,7 +5,8 @@ Salience of weight (n, k):
   "hessian"  w² / [H⁻¹]_kk                  (OBS: the output error of zeroing it, H damped 1%)
   "error"    what keeping it saves: the drop in its group's round-to-nearest error Σ E[x_k²](ŵ − w)²
              when it leaves the group (an extreme weight widens the group's range for all the
-             others), chosen greedily in `ERROR_ROUNDS` rounds of at most one weight per group
+             others; any weight takes its own error with it), chosen greedily in `ERROR_ROUNDS`
+             rounds of at most one weight per group
 `outlier_mask` picks the top `percent` % of a matrix's weights (ties broken by position, so the
 choice is deterministic) and optionally whole input channels (`channel_percent` % of the columns,
 by E[x_k²]·‖W[:, k]‖²). The kept weights are excluded from the quantized matrix (their code is the
@@ -25,6 +26,9 @@ from lowbit.quant.stats import InputStats
 BITS_PER_OUTLIER = 48
 ERROR_ROUNDS = 4
 SALIENCES = ("act", "hessian", "error")
+# What `lowbit quantize --keep-outliers` ranks by unless told: "error" scored below "act" and
+# "hessian" on SmolLM2 (four statistics files) and Gemma-3 (docs/benchmarks.md).
+DEFAULT_SALIENCE = "error"
 
 
 def salience(w: torch.Tensor, stats: InputStats, kind: str = "act") -> torch.Tensor:
@@ -46,8 +50,9 @@ def error_mask(w: torch.Tensor, stats: InputStats, count: int, spec) -> torch.Te
     Round to nearest leaves an error of about step²/12 per weight, and the step is the group's
     range (max − min with a zero point, 2·max|w| without) over the grid's levels, so a group's
     error is ∝ range² · Σ_k E[x_k²]. Only its largest or smallest remaining weight can narrow the
-    range; each round scores both for every group by range² − range'² (their own error leaves too)
-    and keeps the best `count / ERROR_ROUNDS` over all groups, at most one per group."""
+    range; any other weight saves just its own share, range² · E[x_k²], most on the group's loudest
+    channel. Each round scores those three candidates in every group and keeps the best
+    `count / ERROR_ROUNDS` over all groups, at most one per group."""
     w = w.float()
     n, k = w.shape
     group = spec.group_size if spec.granularity == "group" and spec.group_size else k
@@ -75,9 +80,18 @@ def error_mask(w: torch.Tensor, stats: InputStats, count: int, spec) -> torch.Te
         now = span(hi[..., 0], lo[..., 0]).square() * total
         gain_hi = now - span(hi[..., 1], lo[..., 0]).square() * (total - weight[None].expand(n, -1, -1).gather(-1, hi2.indices[..., :1]).squeeze(-1))
         gain_lo = now - span(hi[..., 0], lo[..., 1]).square() * (total - weight[None].expand(n, -1, -1).gather(-1, lo2.indices[..., :1]).squeeze(-1))
-        use_hi = gain_hi >= gain_lo
-        gain = torch.where(use_hi, gain_hi, gain_lo).masked_fill(live < 3, -inf).nan_to_num(nan=-inf)
-        col = torch.where(use_hi, hi2.indices[..., 0], lo2.indices[..., 0])
+        # A weight inside the range saves only its own error, span² · E[x_k²]: worth it on a channel
+        # with massive activations, so the group's loudest remaining channel is the third candidate.
+        loud = weight[None].expand(n, -1, -1).masked_fill(mask3, -inf).max(-1)
+        gain_loud = span(hi[..., 0], lo[..., 0]).square() * loud.values
+        col_loud = loud.indices
+        extreme = (col_loud == hi2.indices[..., 0]) | (col_loud == lo2.indices[..., 0])
+        gain_loud = gain_loud.masked_fill(extreme, -inf)
+        gain = torch.stack([gain_hi, gain_lo, gain_loud], -1)
+        cols = torch.stack([hi2.indices[..., 0], lo2.indices[..., 0], col_loud], -1)
+        best = gain.argmax(-1, keepdim=True)
+        gain = gain.gather(-1, best).squeeze(-1).masked_fill(live < 3, -inf).nan_to_num(nan=-inf)
+        col = cols.gather(-1, best).squeeze(-1)
         take = min(count - chosen, per_round)
         order = torch.argsort(gain.flatten(), descending=True, stable=True)[:take]
         order = order[torch.isfinite(gain.flatten()[order])]

@@ -28,7 +28,7 @@ from lowbit.errors import LowbitError, UsageError
 from lowbit.quant import awq as awq_mod
 from lowbit.quant.calibrate import LayerStats, LayerwiseModel, collect_stats, prepare_calibration, propagate
 from lowbit.quant.gptq import DEFAULT_BLOCK, DEFAULT_DAMP, float_target, gptq_quantize, gptq_quantize_shared, prepare_hessian
-from lowbit.quant.outliers import outlier_mask, pack_outliers, unpack_outliers
+from lowbit.quant.outliers import DEFAULT_SALIENCE, outlier_mask, pack_outliers, unpack_outliers
 from lowbit.quant.qtensor import PART_NAMES, QTensor
 from lowbit.quant.registry import get_format
 from lowbit.quant.rtn import shared_global_scale
@@ -51,7 +51,7 @@ class QuantOptions:
     awq_clip: bool = True
     keep_outliers: float = 0.0  # percent of each matrix's weights kept in bf16
     keep_channels: float = 0.0  # percent of input channels kept whole in bf16
-    outlier_salience: str = "act"
+    outlier_salience: str = DEFAULT_SALIENCE
     float_target: bool = False  # GPTQ with --data: match the float model's outputs (quant/gptq.float_target)
 
     def __post_init__(self):

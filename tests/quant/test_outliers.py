@@ -89,6 +89,21 @@ def test_error_salience_takes_the_weight_that_stretches_its_group():
         outlier_mask(w, stats, 1.0, kind="error")
 
 
+def test_error_salience_takes_a_weight_on_a_massive_channel_inside_the_range():
+    # Channel 7 carries activations 10⁴× louder than the rest: any weight there costs more error
+    # than narrowing a range saves, even though w[1, 7] is neither its group's largest nor smallest.
+    from lowbit.quant.stats import InputStats
+
+    sq_mean = torch.ones(64)
+    sq_mean[7] = 1e4
+    stats = InputStats(hessian=torch.diag(sq_mean), mean_abs=None, sq_mean=sq_mean, max_abs=None, tokens=1)
+    w = torch.linspace(-1, 1, 64).repeat(2, 1)
+    w[1, 7] = 0.01
+    w[0, 7] = -1.0  # row 0: the loud weight is also its group's smallest
+    mask = outlier_mask(w, stats, 100 * 2 / w.numel(), kind="error", spec=parse_spec("int4-asym-g32"))
+    assert sorted(mask.nonzero().tolist()) == [[0, 7], [1, 7]]
+
+
 @pytest.mark.parametrize("fmt_name", ["int4-asym-g32-dq", "int4-g32", "nf4"])
 def test_error_salience_lowers_rounding_error_more_than_act(fmt_name):
     # Heavy-tailed weights, ragged groups (K = 200 is not a multiple of 32): the "error" choice
