@@ -5,8 +5,8 @@ Salience of weight (n, k):
   "hessian"  w² / [H⁻¹]_kk                  (OBS: the output error of zeroing it, H damped 1%)
   "error"    what keeping it saves: the drop in its group's round-to-nearest error Σ E[x_k²](ŵ − w)²
              when it leaves the group (an extreme weight widens the group's range for all the
-             others; any weight takes its own error with it), chosen greedily in `ERROR_ROUNDS`
-             rounds of at most one weight per group
+             others; any weight takes its own error with it, which counts only without GPTQ),
+             chosen greedily in `ERROR_ROUNDS` rounds of at most one weight per group
 `outlier_mask` picks the top `percent` % of a matrix's weights (ties broken by position, so the
 choice is deterministic) and optionally whole input channels (`channel_percent` % of the columns,
 by E[x_k²]·‖W[:, k]‖²). The kept weights are excluded from the quantized matrix (their code is the
@@ -43,7 +43,7 @@ def salience(w: torch.Tensor, stats: InputStats, kind: str = "act") -> torch.Ten
     raise UsageError(f"unknown outlier salience '{kind}' (use {', '.join(SALIENCES)})")
 
 
-def error_mask(w: torch.Tensor, stats: InputStats, count: int, spec) -> torch.Tensor:
+def error_mask(w: torch.Tensor, stats: InputStats, count: int, spec, *, own_error: bool = True) -> torch.Tensor:
     """bool [N, K]: `count` weights picked for what leaving them out of their group saves (the
     "error" salience; see the module docstring).
 
@@ -52,7 +52,12 @@ def error_mask(w: torch.Tensor, stats: InputStats, count: int, spec) -> torch.Te
     error is ∝ range² · Σ_k E[x_k²]. Only its largest or smallest remaining weight can narrow the
     range; any other weight saves just its own share, range² · E[x_k²], most on the group's loudest
     channel. Each round scores those three candidates in every group and keeps the best
-    `count / ERROR_ROUNDS` over all groups, at most one per group."""
+    `count / ERROR_ROUNDS` over all groups, at most one per group.
+
+    own_error=False leaves out the third candidate: GPTQ feeds a weight's own rounding error into
+    the columns after it, but cannot undo the coarser step a wide range gives the whole group
+    (on SmolLM2's v5 recipe with GPTQ the third candidate cost 0.001 KLD; with RTN it saves a
+    quarter of it, docs/benchmarks.md)."""
     w = w.float()
     n, k = w.shape
     group = spec.group_size if spec.granularity == "group" and spec.group_size else k
@@ -86,7 +91,7 @@ def error_mask(w: torch.Tensor, stats: InputStats, count: int, spec) -> torch.Te
         gain_loud = span(hi[..., 0], lo[..., 0]).square() * loud.values
         col_loud = loud.indices
         extreme = (col_loud == hi2.indices[..., 0]) | (col_loud == lo2.indices[..., 0])
-        gain_loud = gain_loud.masked_fill(extreme, -inf)
+        gain_loud = gain_loud.masked_fill(extreme | (not own_error), -inf)
         gain = torch.stack([gain_hi, gain_lo, gain_loud], -1)
         cols = torch.stack([hi2.indices[..., 0], lo2.indices[..., 0], col_loud], -1)
         best = gain.argmax(-1, keepdim=True)
@@ -104,10 +109,11 @@ def error_mask(w: torch.Tensor, stats: InputStats, count: int, spec) -> torch.Te
 
 
 def outlier_mask(
-    w: torch.Tensor, stats: InputStats, percent: float, *, channel_percent: float = 0.0, kind: str = "act", spec=None
+    w: torch.Tensor, stats: InputStats, percent: float, *, channel_percent: float = 0.0, kind: str = "act", spec=None,
+    own_error: bool = True,
 ) -> torch.Tensor | None:
     """bool [N, K] of the weights to keep in bf16, or None when nothing is kept ("error" needs the
-    matrix's FormatSpec)."""
+    matrix's FormatSpec; own_error: see `error_mask`, False for GPTQ)."""
     if not 0 <= percent < 100 or not 0 <= channel_percent < 100:
         raise UsageError(f"outlier percentages must be in [0, 100), got {percent} and {channel_percent}")
     n, k = w.shape
@@ -116,7 +122,7 @@ def outlier_mask(
     if count and kind == "error":
         if spec is None:
             raise UsageError("the error outlier salience needs the matrix's format")
-        mask = error_mask(w, stats, count, spec)
+        mask = error_mask(w, stats, count, spec, own_error=own_error)
     elif count:
         score = salience(w, stats, kind).flatten()
         order = torch.argsort(score, descending=True, stable=True)[:count]

@@ -162,7 +162,7 @@ def quantize_layer(
         keep = None
         if options.keep_outliers or options.keep_channels:
             keep = outlier_mask(w, st, options.keep_outliers, channel_percent=options.keep_channels, kind=options.outlier_salience,
-                                spec=spec)
+                                spec=spec, own_error=options.method not in ("gptq", "awq+gptq"))
         if options.method == "awq" and options.awq_clip and keep is None:
             w = _clip_if_better(w, spec, st, gscale)
         if options.method in ("gptq", "awq+gptq"):

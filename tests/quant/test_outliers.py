@@ -102,6 +102,9 @@ def test_error_salience_takes_a_weight_on_a_massive_channel_inside_the_range():
     w[0, 7] = -1.0  # row 0: the loud weight is also its group's smallest
     mask = outlier_mask(w, stats, 100 * 2 / w.numel(), kind="error", spec=parse_spec("int4-asym-g32"))
     assert sorted(mask.nonzero().tolist()) == [[0, 7], [1, 7]]
+    # For GPTQ (own_error=False) only range-setting weights are candidates: [1, 7] is not one.
+    gptq = outlier_mask(w, stats, 100 * 2 / w.numel(), kind="error", spec=parse_spec("int4-asym-g32"), own_error=False)
+    assert int(gptq.sum()) == 2 and not gptq[1, 7]
 
 
 @pytest.mark.parametrize("fmt_name", ["int4-asym-g32-dq", "int4-g32", "nf4"])
