@@ -98,7 +98,7 @@ def test_error_salience_takes_a_weight_on_a_massive_channel_inside_the_range():
     sq_mean[7] = 1e4
     stats = InputStats(hessian=torch.diag(sq_mean), mean_abs=None, sq_mean=sq_mean, max_abs=None, tokens=1)
     w = torch.linspace(-1, 1, 64).repeat(2, 1)
-    w[1, 7] = 0.01
+    w[1, 7] = -0.5  # inside its group's range [-1, -0.02]
     w[0, 7] = -1.0  # row 0: the loud weight is also its group's smallest
     mask = outlier_mask(w, stats, 100 * 2 / w.numel(), kind="error", spec=parse_spec("int4-asym-g32"))
     assert sorted(mask.nonzero().tolist()) == [[0, 7], [1, 7]]
