@@ -244,7 +244,7 @@ def quantize_model(
                 progress(done, len(parts), part.name)
         copy_side_files(source_dir, tmp)
         writer.close({k: v for k, v in config.items() if k != "quantization_config"})
-        _add_provenance(tmp, method, recipe, source_dir)
+        _add_provenance(tmp, method, recipe, source_dir, method_options)
 
     return QuantizeSummary(
         model=str(model), output=str(out), method=method, modules=records, params=params,
@@ -402,7 +402,11 @@ def _outlier_bytes(side: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in side.values())
 
 
-def _add_provenance(directory: Path, method: str, recipe: Recipe, source: Path) -> None:
+# Method options that say where files were, not how the weights were made.
+_LOCAL_OPTIONS = ("work_dir", "snapshot_every_s")
+
+
+def _add_provenance(directory: Path, method: str, recipe: Recipe, source: Path, options: dict | None = None) -> None:
     """Record how the checkpoint was made beside the per-module specs (informational only)."""
     import json
 
@@ -412,6 +416,10 @@ def _add_provenance(directory: Path, method: str, recipe: Recipe, source: Path) 
     qc["method"] = method
     qc["recipe"] = recipe.to_list()
     qc["source"] = source.name
+    recorded = {k: v if isinstance(v, (bool, int, float)) or v is None else str(v)
+                for k, v in sorted((options or {}).items()) if k not in _LOCAL_OPTIONS}
+    if recorded:  # calibration text, windows, GPTQ/outlier settings: `--data wiki-calib --samples 128 ...`
+        qc["method_options"] = recorded
     path.write_text(json.dumps(config, indent=2) + "\n")
 
 

@@ -36,6 +36,11 @@ def test_deterministic_and_resumable(tiny_model, tmp_path, method, extra, monkey
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     summary = _quantize(model, a, method, text=text, **extra)
     assert summary.linear_bits_per_weight == pytest.approx(4.5)
+    # config.json records how the weights were made, not where the work folder was
+    import json
+
+    recorded = json.loads((a / "config.json").read_text())["quantization_config"]["method_options"]
+    assert recorded == {"data": str(text), "samples": 4, "seqlen": 32, **extra}
     _quantize(model, b, method, text=text, **extra)
     assert _digest(a) == _digest(b)
 
