@@ -58,7 +58,7 @@ def quantize_command(
     ),
     float_target: bool = typer.Option(
         False, "--float-target",
-        help="GPTQ (gptq, awq+gptq) with --data: match each Linear's outputs to the float model's, not to the float layer's on the "
+        help="GPTQ with --data: match each Linear's outputs to the float model's, not to the float layer's on the "
         "quantized model's inputs, so each layer also corrects the error of the layers below (asymmetric "
         "calibration, as in GPTAQ). Runs the float model beside the quantized one: about twice the time.",
     ),
@@ -113,8 +113,8 @@ def quantize_command(
             raise UsageError(f"--refit-rounds goes with --method gptq or awq+gptq, not {method}")
         method_options["refit"] = refit_rounds
     if float_target:
-        if method not in ("gptq", "awq+gptq") or data is None:
-            raise UsageError("--float-target goes with --method gptq or awq+gptq and --data (it runs the float model beside the quantized one)")
+        if method != "gptq" or data is None:
+            raise UsageError("--float-target goes with --method gptq and --data (it runs the float model beside the quantized one)")
         method_options["float_target"] = True
     if wants_outliers:
         method_options.update(keep_outliers=keep_outliers, keep_channels=keep_channels, outlier_salience=outlier_salience)

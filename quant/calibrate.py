@@ -28,7 +28,7 @@ from safetensors import safe_open
 from torch import nn
 
 from lowbit.errors import LowbitError, UsageError
-from lowbit.quant.stats import InputStats, ShiftAccumulator, StatsAccumulator, model_identity
+from lowbit.quant.stats import InputStats, StatsAccumulator, model_identity
 from lowbit.quant.workdir import WorkDir
 from lowbit.runtime.attention import AttentionContext
 from lowbit.runtime.config import ModelConfig
@@ -267,31 +267,20 @@ def collect_stats(
     write_outputs: bool,
     batch_tokens: int = DEFAULT_BATCH_TOKENS,
     first_weight: float = 1.0,
-    reference: torch.Tensor | None = None,
 ) -> LayerStats:
     """Statistics of every Linear input of `layer` over all samples; with `write_outputs` the
     layer's outputs replace `hidden` in the same pass. Each window's first position counts
-    `first_weight` tokens (see `first_token_weight`).
-
-    `reference` (float targets): the float model's hidden states entering the layer; they go
-    through the same (float) layer batch by batch, each site's statistics gain `shift`,
-    E[(x_ref − x) xᵀ] (quant/gptq.float_target), and `reference` becomes the layer's output."""
+    `first_weight` tokens (see `first_token_weight`)."""
     prefix = lm.layer_prefix(index)
     layer = lm.forward_copy(layer)
     linears = [(prefix + local, mod) for local, mod in layer.named_modules() if isinstance(mod, nn.Linear)]
     accumulators: dict[str, StatsAccumulator] = {}
-    shifts: dict[str, ShiftAccumulator] = {}
     site_modules: dict[str, list[str]] = {}
     seen: list[tuple[torch.Tensor, str]] = []  # inputs of this batch, held so ids are not reused
-    captured: dict[str, torch.Tensor] | None = None  # module → its input, during the reference pass
-    ref_inputs: dict[str, torch.Tensor] = {}  # the last reference pass's inputs
 
     def hook_for(name: str):
         def hook(_module, args):
             x = args[0]
-            if captured is not None:
-                captured.setdefault(name, x.clone())
-                return
             for other, site in seen:
                 if other is x:
                     if name not in site_modules[site]:
@@ -302,10 +291,6 @@ def collect_stats(
             if site not in accumulators:
                 accumulators[site] = StatsAccumulator(x.shape[-1], first_weight=first_weight)
             accumulators[site].add(x)
-            if reference is not None:
-                if site not in shifts:
-                    shifts[site] = ShiftAccumulator(x.shape[-1], first_weight=first_weight)
-                shifts[site].add(ref_inputs[name], x)
             seen.append((x, site))
 
         return hook
@@ -314,11 +299,6 @@ def collect_stats(
     try:
         with torch.inference_mode():
             for start, end in _batches(hidden.shape[0], hidden.shape[1], batch_tokens):
-                if reference is not None:
-                    captured = {}
-                    ref_out = lm.run_layer(layer, index, reference[start:end])
-                    ref_inputs, captured = captured, None
-                    reference[start:end] = ref_out
                 out = lm.run_layer(layer, index, hidden[start:end])
                 seen.clear()
                 _check_finite(out, f"after layer {index}", start)
@@ -327,10 +307,7 @@ def collect_stats(
     finally:
         for h in handles:
             h.remove()
-    stats = LayerStats(sites={s: a.finish() for s, a in accumulators.items()}, site_modules=site_modules)
-    for site, shift in shifts.items():
-        stats.sites[site].shift = shift.finish()
-    return stats
+    return LayerStats(sites={s: a.finish() for s, a in accumulators.items()}, site_modules=site_modules)
 
 
 def propagate(lm: LayerwiseModel, layer: nn.Module, index: int, hidden: torch.Tensor, batch_tokens: int = DEFAULT_BATCH_TOKENS) -> None:

@@ -292,8 +292,8 @@ def make_layer_method(context):
     snapshot_every_s = float(opts.get("snapshot_every_s", 60.0))
     last_snapshot = [time.monotonic()]
     reference = None  # the float model's hidden states, for --float-target
-    if options.float_target and (stats_file is not None or options.method not in ("gptq", "awq+gptq")):
-        raise UsageError("--float-target goes with --method gptq or awq+gptq and --data (it runs the float model beside the quantized one)")
+    if options.float_target and (stats_file is not None or options.method != "gptq"):
+        raise UsageError("--float-target goes with --method gptq and --data (it runs the float model beside the quantized one)")
     if stats_file is None:
         snap = work.load_hidden() if work is not None and work.resumed else None
         if snap is not None and options.float_target:
@@ -324,12 +324,12 @@ def make_layer_method(context):
         prefix = lm.layer_prefix(i)
         layer = lm.load_layer(i)
         moved = False  # whether `hidden` already holds this layer's quantized outputs
-        computed = False  # whether the outcome was computed now (else replayed from the work folder)
         staged = stats_file is None and options.method == "gptq" and stageable(layer)
+        if reference is not None and not staged:
+            raise LowbitError(f"--float-target needs the staged GPTQ pass, which {prefix.rstrip('.')} does not fit")
         if work is not None and work.has_layer(i):
             outcome = LayerOutcome.from_tensors(*work.load_layer(i))
         else:
-            computed = True
             if stats_file is not None:
                 sites = stats_file.layer_sites(prefix)
                 stats = LayerStats(sites={s: stats_file.site(s) for s in sites}, site_modules=sites)
@@ -337,8 +337,7 @@ def make_layer_method(context):
                 outcome = _quantize_staged(lm, layer, i, hidden, part.specs, options, first_weight, reference)
                 moved = True
             else:
-                # the float layer moves `reference` here, as `propagate` would (the replay below)
-                stats = collect_stats(lm, layer, i, hidden, write_outputs=False, first_weight=first_weight, reference=reference)
+                stats = collect_stats(lm, layer, i, hidden, write_outputs=False, first_weight=first_weight)
             if not moved:
                 outcome = quantize_layer(layer, prefix, stats, part.specs, options)
             if work is not None:
@@ -347,9 +346,8 @@ def make_layer_method(context):
         if moved:
             snapshot(i + 1)
         elif hidden is not None and i >= snapshot_at:
-            if reference is not None and not computed:
-                # a replayed layer: the float layer moves `reference` too, by the arithmetic that moved it
-                (replay_staged if staged else propagate)(lm, lm.load_layer(i), i, reference)
+            if reference is not None:  # the float layer first, then the same layer quantized
+                replay_staged(lm, lm.load_layer(i), i, reference)
             layer = lm.load_layer(i)  # a fresh float layer, then exactly the saved changes
             apply_outcome(layer, prefix, outcome)
             # a staged layer moves `hidden` by the stages' own arithmetic (quant/staged.py)

@@ -26,8 +26,7 @@ def _quantize(model, out, method="gptq", fmt="int4-g32", **extra):
 
 
 @pytest.mark.demo
-@pytest.mark.parametrize("method, extra", [("gptq", {}), ("awq+gptq", {}), ("gptq", {"float_target": True}),
-                                           ("awq+gptq", {"float_target": True})])
+@pytest.mark.parametrize("method, extra", [("gptq", {}), ("awq+gptq", {}), ("gptq", {"float_target": True})])
 def test_deterministic_and_resumable(tiny_model, tmp_path, method, extra, monkeypatch):
     # float_target runs the float model's hidden states beside the quantized ones; a resumed run
     # reloads both snapshots (or replays both streams) and must reach the same bytes.
