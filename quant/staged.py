@@ -11,7 +11,7 @@ model feeds it ("true sequential"), and each part of the layer is computed once 
 output and the MLP activations are kept between stages instead of recomputed. The two-pass
 scheme (float pass for statistics, quantized pass to move on) costs a whole extra forward.
 
-Attention runs through quant/causal_attention.py (a third faster than SDPA on CPU here), so the
+Attention runs through quant/causal_attention.py (blocks of queries, or SDPA on AMX cores), so the
 stages no longer compute bit for bit what `propagate` computes: a resumed run replays its saved
 layers with `replay_staged` (the same stages without statistics) and so reaches the same bytes.
 """

@@ -25,11 +25,12 @@ def reference(q, k, v, scale, window):
     "batch,heads,kv_heads,t,window",
     [(5, 9, 3, 3 * QUERY_BLOCK + 7, None), (2, 4, 1, 2 * QUERY_BLOCK + 2, 50), (3, 2, 2, 17, None), (1, 2, 1, 130, 1)],
 )
-def test_matches_masked_softmax_attention(batch, heads, kv_heads, t, window):
+@pytest.mark.parametrize("sdpa", [False, True])
+def test_matches_masked_softmax_attention(batch, heads, kv_heads, t, window, sdpa):
     gen = torch.Generator().manual_seed(t)
     d = 32
     q, k, v = (torch.randn(batch, h, t, d, generator=gen).bfloat16() for h in (heads, kv_heads, kv_heads))
-    out = BlockCausalAttention().attend(q, k, v, 0, d**-0.5, window)
+    out = BlockCausalAttention(sdpa=sdpa).attend(q, k, v, 0, d**-0.5, window)
     ref = reference(q, k, v, d**-0.5, window)
     assert out.shape == (batch, heads, t, d) and out.dtype == torch.bfloat16
     # bf16 scores and probabilities: errors of a few bf16 ulps of values of size ~1
@@ -38,6 +39,19 @@ def test_matches_masked_softmax_attention(batch, heads, kv_heads, t, window):
     if window == 1:  # each query sees only itself
         assert torch.equal(out, v.repeat_interleave(heads // kv_heads, 1))
 
+
+def test_sdpa_is_taken_only_for_full_causal_attention(monkeypatch):
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    q, k, v = (torch.randn(1, h, 70, 16).bfloat16() for h in (4, 2, 2))
+    kernel = BlockCausalAttention(sdpa=True)
+    kernel.attend(q, k, v, 0, 0.25, 20)
+    assert calls == []  # sliding windows stay on the blocks
+    kernel.attend(q, k, v, 0, 0.25, None)
+    assert len(calls) == 1 and calls[0]["is_causal"] and calls[0]["enable_gqa"]
+    BlockCausalAttention(sdpa=False).attend(q, k, v, 0, 0.25, None)
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize("keys", [64, 512, 2048, 186, 575, 700])
