@@ -98,7 +98,8 @@ class StatsAccumulator:
     def add(self, x: torch.Tensor) -> None:
         """Add the tokens of x: [windows, positions, K] (position 0 weighs `first_weight`), or [tokens, K]."""
         extra = self.first_weight - 1.0
-        first = x[:, 0, :].float() if extra and x.dim() == 3 else None
+        # a copy, never a view: the rows are kept until `finish`, and a view would keep all of x
+        first = x[:, 0, :].to(torch.float32, copy=True) if extra and x.dim() == 3 else None
         x = x.reshape(-1, x.shape[-1])
         if x.dtype != torch.bfloat16:
             x = x.float()

@@ -8,7 +8,7 @@ import torch
 
 from lowbit.errors import LowbitError
 from lowbit.quant.calibrate import CalibrationInputs, LayerwiseModel, calibrate, calibration_samples, first_token_weight
-from lowbit.quant.stats import StatsFile
+from lowbit.quant.stats import StatsAccumulator, StatsFile
 from lowbit.runtime.loader import load_model
 
 
@@ -138,3 +138,15 @@ def test_first_token_weight_rule():
     assert first_token_weight(2048, 1.0) == 1.0 and first_token_weight(128, 8.0) == 8.0
     with pytest.raises(LowbitError, match="--sink-weight must be at least 1"):
         first_token_weight(512, 0.5)
+
+
+def test_first_position_rows_are_copied_not_kept_as_views():
+    # StatsAccumulator keeps each window's position 0 until finish(); callers reuse their buffers.
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 8, generator=gen)
+    want = StatsAccumulator(8, first_weight=4.0)
+    want.add(x.clone())
+    got = StatsAccumulator(8, first_weight=4.0)
+    got.add(x)
+    x.fill_(7.0)  # the caller's buffer is overwritten by the next batch
+    torch.testing.assert_close(got.finish().hessian, want.finish().hessian, rtol=0, atol=0)
