@@ -151,6 +151,9 @@ def _check_outlier_flags(keep_outliers: float, keep_channels: float, salience: s
 
 
 def _method_options(method, calib, data, samples, seqlen, seed, output, wants_outliers=False, sink_weight=None) -> dict | None:
+    from lowbit.quant.methods import get_method
+
+    get_method(method)  # an unknown name is the error to report, before what goes with it
     if method not in CALIBRATED_METHODS and not wants_outliers:
         if calib is not None or data is not None:
             raise UsageError(f"--calib / --data go with --method gptq, awq or awq+gptq (or rtn with --keep-outliers), not {method}")

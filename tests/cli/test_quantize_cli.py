@@ -52,6 +52,7 @@ def test_human_summary_and_recipe_with_skip(tiny_float_model, tmp_path, run_cli)
         (["--format", "fp8-tensor", "--group-size", "128"], 2, "group"),
         (["--format", "int4", "--skip", "*.no_such_proj"], 2, "matches no"),
         (["--format", "int4", "--method", "magic"], 2, "unknown method"),
+        (["--format", "int4", "--method", "magic", "--data", "wiki-calib"], 2, "unknown method 'magic'"),
         (["--format", "int4", "--method", "gptq"], 2, "needs exactly one of --calib"),
         (["--format", "int4", "--calib", "stats.safetensors"], 2, "go with --method"),
         (["--group-size", "64"], 2, "--format"),
