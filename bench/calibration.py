@@ -40,6 +40,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from base_logits import RecordingModel, ReplayModel  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 BEST_BPW = 4.5  # the "best recipe" budget: bits per weight on the Linears
 
@@ -68,31 +71,6 @@ def parse_best(text: str) -> list[tuple[str, str, float]]:
             raise SystemExit(f"--best wants FORMAT:METHOD:PERCENT items, got '{item}'")
         out.append((parts[0], parts[1], float(parts[2])))
     return out
-
-
-class RecordingModel:
-    """Runs the float model and saves each window's logits to disk (the base pass)."""
-
-    def __init__(self, model, directory: Path):
-        self.model, self.directory, self.count, self.config = model, directory, 0, model.config
-
-    def __call__(self, ids, logits_start=0):
-        logits = self.model(ids, logits_start=logits_start)
-        torch.save(logits.float().cpu().clone(), self.directory / f"base-{self.count}.pt")
-        self.count += 1
-        return logits
-
-
-class ReplayModel:
-    """Plays the saved base logits back in window order, in place of running the float model."""
-
-    def __init__(self, directory: Path, config):
-        self.directory, self.config, self.count = directory, config, 0
-
-    def __call__(self, ids, logits_start=0):
-        logits = torch.load(self.directory / f"base-{self.count}.pt")
-        self.count += 1
-        return logits
 
 
 def calibrate_stats(model: str, data: str, samples: int, seqlen: int, out: Path) -> dict:

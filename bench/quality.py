@@ -27,6 +27,8 @@ import torch
 
 os.environ.setdefault("LOWBIT_KERNEL", "reference")  # exact fp32 numerics of each format
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from base_logits import RecordingModel, ReplayModel  # noqa: E402
 from lowbit.data.text import load_text  # noqa: E402
 from lowbit.formats.resolve import resolve_model  # noqa: E402
 from lowbit.quant.pipeline import quantize_model  # noqa: E402
@@ -38,32 +40,6 @@ FORMATS = [
     "int4-g32", "int4-g64", "int4-g128", "nvfp4", "mxfp4-floor", "mxfp4-roundup", "mxfp4", "nf4",
     "int8", "fp8", "fp8-block128", "int4-asym-g32", "int4-asym-g64", "int4-asym-g128",
 ]
-
-
-class RecordingModel:
-    """Runs a model and saves each window's logits to disk (the base pass)."""
-
-    def __init__(self, model, directory: Path):
-        self.model, self.directory, self.count = model, directory, 0
-        self.config = model.config
-
-    def __call__(self, ids, logits_start=0):
-        logits = self.model(ids, logits_start=logits_start)
-        torch.save(logits.float().cpu().clone(), self.directory / f"base-{self.count}.pt")
-        self.count += 1
-        return logits
-
-
-class ReplayModel:
-    """Plays the saved base logits back in window order, in place of running the base model."""
-
-    def __init__(self, directory: Path, config):
-        self.directory, self.config, self.count = directory, config, 0
-
-    def __call__(self, ids, logits_start=0):
-        logits = torch.load(self.directory / f"base-{self.count}.pt")
-        self.count += 1
-        return logits
 
 
 def run(args) -> list[dict]:
