@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lowbit.kernels import cpu_gptq
 from lowbit.quant import intq
 from lowbit.quant.groups import GroupScales, check_weight, safe_divisor
 from lowbit.quant.qtensor import QTensor
@@ -400,36 +401,48 @@ def _integer_loop(work, values, upper, scale_t, zero_t, spec: FormatSpec, block_
     It computes what intq.quantize_group_values computes, (clamp(round(x / s) + z, 0, top) − z)·s,
     as clamp(round(x / s), −z, top − z)·s, which is the same in float32 bit for bit (both sides are
     exact integers below 2^24, and beyond that both clamp to the same bound), with the safe
-    divisor taken once for the matrix and the codes formed once at the end. The loop runs a
-    Python iteration per column, so it costs operations, not arithmetic: 7 a column instead of 16
-    (SmolLM2 GPTQ: ~3 s of ~10 s).
+    divisor taken once for the matrix and the codes formed once at the end. A block of columns is
+    one C call where the library is built (kernels/cpu_gptq.py), else `int_block_torch`: the same
+    operations (bit for bit but for torch's unfused scalar tail, see kernels/gptq_columns.c) in a
+    Python iteration of 7 torch calls per column (SmolLM2 GPTQ with one refit round: ~10 s of a
+    run, ~1 s in C). Which one runs is fixed per machine, so a run's bytes are reproducible there.
     """
     k = work.shape[0]
     top = float((1 << spec.bits) - 1)
-    divisor = safe_divisor(scale_t)
+    divisor = safe_divisor(scale_t).float().contiguous()
+    scale_t = scale_t.float().contiguous()
     if zero_t is None:
         mid = float(1 << (spec.bits - 1))
-        lows, highs = [-mid] * k, [top - mid] * k
+        lows, highs = -mid, top - mid
     else:
         mid = zero_t
-        lows, highs = list(-zero_t), list(top - zero_t)
+        lows, highs = (-zero_t).float().contiguous(), (top - zero_t).float().contiguous()
+    native = cpu_gptq.available() and work.dtype == torch.float32 and upper.dtype == torch.float32
+    int_block = cpu_gptq.int_block if native else int_block_torch
     ints = torch.empty_like(work)
     for b0 in range(0, k, block_size):
         b1 = min(b0 + block_size, k)
         block = work[b0:b1].clone()
         errors = torch.empty_like(block)
-        u = upper[b0:b1, b0:b1]
-        diag = torch.diagonal(u).tolist()
-        for i in range(b1 - b0):
-            j = b0 + i
-            col, t, err = block[i], ints[j], errors[i]
-            torch.div(col, divisor[j], out=t).round_().clamp_(lows[j], highs[j])
-            torch.sub(col, torch.mul(t, scale_t[j], out=values[j]), out=err).div_(diag[i])
-            if i + 1 < b1 - b0:
-                block[i + 1 :].addr_(u[i, i + 1 :], err, alpha=-1.0)
+        bounds = (lows, highs) if zero_t is None else (lows[b0:b1], highs[b0:b1])
+        int_block(block, upper[b0:b1, b0:b1], divisor[b0:b1], scale_t[b0:b1], *bounds, ints[b0:b1], values[b0:b1], errors)
         if b1 < k:
             work[b1:].addmm_(upper[b0:b1, b1:].T, errors, alpha=-1.0)
     return ints.add_(mid).to(torch.uint8)
+
+
+def int_block_torch(block, u, divisor, scale, lo, hi, ints, values, errors) -> None:
+    """GPTQ over the columns of one block [b, n] in place, torch's twin of cpu_gptq.int_block:
+    ints = clamp(round(x / divisor), lo, hi), values = ints · scale, errors = (x − values) / u_ii,
+    and the later columns of the block take −u_ir · errors (addr_, fused on FMA machines)."""
+    diag = torch.diagonal(u).tolist()
+    bounded = isinstance(lo, torch.Tensor)
+    for i in range(block.shape[0]):
+        col, t, err = block[i], ints[i], errors[i]
+        torch.div(col, divisor[i], out=t).round_().clamp_(lo[i] if bounded else lo, hi[i] if bounded else hi)
+        torch.sub(col, torch.mul(t, scale[i], out=values[i]), out=err).div_(diag[i])
+        if i + 1 < block.shape[0]:
+            block[i + 1 :].addr_(u[i, i + 1 :], err, alpha=-1.0)
 
 
 def _rtn_fallback(w, spec, hessian, global_scale, keep) -> GPTQResult:

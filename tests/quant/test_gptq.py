@@ -121,16 +121,27 @@ def test_kept_weights_are_exact_and_excluded():
     assert output_error(w, result.values + result.kept, h) < 0.9 * output_error(w, plain, h)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["C", "torch"])
 @pytest.mark.parametrize("fmt_name", ["int4-g16", "int4-asym-g16", "int3-g32", "int5-g16", "int6-asym-g32", "int8", "int2-asym"])
-def test_integer_loop_is_the_generic_loop_bit_for_bit(fmt_name, monkeypatch):
-    """The integer-grid column loop (gptq._integer_loop) against the format-generic one."""
+def test_integer_loop_is_the_generic_loop_bit_for_bit(fmt_name, native, monkeypatch):
+    """The integer-grid column loop (gptq._integer_loop), in C (kernels/gptq_columns.c) and in
+    torch, against the format-generic one; 600 rows so the C loop splits them over threads."""
+    from lowbit.kernels import cpu_gptq
     from lowbit.quant import gptq
 
+    if native:
+        assert cpu_gptq.available(), "the C library did not build"
+        calls = []
+        monkeypatch.setattr(cpu_gptq, "int_block", lambda *a, _f=cpu_gptq.int_block: calls.append(1) or _f(*a))
+    else:
+        monkeypatch.setattr(cpu_gptq, "available", lambda: False)
     spec = parse_spec(fmt_name)
     h = correlated_hessian(80, seed=3)
-    w = 0.05 * torch.randn(12, 80, generator=torch.Generator().manual_seed(1))
+    w = 0.05 * torch.randn(600, 80, generator=torch.Generator().manual_seed(1))
     w[3, :16] = 0.0  # an all-zero group: scale 0, the safe divisor
     fast = gptq.gptq_quantize(w, spec, h, block_size=32)
+    if native:
+        assert len(calls) == 3 * 2  # 80 columns in blocks of 32, GPTQ and its refit pass
 
     class Generic:  # the same element quantizer under another name: the identity check fails
         quantize_group_values = staticmethod(lambda *a: gptq.intq.quantize_group_values(*a))

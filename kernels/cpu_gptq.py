@@ -1,0 +1,58 @@
+"""GPTQ's per-column loop for integer grids in C (kernels/gptq_columns.c): one call per block of
+columns instead of a few torch calls per column. The same float32 operations as quant/gptq.py's
+torch loop (`int_block_torch`), the same bits except where torch leaves a multiply-add unfused
+(see the C file); `available()` is False without the library, and GPTQ keeps torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from lowbit.kernels.native import load_library
+
+_P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+
+@functools.cache
+def _lib():
+    lib = load_library()
+    if lib is None or not hasattr(lib, "lowbit_gptq_int_block"):
+        return None
+    lib.lowbit_gptq_int_block.argtypes = [_P, _I64, _I64, _P, _I64, _P, _P, _P, _P, _F, _F, _P, _P, _P, _INT]
+    lib.lowbit_gptq_int_block.restype = _INT
+    return lib
+
+
+def available() -> bool:
+    return _lib() is not None
+
+
+def _rows(t: torch.Tensor, b: int, n: int) -> int:
+    """data_ptr of a float32 [b, n] block with row stride n (a slice of rows of a contiguous [K, n])."""
+    if t.dtype != torch.float32 or t.shape != (b, n) or t.stride() != (n, 1):
+        raise ValueError(f"gptq block: want float32 [{b}, {n}] rows of stride {n}, got {t.dtype} {tuple(t.shape)} {t.stride()}")
+    return t.data_ptr()
+
+
+def int_block(block: torch.Tensor, u: torch.Tensor, divisor: torch.Tensor, scale: torch.Tensor,
+              lo: torch.Tensor | float, hi: torch.Tensor | float, ints: torch.Tensor, values: torch.Tensor,
+              errors: torch.Tensor) -> None:
+    """GPTQ over the b columns of `block` [b, n] in place (see gptq_columns.c): writes the clamped
+    integers, their values and the scaled errors; u [b, b] is the block of H⁻¹'s Cholesky factor.
+    lo/hi: per-element bounds [b, n] or one number each."""
+    b, n = block.shape
+    if u.dtype != torch.float32 or u.shape != (b, b):
+        raise ValueError(f"gptq block: u must be float32 [{b}, {b}], got {u.dtype} {tuple(u.shape)}")
+    if u.stride(1) != 1:
+        u = u.contiguous()
+    arrays = isinstance(lo, torch.Tensor)
+    rc = _lib().lowbit_gptq_int_block(
+        _rows(block, b, n), b, n, u.data_ptr(), u.stride(0), _rows(divisor, b, n), _rows(scale, b, n),
+        _rows(lo, b, n) if arrays else None, _rows(hi, b, n) if arrays else None,
+        0.0 if arrays else lo, 0.0 if arrays else hi,
+        _rows(ints, b, n), _rows(values, b, n), _rows(errors, b, n), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"lowbit_gptq_int_block failed with code {rc}")
