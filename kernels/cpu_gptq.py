@@ -21,7 +21,7 @@ def _lib():
     lib = load_library()
     if lib is None or not hasattr(lib, "lowbit_gptq_int_block"):
         return None
-    lib.lowbit_gptq_int_block.argtypes = [_P, _I64, _I64, _P, _I64, _P, _P, _P, _P, _F, _F, _P, _P, _P, _INT]
+    lib.lowbit_gptq_int_block.argtypes = [_P, _I64, _I64, _P, _I64, _P, _P, _P, _P, _F, _F, _P, _P, _P, _P, _P, _INT]
     lib.lowbit_gptq_int_block.restype = _INT
     return lib
 
@@ -39,20 +39,26 @@ def _rows(t: torch.Tensor, b: int, n: int) -> int:
 
 def int_block(block: torch.Tensor, u: torch.Tensor, divisor: torch.Tensor, scale: torch.Tensor,
               lo: torch.Tensor | float, hi: torch.Tensor | float, ints: torch.Tensor, values: torch.Tensor,
-              errors: torch.Tensor) -> None:
+              errors: torch.Tensor, keep: torch.Tensor | None = None, kept: torch.Tensor | None = None) -> None:
     """GPTQ over the b columns of `block` [b, n] in place (see gptq_columns.c): writes the clamped
     integers, their values and the scaled errors; u [b, b] is the block of H⁻¹'s Cholesky factor.
-    lo/hi: per-element bounds [b, n] or one number each."""
+    lo/hi: per-element bounds [b, n] or one number each. keep (bool [b, n]) marks weights held in
+    bf16 instead (written to kept, with value and integer 0)."""
     b, n = block.shape
     if u.dtype != torch.float32 or u.shape != (b, b):
         raise ValueError(f"gptq block: u must be float32 [{b}, {b}], got {u.dtype} {tuple(u.shape)}")
     if u.stride(1) != 1:
         u = u.contiguous()
     arrays = isinstance(lo, torch.Tensor)
+    if (keep is None) != (kept is None):
+        raise ValueError("gptq block: keep and kept go together")
+    if keep is not None and (keep.dtype != torch.bool or keep.shape != (b, n) or keep.stride() != (n, 1)):
+        raise ValueError(f"gptq block: keep must be bool [{b}, {n}] rows of stride {n}")
     rc = _lib().lowbit_gptq_int_block(
         _rows(block, b, n), b, n, u.data_ptr(), u.stride(0), _rows(divisor, b, n), _rows(scale, b, n),
         _rows(lo, b, n) if arrays else None, _rows(hi, b, n) if arrays else None,
         0.0 if arrays else lo, 0.0 if arrays else hi,
-        _rows(ints, b, n), _rows(values, b, n), _rows(errors, b, n), torch.get_num_threads())
+        _rows(ints, b, n), _rows(values, b, n), _rows(errors, b, n),
+        None if keep is None else keep.data_ptr(), None if kept is None else _rows(kept, b, n), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"lowbit_gptq_int_block failed with code {rc}")

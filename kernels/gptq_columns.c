@@ -16,16 +16,32 @@
    differ by a rounding (tested: under 1 % of the elements). Weight rows never interact, so
    threads split them; each row's arithmetic does not depend on the split.
 
-   lo/hi: arrays [B, N] (asymmetric: -zero and top - zero), or NULL to use lo_s/hi_s for all. */
+   lo/hi: arrays [B, N] (asymmetric: -zero and top - zero), or NULL to use lo_s/hi_s for all.
+   keep/kept (outliers, or NULL): where keep is set the weight is held in bf16 instead of coded,
+   t = 0 (its code stands for 0), value = 0, kept = bf16(x) and err = (x - kept) / u[i][i];
+   elsewhere kept = 0. */
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #define ROWS_PER_TASK 256
 
+/* x rounded to bfloat16 (nearest, ties to even) and back, as torch's x.to(bfloat16).float();
+   NaN stays NaN. */
+static inline float bf16_round(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return x;
+    bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+    memcpy(&x, &bits, 4);
+    return x;
+}
+
 int lowbit_gptq_int_block(float *block, int64_t b, int64_t n, const float *u, int64_t ldu,
                           const float *divisor, const float *scale, const float *lo, const float *hi,
-                          float lo_s, float hi_s, float *ints, float *values, float *errors, int threads) {
+                          float lo_s, float hi_s, float *ints, float *values, float *errors,
+                          const uint8_t *keep, float *kept, int threads) {
     if (b <= 0 || n <= 0) return 0;
     const int64_t tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
 #pragma omp parallel for num_threads(threads) schedule(static) if (tasks > 1 && threads > 1)
@@ -55,6 +71,20 @@ int lowbit_gptq_int_block(float *block, int64_t b, int64_t n, const float *u, in
                     t[k] = q;
                     v[k] = q * s[k];
                     e[k] = (x[k] - v[k]) / diag;
+                }
+            }
+            if (keep) {
+                const uint8_t *m = keep + i * n;
+                float *kp = kept + i * n;
+                for (int64_t k = n0; k < n1; k++) {
+                    if (m[k]) {
+                        kp[k] = bf16_round(x[k]);
+                        t[k] = 0.0f;
+                        v[k] = 0.0f;
+                        e[k] = (x[k] - kp[k]) / diag;
+                    } else {
+                        kp[k] = 0.0f;
+                    }
                 }
             }
             for (int64_t r = i + 1; r < b; r++) {

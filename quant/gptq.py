@@ -207,8 +207,8 @@ def _column_pass(ws, member_scales, keeps, prepared: PreparedHessian, spec: Form
     values = torch.zeros_like(work)
     kept = torch.zeros_like(work) if any_keep else None
     codes = None
-    if keep_t is None and fmt.quantize_group_values is intq.quantize_group_values:
-        codes = _integer_loop(work, values, upper, scale_t, zero_t, spec, block_size)
+    if fmt.quantize_group_values is intq.quantize_group_values:
+        codes = _integer_loop(work, values, upper, scale_t, zero_t, spec, block_size, keep_t, kept)
     for b0 in range(0, k if codes is None else 0, block_size):
         b1 = min(b0 + block_size, k)
         block = work[b0:b1].clone()
@@ -395,8 +395,10 @@ def _row_errors(w, values, kept, h):
     return ((e @ h) * e).sum(1)
 
 
-def _integer_loop(work, values, upper, scale_t, zero_t, spec: FormatSpec, block_size: int) -> torch.Tensor:
-    """The column loop for integer grids, writing `values` and returning the codes [K, N] (uint8).
+def _integer_loop(work, values, upper, scale_t, zero_t, spec: FormatSpec, block_size: int, keep_t=None,
+                  kept=None) -> torch.Tensor:
+    """The column loop for integer grids, writing `values` (and `kept` where keep_t marks weights
+    held in bf16) and returning the codes [K, N] (uint8).
 
     It computes what intq.quantize_group_values computes, (clamp(round(x / s) + z, 0, top) − z)·s,
     as clamp(round(x / s), −z, top − z)·s, which is the same in float32 bit for bit (both sides are
@@ -425,22 +427,33 @@ def _integer_loop(work, values, upper, scale_t, zero_t, spec: FormatSpec, block_
         block = work[b0:b1].clone()
         errors = torch.empty_like(block)
         bounds = (lows, highs) if zero_t is None else (lows[b0:b1], highs[b0:b1])
-        int_block(block, upper[b0:b1, b0:b1], divisor[b0:b1], scale_t[b0:b1], *bounds, ints[b0:b1], values[b0:b1], errors)
+        held = () if keep_t is None else (keep_t[b0:b1], kept[b0:b1])
+        int_block(block, upper[b0:b1, b0:b1], divisor[b0:b1], scale_t[b0:b1], *bounds, ints[b0:b1], values[b0:b1], errors,
+                  *held)
         if b1 < k:
             work[b1:].addmm_(upper[b0:b1, b1:].T, errors, alpha=-1.0)
     return ints.add_(mid).to(torch.uint8)
 
 
-def int_block_torch(block, u, divisor, scale, lo, hi, ints, values, errors) -> None:
+def int_block_torch(block, u, divisor, scale, lo, hi, ints, values, errors, keep=None, kept=None) -> None:
     """GPTQ over the columns of one block [b, n] in place, torch's twin of cpu_gptq.int_block:
     ints = clamp(round(x / divisor), lo, hi), values = ints · scale, errors = (x − values) / u_ii,
-    and the later columns of the block take −u_ir · errors (addr_, fused on FMA machines)."""
+    and the later columns of the block take −u_ir · errors (addr_, fused on FMA machines). Where
+    `keep` is set: ints = values = 0, kept = bf16(x), errors = (x − kept) / u_ii."""
     diag = torch.diagonal(u).tolist()
     bounded = isinstance(lo, torch.Tensor)
     for i in range(block.shape[0]):
         col, t, err = block[i], ints[i], errors[i]
         torch.div(col, divisor[i], out=t).round_().clamp_(lo[i] if bounded else lo, hi[i] if bounded else hi)
-        torch.sub(col, torch.mul(t, scale[i], out=values[i]), out=err).div_(diag[i])
+        if keep is None:
+            torch.sub(col, torch.mul(t, scale[i], out=values[i]), out=err).div_(diag[i])
+        else:
+            mask = keep[i]
+            t.masked_fill_(mask, 0.0)
+            torch.mul(t, scale[i], out=values[i]).masked_fill_(mask, 0.0)
+            held = torch.where(mask, col.to(torch.bfloat16).float(), 0.0)
+            kept[i] = held
+            torch.sub(col, torch.where(mask, held, values[i]), out=err).div_(diag[i])
         if i + 1 < block.shape[0]:
             block[i + 1 :].addr_(u[i, i + 1 :], err, alpha=-1.0)
 

@@ -121,11 +121,13 @@ def test_kept_weights_are_exact_and_excluded():
     assert output_error(w, result.values + result.kept, h) < 0.9 * output_error(w, plain, h)
 
 
+@pytest.mark.parametrize("kept", [False, True], ids=["all-coded", "kept-weights"])
 @pytest.mark.parametrize("native", [True, False], ids=["C", "torch"])
 @pytest.mark.parametrize("fmt_name", ["int4-g16", "int4-asym-g16", "int3-g32", "int5-g16", "int6-asym-g32", "int8", "int2-asym"])
-def test_integer_loop_is_the_generic_loop_bit_for_bit(fmt_name, native, monkeypatch):
+def test_integer_loop_is_the_generic_loop_bit_for_bit(fmt_name, native, kept, monkeypatch):
     """The integer-grid column loop (gptq._integer_loop), in C (kernels/gptq_columns.c) and in
-    torch, against the format-generic one; 600 rows so the C loop splits them over threads."""
+    torch, against the format-generic one, with and without weights kept in bf16 (outliers);
+    600 rows so the C loop splits them over threads."""
     from lowbit.kernels import cpu_gptq
     from lowbit.quant import gptq
 
@@ -139,7 +141,11 @@ def test_integer_loop_is_the_generic_loop_bit_for_bit(fmt_name, native, monkeypa
     h = correlated_hessian(80, seed=3)
     w = 0.05 * torch.randn(600, 80, generator=torch.Generator().manual_seed(1))
     w[3, :16] = 0.0  # an all-zero group: scale 0, the safe divisor
-    fast = gptq.gptq_quantize(w, spec, h, block_size=32)
+    keep = None
+    if kept:
+        keep = torch.rand(w.shape, generator=torch.Generator().manual_seed(2)) < 0.02
+        keep[5, :16] = True  # a group held whole
+    fast = gptq.gptq_quantize(w, spec, h, block_size=32, keep=keep)
     if native:
         assert len(calls) == 3 * 2  # 80 columns in blocks of 32, GPTQ and its refit pass
 
@@ -147,10 +153,15 @@ def test_integer_loop_is_the_generic_loop_bit_for_bit(fmt_name, native, monkeypa
         quantize_group_values = staticmethod(lambda *a: gptq.intq.quantize_group_values(*a))
 
     monkeypatch.setattr(gptq, "intq", Generic)
-    slow = gptq.gptq_quantize(w, spec, h, block_size=32)
+    slow = gptq.gptq_quantize(w, spec, h, block_size=32, keep=keep)
     assert torch.equal(fast.qtensor.qweight, slow.qtensor.qweight)
     assert torch.equal(fast.values, slow.values)
-    assert torch.equal(fast.qtensor.dequantize(), fast.values)
+    assert torch.equal(fast.qtensor.dequantize(), fast.values)  # kept weights' codes stand for 0
+    if kept:
+        assert torch.equal(fast.kept, slow.kept)
+        # held in bf16 as GPTQ had moved them, in place of a code (which stands for 0)
+        assert torch.equal(fast.kept, fast.kept.to(torch.bfloat16).float()) and not fast.values[keep].any()
+        assert fast.kept[keep].abs().min() > 0 and not fast.kept[~keep].any()
 
 
 def test_refit_scales_is_the_direct_least_squares_solve():
