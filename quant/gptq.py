@@ -406,8 +406,9 @@ def _integer_loop(work, values, upper, scale_t, zero_t, spec: FormatSpec, block_
     divisor taken once for the matrix and the codes formed once at the end. A block of columns is
     one C call where the library is built (kernels/cpu_gptq.py), else `int_block_torch`: the same
     operations (bit for bit but for torch's unfused scalar tail, see kernels/gptq_columns.c) in a
-    Python iteration of 7 torch calls per column (SmolLM2 GPTQ with one refit round: ~10 s of a
-    run, ~1 s in C). Which one runs is fixed per machine, so a run's bytes are reproducible there.
+    Python iteration of 7 torch calls per column (SmolLM2 GPTQ with one refit round: this loop took
+    10.6 s of a run in torch, 5.0 s with the C blocks, 2.6 s of it in C). Which one runs is fixed
+    per machine, so a run's bytes are reproducible there.
     """
     k = work.shape[0]
     top = float((1 << spec.bits) - 1)
