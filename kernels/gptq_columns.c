@@ -1,4 +1,6 @@
-/* GPTQ's column loop over one block of columns for integer grids (quant/gptq.py `_integer_loop`).
+/* GPTQ's column loop over one block of columns, for integer grids (quant/gptq.py `_integer_loop`,
+   lowbit_gptq_int_block) and for element grids (`_grid_loop`, lowbit_gptq_grid_block: minifloats
+   and NF4, whose element quantizer is a table lookup; see the end of this file).
 
    In Python the loop costs a few torch calls per column (~50 us each column of a 135M model,
    ~10 s of a GPTQ run) for very little arithmetic; here a block of up to 128 columns is one call.
@@ -36,6 +38,16 @@ static inline float bf16_round(float x) {
     bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
     memcpy(&x, &bits, 4);
     return x;
+}
+
+/* Column i's scaled errors e fed into the block's later columns r > i, rows n0..n1. */
+static inline void update_later_columns(float *block, int64_t b, int64_t n, const float *u, int64_t ldu, int64_t i,
+                                        const float *e, int64_t n0, int64_t n1) {
+    for (int64_t r = i + 1; r < b; r++) {
+        const float c = u[i * ldu + r];
+        float *y = block + r * n;
+        for (int64_t k = n0; k < n1; k++) y[k] = fmaf(-c, e[k], y[k]);
+    }
 }
 
 int lowbit_gptq_int_block(float *block, int64_t b, int64_t n, const float *u, int64_t ldu,
@@ -87,11 +99,63 @@ int lowbit_gptq_int_block(float *block, int64_t b, int64_t n, const float *u, in
                     }
                 }
             }
-            for (int64_t r = i + 1; r < b; r++) {
-                const float c = u[i * ldu + r];
-                float *y = block + r * n;
-                for (int64_t k = n0; k < n1; k++) y[k] = fmaf(-c, e[k], y[k]);
+            update_later_columns(block, b, n, u, ldu, i, e, n0, n1);
+        }
+    }
+    return 0;
+}
+
+/* The same loop for formats whose element quantizer is "the nearest value of x / divisor on a
+   grid" (minifloats, NF4; quant/codec.py ElementGrid): g values ascending (magnitudes when
+   sign_bit is set, the code then taking sign_bit for negative x, -0 included), g - 1 midpoints in
+   double, x exactly on midpoint j going up when tie_up[j]. Beyond the last midpoint it saturates.
+   Writes the codes (uint8) where the integer loop writes integers; value = grid value * scale. */
+int lowbit_gptq_grid_block(float *block, int64_t b, int64_t n, const float *u, int64_t ldu,
+                           const float *divisor, const float *scale, int64_t g, const double *mids,
+                           const uint8_t *tie_up, const float *grid, const uint8_t *grid_codes, int sign_bit,
+                           uint8_t *codes, float *values, float *errors, const uint8_t *keep, float *kept,
+                           int threads) {
+    if (b <= 0 || n <= 0 || g <= 0) return g <= 0;
+    const int64_t tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+#pragma omp parallel for num_threads(threads) schedule(static) if (tasks > 1 && threads > 1)
+    for (int64_t task = 0; task < tasks; task++) {
+        const int64_t n0 = task * ROWS_PER_TASK;
+        const int64_t n1 = n0 + ROWS_PER_TASK < n ? n0 + ROWS_PER_TASK : n;
+        for (int64_t i = 0; i < b; i++) {
+            const float *x = block + i * n, *d = divisor + i * n, *s = scale + i * n;
+            const uint8_t *m = keep ? keep + i * n : 0;
+            uint8_t *c = codes + i * n;
+            float *v = values + i * n, *e = errors + i * n, *kp = kept ? kept + i * n : 0;
+            const float diag = u[i * ldu + i];
+            for (int64_t k = n0; k < n1; k++) {
+                const int held = m && m[k];
+                const float r = held ? 0.0f : x[k] / d[k];  /* a kept weight's code stands for +0 */
+                const double a = sign_bit ? fabs((double)r) : (double)r;
+                int64_t lo = 0, hi = g - 1;  /* lo = how many midpoints lie below a */
+                while (lo < hi) {
+                    const int64_t mid = (lo + hi) / 2;
+                    if (mids[mid] < a) lo = mid + 1;
+                    else hi = mid;
+                }
+                if (lo < g - 1 && a == mids[lo] && tie_up[lo]) lo++;
+                float value = grid[lo];
+                uint8_t code = grid_codes[lo];
+                if (sign_bit && signbit(r)) {
+                    value = -value;
+                    code |= (uint8_t)sign_bit;
+                }
+                c[k] = code;
+                if (held) {
+                    kp[k] = bf16_round(x[k]);
+                    v[k] = 0.0f;
+                    e[k] = (x[k] - kp[k]) / diag;
+                } else {
+                    if (kp) kp[k] = 0.0f;
+                    v[k] = value * s[k];
+                    e[k] = (x[k] - v[k]) / diag;
+                }
             }
+            update_later_columns(block, b, n, u, ldu, i, e, n0, n1);
         }
     }
     return 0;

@@ -7,7 +7,7 @@ is encoded, rounded and decoded the same way, so both modules take these functio
 from __future__ import annotations
 
 from lowbit.quant.groups import safe_divisor
-from lowbit.quant.minifloat import decode_e2m1, encode_e2m1, round_e2m1
+from lowbit.quant.minifloat import decode_e2m1, element_grid as _minifloat_grid, encode_e2m1, round_e2m1
 
 
 def quantize_group_values(x, scale, zero, spec):
@@ -18,6 +18,10 @@ def quantize_group_values(x, scale, zero, spec):
 def fake_quantize(x, scale):
     """The values of quantize_group_values without the codes (the scale search's hot loop)."""
     return round_e2m1(x / safe_divisor(scale)).mul_(scale)
+
+
+def element_grid(spec):
+    return _minifloat_grid("e2m1")
 
 
 def dequantize_codes(codes, scale, zero, spec):

@@ -34,6 +34,7 @@ from lowbit.quant.groups import (
     search_best,
 )
 from lowbit.quant.minifloat import E4M3_MAX, E5M2_MAX, to_fp8
+from lowbit.quant.minifloat import element_grid as minifloat_grid
 from lowbit.quant.qtensor import QTensor
 from lowbit.quant.spec import FormatSpec
 
@@ -58,6 +59,10 @@ def part_layout(spec: FormatSpec, shape: tuple[int, int]) -> dict:
 def quantize_group_values(x, scale, zero, spec: FormatSpec):
     f8 = to_fp8(x / safe_divisor(scale), spec.element)
     return f8.view(torch.uint8), f8.float() * scale
+
+
+def element_grid(spec: FormatSpec):
+    return minifloat_grid(spec.element)
 
 
 def dequantize_codes(codes, scale, zero, spec: FormatSpec):

@@ -209,6 +209,8 @@ def _column_pass(ws, member_scales, keeps, prepared: PreparedHessian, spec: Form
     codes = None
     if fmt.quantize_group_values is intq.quantize_group_values:
         codes = _integer_loop(work, values, upper, scale_t, zero_t, spec, block_size, keep_t, kept)
+    elif hasattr(fmt, "element_grid") and cpu_gptq.available():
+        codes = _grid_loop(work, values, upper, scale_t, fmt.element_grid(spec), block_size, keep_t, kept)
     for b0 in range(0, k if codes is None else 0, block_size):
         b1 = min(b0 + block_size, k)
         block = work[b0:b1].clone()
@@ -410,7 +412,6 @@ def _integer_loop(work, values, upper, scale_t, zero_t, spec: FormatSpec, block_
     10.6 s of a run in torch, 5.0 s with the C blocks, 2.6 s of it in C). Which one runs is fixed
     per machine, so a run's bytes are reproducible there.
     """
-    k = work.shape[0]
     top = float((1 << spec.bits) - 1)
     divisor = safe_divisor(scale_t).float().contiguous()
     scale_t = scale_t.float().contiguous()
@@ -423,17 +424,43 @@ def _integer_loop(work, values, upper, scale_t, zero_t, spec: FormatSpec, block_
     native = cpu_gptq.available() and work.dtype == torch.float32 and upper.dtype == torch.float32
     int_block = cpu_gptq.int_block if native else int_block_torch
     ints = torch.empty_like(work)
+
+    def run(b0, b1, block, u, errors):
+        bounds = (lows, highs) if zero_t is None else (lows[b0:b1], highs[b0:b1])
+        held = () if keep_t is None else (keep_t[b0:b1], kept[b0:b1])
+        int_block(block, u, divisor[b0:b1], scale_t[b0:b1], *bounds, ints[b0:b1], values[b0:b1], errors, *held)
+
+    _by_blocks(work, upper, block_size, run)
+    return ints.add_(mid).to(torch.uint8)
+
+
+def _grid_loop(work, values, upper, scale_t, grid, block_size: int, keep_t=None, kept=None) -> torch.Tensor:
+    """The column loop in C for formats with an element grid (codec.ElementGrid: minifloats, NF4),
+    writing `values` (and `kept`) and returning the codes [K, N]: the generic loop's operations
+    without its 16 torch calls a column (tested against it)."""
+    divisor = safe_divisor(scale_t).float().contiguous()
+    scale_t = scale_t.float().contiguous()
+    codes = torch.empty(work.shape, dtype=torch.uint8)
+
+    def run(b0, b1, block, u, errors):
+        held = () if keep_t is None else (keep_t[b0:b1], kept[b0:b1])
+        cpu_gptq.grid_block(block, u, divisor[b0:b1], scale_t[b0:b1], grid, codes[b0:b1], values[b0:b1], errors, *held)
+
+    _by_blocks(work, upper, block_size, run)
+    return codes
+
+
+def _by_blocks(work, upper, block_size: int, run) -> None:
+    """GPTQ's lazy batches: run(b0, b1, block, u, errors) does the columns b0..b1 of a copy of
+    `work` in place, then their errors reach every later column in one product."""
+    k = work.shape[0]
     for b0 in range(0, k, block_size):
         b1 = min(b0 + block_size, k)
         block = work[b0:b1].clone()
         errors = torch.empty_like(block)
-        bounds = (lows, highs) if zero_t is None else (lows[b0:b1], highs[b0:b1])
-        held = () if keep_t is None else (keep_t[b0:b1], kept[b0:b1])
-        int_block(block, upper[b0:b1, b0:b1], divisor[b0:b1], scale_t[b0:b1], *bounds, ints[b0:b1], values[b0:b1], errors,
-                  *held)
+        run(b0, b1, block, upper[b0:b1, b0:b1], errors)
         if b1 < k:
             work[b1:].addmm_(upper[b0:b1, b1:].T, errors, alpha=-1.0)
-    return ints.add_(mid).to(torch.uint8)
 
 
 def int_block_torch(block, u, divisor, scale, lo, hi, ints, values, errors, keep=None, kept=None) -> None:

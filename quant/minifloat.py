@@ -76,6 +76,18 @@ def _positive_grid(name: str) -> tuple[torch.Tensor, torch.Tensor, int]:
     return finite64, mids, sign_bit
 
 
+@functools.cache
+def element_grid(name: str):
+    """encode_minifloat(·, name) as a codec.ElementGrid: the finite magnitudes in code order, ties
+    going up from an odd code (to the even one)."""
+    from lowbit.quant.codec import ElementGrid
+
+    grid, mids, sign_bit = _positive_grid(name)
+    below = torch.arange(mids.numel())
+    return ElementGrid(values=grid.float(), codes=torch.arange(grid.numel(), dtype=torch.uint8), mids=mids,
+                       tie_up=(below % 2 == 1).to(torch.uint8), sign_bit=sign_bit)
+
+
 def encode_minifloat(x: torch.Tensor, name: str) -> torch.Tensor:
     """Round float values to codes of `name` ("e2m1", "e4m3", "e5m2"): nearest, ties to even code.
 

@@ -33,7 +33,7 @@ from lowbit.errors import UsageError
 from lowbit.quant import codec
 from lowbit.quant.groups import GroupScales, check_weight, grouped_weights, grouped, num_groups, search_best
 from lowbit.quant.minifloat import E2M1_MAX, e8m0_to_float, float_to_e8m0
-from lowbit.quant.fp4_elements import dequantize_codes, quantize_group_values  # noqa: F401 - part of the format interface
+from lowbit.quant.fp4_elements import dequantize_codes, element_grid, quantize_group_values  # noqa: F401 - part of the format interface
 from lowbit.quant.fp4_elements import fake_quantize as _fake_quantize
 from lowbit.quant.packing import pack_bits, packed_width, unpack_bits
 from lowbit.quant.qtensor import QTensor

@@ -89,6 +89,12 @@ def quantize_group_values(x, scale, zero, spec: FormatSpec):
     return codes.to(torch.uint8), NF4_VALUES.to(y.device)[codes] * scale
 
 
+def element_grid(spec: FormatSpec) -> codec.ElementGrid:
+    """quantize_group_values as a table: bucketize's ties (right=False) stay on the lower code."""
+    return codec.ElementGrid(values=NF4_VALUES.clone(), codes=torch.arange(16, dtype=torch.uint8),
+                             mids=_MIDPOINTS.double(), tie_up=torch.zeros(15, dtype=torch.uint8), sign_bit=0)
+
+
 def dequantize_codes(codes, scale, zero, spec: FormatSpec):
     return NF4_VALUES.to(codes.device)[codes.long()] * scale
 

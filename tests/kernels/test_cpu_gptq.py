@@ -78,3 +78,18 @@ def test_bad_layouts_are_refused():
         cpu_gptq.int_block(block, u, divisor, scale, lo, hi, ints, values, errors, torch.zeros(8, 16, dtype=torch.bool))
     with pytest.raises(ValueError, match="bool"):
         cpu_gptq.int_block(block, u, divisor, scale, lo, hi, ints, values, errors, torch.zeros(8, 16), torch.empty(8, 16))
+
+
+def test_grid_block_refuses_bad_tables_and_codes():
+    from lowbit.quant import get_format, parse_spec
+
+    grid = get_format(parse_spec("nvfp4")).element_grid(parse_spec("nvfp4"))
+    block, u, divisor, scale, _, _ = _case(8, 16, False)
+    values, errors = torch.empty(8, 16), torch.empty(8, 16)
+    with pytest.raises(ValueError, match="uint8"):
+        cpu_gptq.grid_block(block, u, divisor, scale, grid, torch.empty(8, 16), values, errors)
+    import dataclasses
+
+    short = dataclasses.replace(grid, tie_up=grid.tie_up[:-1])
+    with pytest.raises(ValueError, match="tables"):
+        cpu_gptq.grid_block(block, u, divisor, scale, short, torch.empty(8, 16, dtype=torch.uint8), values, errors)

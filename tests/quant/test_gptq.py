@@ -164,6 +164,34 @@ def test_integer_loop_is_the_generic_loop_bit_for_bit(fmt_name, native, kept, mo
         assert fast.kept[keep].abs().min() > 0 and not fast.kept[~keep].any()
 
 
+@pytest.mark.parametrize("kept", [False, True], ids=["all-coded", "kept-weights"])
+@pytest.mark.parametrize("fmt_name", ["nvfp4", "mxfp4", "fp8", "fp8-block128", "nf4"])
+def test_grid_loop_is_the_generic_loop_bit_for_bit(fmt_name, kept, monkeypatch):
+    """The C column loop for element-grid formats (gptq._grid_loop) against the format-generic
+    torch loop: the same codes, values and kept weights; 600 rows so the C loop splits them."""
+    from lowbit.kernels import cpu_gptq
+    from lowbit.quant import gptq
+
+    assert cpu_gptq.available(), "the C library did not build"
+    spec = parse_spec(fmt_name)
+    h = correlated_hessian(256, seed=4)
+    w = 0.05 * torch.randn(600, 256, generator=torch.Generator().manual_seed(1))
+    w[3, :64] = 0.0  # an all-zero group
+    keep = None
+    if kept:
+        keep = torch.rand(w.shape, generator=torch.Generator().manual_seed(2)) < 0.02
+    calls = []
+    monkeypatch.setattr(cpu_gptq, "grid_block", lambda *a, _f=cpu_gptq.grid_block: calls.append(1) or _f(*a))
+    fast = gptq.gptq_quantize(w, spec, h, block_size=64, keep=keep)
+    assert calls, "the grid loop did not run"
+    monkeypatch.setattr(cpu_gptq, "available", lambda: False)
+    slow = gptq.gptq_quantize(w, spec, h, block_size=64, keep=keep)
+    assert torch.equal(fast.qtensor.qweight, slow.qtensor.qweight)
+    assert torch.equal(fast.values, slow.values)
+    if kept:
+        assert torch.equal(fast.kept, slow.kept)
+
+
 def test_refit_scales_is_the_direct_least_squares_solve():
     gen = torch.Generator().manual_seed(5)
     n, k, g = 6, 40, 16  # a ragged last group of 8
