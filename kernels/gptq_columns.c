@@ -50,6 +50,12 @@ static inline void update_later_columns(float *block, int64_t b, int64_t n, cons
     }
 }
 
+/* The weight rows n0..n1 of one task: threads split the rows, which never interact. */
+static inline void task_rows(int64_t task, int64_t n, int64_t *n0, int64_t *n1) {
+    *n0 = task * ROWS_PER_TASK;
+    *n1 = *n0 + ROWS_PER_TASK < n ? *n0 + ROWS_PER_TASK : n;
+}
+
 int lowbit_gptq_int_block(float *block, int64_t b, int64_t n, const float *u, int64_t ldu,
                           const float *divisor, const float *scale, const float *lo, const float *hi,
                           float lo_s, float hi_s, float *ints, float *values, float *errors,
@@ -58,8 +64,8 @@ int lowbit_gptq_int_block(float *block, int64_t b, int64_t n, const float *u, in
     const int64_t tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
 #pragma omp parallel for num_threads(threads) schedule(static) if (tasks > 1 && threads > 1)
     for (int64_t task = 0; task < tasks; task++) {
-        const int64_t n0 = task * ROWS_PER_TASK;
-        const int64_t n1 = n0 + ROWS_PER_TASK < n ? n0 + ROWS_PER_TASK : n;
+        int64_t n0, n1;
+        task_rows(task, n, &n0, &n1);
         for (int64_t i = 0; i < b; i++) {
             float *x = block + i * n;
             float *t = ints + i * n, *v = values + i * n, *e = errors + i * n;
@@ -119,8 +125,8 @@ int lowbit_gptq_grid_block(float *block, int64_t b, int64_t n, const float *u, i
     const int64_t tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
 #pragma omp parallel for num_threads(threads) schedule(static) if (tasks > 1 && threads > 1)
     for (int64_t task = 0; task < tasks; task++) {
-        const int64_t n0 = task * ROWS_PER_TASK;
-        const int64_t n1 = n0 + ROWS_PER_TASK < n ? n0 + ROWS_PER_TASK : n;
+        int64_t n0, n1;
+        task_rows(task, n, &n0, &n1);
         for (int64_t i = 0; i < b; i++) {
             const float *x = block + i * n, *d = divisor + i * n, *s = scale + i * n;
             const uint8_t *m = keep ? keep + i * n : 0;
