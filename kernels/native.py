@@ -1,6 +1,6 @@
 """Build and load the small C library behind the CPU kernels (kernels/lut_gemv.c, kernels/bf16_gemv.c,
 kernels/int4_dot.c, kernels/paged_decode.c, kernels/rowops.c, kernels/f32_dot.c, kernels/int4_vnni.c,
-kernels/gptq_columns.c).
+kernels/gptq_columns.c, kernels/scale_search.c).
 
 The library is compiled on first use with the system C compiler for the CPU it runs on
 (-march=native), cached under $LOWBIT_HOME/kernels keyed by the source, the compiler flags and
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from lowbit.paths import lowbit_home
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("lut_gemv.c", "bf16_gemv.c", "int4_dot.c", "paged_decode.c", "rowops.c", "f32_dot.c", "int4_vnni.c", "gptq_columns.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("lut_gemv.c", "bf16_gemv.c", "int4_dot.c", "paged_decode.c", "rowops.c", "f32_dot.c", "int4_vnni.c", "gptq_columns.c", "scale_search.c"))
 _NATIVE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 # A build without AVX-512 (tests run it so the scalar code is checked on AVX-512 machines too).
 _PORTABLE_FLAGS = ("-O3", "-march=x86-64-v2", "-fopenmp", "-shared", "-fPIC", "-std=c11")

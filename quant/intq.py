@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import torch
 
+from lowbit.kernels import cpu_scale_search
 from lowbit.quant import codec
 from lowbit.quant.groups import (
     GroupScales,
@@ -127,7 +128,16 @@ def compute_scales(w, spec: FormatSpec, *, stats=None, global_scale=None) -> Gro
 
 def _search(wg, weight, spec: FormatSpec, rounder):
     candidates = _symmetric_candidates(wg, spec, rounder) if spec.symmetric else _asymmetric_candidates(wg, spec, rounder)
-    return search_best(wg, weight, candidates, lambda x, s, z=None: _fake_quantize(x, s, z, spec))
+    if not cpu_scale_search.available() or wg.dtype != torch.float32:
+        return search_best(wg, weight, candidates, lambda x, s, z=None: _fake_quantize(x, s, z, spec))
+    # The same errors in one C pass per group (kernels/scale_search.c), summed in double; ties keep
+    # the earlier candidate, as search_best does.
+    candidates = list(candidates)
+    parts = [torch.stack([c[p].squeeze(-1) for c in candidates]) for p in range(len(candidates[0]))]
+    errors = cpu_scale_search.candidate_errors(wg, weight, parts[0], parts[1] if len(parts) > 1 else None,
+                                               float(1 << (spec.bits - 1)), float((1 << spec.bits) - 1))
+    best = errors.argmin(0, keepdim=True)  # the first of equal minima
+    return tuple(p.gather(0, best).squeeze(0).unsqueeze(-1) for p in parts)
 
 
 def _code_max(spec: FormatSpec) -> int:
