@@ -12,22 +12,17 @@ import functools
 
 import torch
 
-from lowbit.kernels.native import load_library
+from lowbit.kernels.native import bound_library
 
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
 @functools.cache
 def _lib():
-    lib = load_library()
-    if lib is None or not hasattr(lib, "lowbit_gptq_int_block"):
-        return None
-    lib.lowbit_gptq_int_block.argtypes = [_P, _I64, _I64, _P, _I64, _P, _P, _P, _P, _F, _F, _P, _P, _P, _P, _P, _INT]
-    lib.lowbit_gptq_int_block.restype = _INT
-    lib.lowbit_gptq_grid_block.argtypes = [_P, _I64, _I64, _P, _I64, _P, _P, _I64, _P, _P, _P, _P, _INT, _P, _P, _P, _P, _P,
-                                           _INT]
-    lib.lowbit_gptq_grid_block.restype = _INT
-    return lib
+    return bound_library({
+        "lowbit_gptq_int_block": [_P, _I64, _I64, _P, _I64, _P, _P, _P, _P, _F, _F, _P, _P, _P, _P, _P, _INT],
+        "lowbit_gptq_grid_block": [_P, _I64, _I64, _P, _I64, _P, _P, _I64, _P, _P, _P, _P, _INT, _P, _P, _P, _P, _P, _INT],
+    })
 
 
 def available() -> bool:

@@ -9,19 +9,14 @@ import functools
 
 import torch
 
-from lowbit.kernels.native import load_library
+from lowbit.kernels.native import bound_library
 
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
 @functools.cache
 def _lib():
-    lib = load_library()
-    if lib is None or not hasattr(lib, "lowbit_int_scale_errors"):
-        return None
-    lib.lowbit_int_scale_errors.argtypes = [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _F, _F, _P, _INT]
-    lib.lowbit_int_scale_errors.restype = _INT
-    return lib
+    return bound_library({"lowbit_int_scale_errors": [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _F, _F, _P, _INT]})
 
 
 def available() -> bool:

@@ -103,3 +103,15 @@ def load_library(portable: bool = False) -> ctypes.CDLL | None:
     lib.lowbit_f32_matmul.argtypes = [_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _I64, _INT]
     lib.lowbit_f32_matmul.restype = _INT
     return lib
+
+
+def bound_library(signatures: dict[str, list]) -> ctypes.CDLL | None:
+    """The library with these functions' argument types set (each returns an int status), or None
+    without the library or without one of them."""
+    lib = load_library()
+    if lib is None or not all(hasattr(lib, name) for name in signatures):
+        return None
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, _INT
+    return lib
