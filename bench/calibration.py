@@ -74,7 +74,7 @@ def parse_best(text: str) -> list[tuple[str, str, float]]:
 
 
 def calibrate_stats(model: str, data: str, samples: int, seqlen: int, out: Path) -> dict:
-    from lowbit.quant.calibrate import calibrate, prepare_calibration
+    from lowbit.compress.calibrate import calibrate, prepare_calibration
 
     inputs = prepare_calibration(model, data, samples=samples, seqlen=seqlen)
     return calibrate(inputs, out, overwrite=True)
@@ -83,11 +83,11 @@ def calibrate_stats(model: str, data: str, samples: int, seqlen: int, out: Path)
 def quantized_copy(model_dir: Path, stats_path: Path, spec_label: str, method: str, outliers: float, refit: int = 1,
                    salience: str = "error", damp: float | None = None):
     """(float model holding the quantized weights, linear bits/weight, seconds, notes)."""
-    from lowbit.quant.calibrate import LayerStats, LayerwiseModel
-    from lowbit.quant.outliers import outlier_bits
-    from lowbit.quant.sequential import QuantOptions, apply_outcome, quantize_layer
+    from lowbit.compress.calibrate import LayerStats, LayerwiseModel
+    from lowbit.quant.outlier_matrix import outlier_bits
+    from lowbit.compress.sequential import QuantOptions, apply_outcome, quantize_layer
     from lowbit.quant.spec import parse_spec
-    from lowbit.quant.stats import StatsFile
+    from lowbit.compress.stats import StatsFile
     from lowbit.runtime.loader import load_model
 
     model = load_model(model_dir, dtype=torch.float32)
@@ -130,7 +130,7 @@ def quantized_copy(model_dir: Path, stats_path: Path, spec_label: str, method: s
 
 def recipe_specs(label: str, stats_file) -> dict:
     """module -> FormatSpec (None: dense) for every Linear with statistics, from the recipe file `@PATH`."""
-    from lowbit.quant.recipe import load_recipe, match_rules
+    from lowbit.compress.recipe import load_recipe, match_rules
 
     rules = match_rules(load_recipe(label[1:]), [m for mods in stats_file.site_modules.values() for m in mods])
     return {m: (rule.spec if rule is not None else None) for m, rule in rules.items()}
@@ -140,7 +140,7 @@ def plain_rtn(layer, prefix: str, specs: dict):
     """What `lowbit quantize --method rtn` does to one layer: no calibration statistics (quantize_layer's
     rtn would weight the scale search by E[x²]), nvfp4's global scale shared by fused Linears."""
     from lowbit.quant.rtn import quantize_rtn, shared_global_scale
-    from lowbit.quant.sequential import FUSED, LayerOutcome
+    from lowbit.compress.sequential import FUSED, LayerOutcome
 
     global_scales = {}
     for fused in FUSED:

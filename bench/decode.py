@@ -109,7 +109,7 @@ def main() -> None:
     quantize_linears_(int4.model, "int4", int4.device)
     r1 = lowbit_decode(int4, prompt, gen)
     # Speculation with the int4 target: its matmuls and attention are batch-invariant
-    # (kernels/int4_dot.c, kernels/paged_decode.c), so a verify of 1 + k rows computes each row
+    # (native/int4_dot.c, native/paged_decode.c), so a verify of 1 + k rows computes each row
     # exactly as plain decoding does, and the output must be identical at bf16 too.
     # k = 3: a verify of 1 + 3 rows is one pass of the int4 kernel over the weights (4 rows per pass)
     engine = Engine(MODEL, dtype="bfloat16", max_num_seqs=1, max_model_len=1024, draft="ngram", num_speculative_tokens=3)

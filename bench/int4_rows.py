@@ -3,7 +3,7 @@
 Rows are what a step multiplies through each weight: 1 at batch 1, 1 + k in a speculative
 verify, the batch size when decoding many sequences. For the demo model quantized to int4 (RTN,
 g128, q/k/v and gate/up joined as the engine runs them) this times the 120 layer matmuls and the
-lm_head of one step on the batch-invariant kernel (kernels/int4_dot.c), best of `--reps`, and
+lm_head of one step on the batch-invariant kernel (native/int4_dot.c), best of `--reps`, and
 prints beside it:
 - the streaming bound: weight bytes over the bandwidth a float32 sum over 256 MB reaches here;
 - the dot-product bound: rows x weights / 32 `vdpbf16ps` instructions at the rate a loop of

@@ -4,8 +4,8 @@
 
 Rows: the prefill route (bf16 weights and torch's GEMM: what `lowbit eval` and every prompt use),
 and the decode kernel (cpu-int4dot, what every generated token uses) over all rows of each chunk
-with bf16 activations (`LOWBIT_INT4_ACTIVATIONS=bf16`, kernels/int4_dot.c) and with int8 ones
-(the default on VNNI CPUs, kernels/int4_vnni.c). KLD is against the float model (--base), so the
+with bf16 activations (`LOWBIT_INT4_ACTIVATIONS=bf16`, native/int4_dot.c) and with int8 ones
+(the default on VNNI CPUs, native/int4_vnni.c). KLD is against the float model (--base), so the
 int8 row's excess over the bf16 row is what quantizing the activations costs.
 """
 

@@ -40,7 +40,7 @@ def dump_ids(args: argparse.Namespace) -> None:
     """Save lowbit's calibration windows (the ones `lowbit quantize --data` would draw) as [S, T] int64."""
     import torch
 
-    from lowbit.quant.calibrate import prepare_calibration
+    from lowbit.compress.calibrate import prepare_calibration
 
     inputs = prepare_calibration(args.model, args.data, args.samples, args.seqlen, args.seed)
     torch.save(inputs.ids.clone(), args.dump_ids)

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from base_logits import RecordingModel, ReplayModel  # noqa: E402
 from lowbit.data.text import load_text  # noqa: E402
 from lowbit.formats.resolve import resolve_model  # noqa: E402
-from lowbit.quant.pipeline import quantize_model  # noqa: E402
+from lowbit.compress.pipeline import quantize_model  # noqa: E402
 from lowbit.runtime.evaluate import evaluate_tokens, plan_windows, tokenize_for_eval  # noqa: E402
 from lowbit.runtime.loader import load_model  # noqa: E402
 from lowbit.runtime.tokenizer import load_tokenizer  # noqa: E402

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from lowbit.quant.outliers import BITS_PER_OUTLIER
-from lowbit.quant.recipe import load_recipe, match_rules
+from lowbit.quant.outlier_matrix import BITS_PER_OUTLIER
+from lowbit.compress.recipe import load_recipe, match_rules
 from lowbit.quant.registry import bits_per_weight
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,8 +10,8 @@ import pytest
 
 from lowbit.runtime.engine.engine import Engine
 from lowbit.runtime.engine.sequence import SamplingParams
-from lowbit.tests.runtime.conftest import _llama_config, build_hf
-from lowbit.tests.runtime.engine.conftest import save_with_tokenizer
+from tests.runtime.conftest import _llama_config, build_hf
+from tests.runtime.engine.conftest import save_with_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from lowbit.formats.native import NativeReader
-from lowbit.quant.pipeline import quantize_model
-from lowbit.quant.recipe import parse_recipe
+from lowbit.compress.pipeline import quantize_model
+from lowbit.compress.recipe import parse_recipe
 
 
 @pytest.fixture

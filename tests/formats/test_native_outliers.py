@@ -14,9 +14,9 @@ from lowbit.errors import LowbitError
 from lowbit.formats.convert import convert
 from lowbit.formats.foreign import read_checkpoint
 from lowbit.formats.native import NativeReader, load_native, save_native
-from lowbit.quant.outliers import pack_outliers, unpack_outliers
+from lowbit.quant.outlier_matrix import pack_outliers, unpack_outliers
 from lowbit.quant.rtn import quantize_rtn
-from lowbit.tests.formats.conftest import TINY_CONFIG, tiny_weights
+from tests.formats.conftest import TINY_CONFIG, tiny_weights
 
 
 def _with_outliers(w: torch.Tensor, label: str, percent: float = 2.0):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lowbit.kernels import prepare, qmatmul
-from lowbit.tests.kernels.cases import FP32_TOL, ROWS, SHAPES, SPECS, oracle, quantized, rel_err
+from tests.kernels.cases import FP32_TOL, ROWS, SHAPES, SPECS, oracle, quantized, rel_err
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/kernels/test_triton_interpreter.py"
 

@@ -1,4 +1,4 @@
-"""The fused CPU decode attention (kernels/paged_decode.c) against the float64 oracle, and its
+"""The fused CPU decode attention (native/paged_decode.c) against the float64 oracle, and its
 batch invariance (rows of a step alone == together, bit for bit)."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""kernels/f32_dot.c through kernels/cpu_f32.py: float32 Linears at a few rows, batch-invariant."""
+"""native/f32_dot.c through kernels/cpu_f32.py: float32 Linears at a few rows, batch-invariant."""
 
 import pytest
 import torch

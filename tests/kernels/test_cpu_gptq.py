@@ -1,4 +1,4 @@
-"""kernels/gptq_columns.c against its torch twin (quant/gptq.int_block_torch): the integers, their
+"""native/gptq_columns.c against its torch twin (quant/gptq.int_block_torch): the integers, their
 values, the scaled errors, the updated block and the weights kept in bf16, for symmetric bounds
 (two numbers) and asymmetric ones (per element), with rows split over threads. Bit for bit, except where torch's addr_ runs a
 scalar tail (the last elements of a row, or of a thread's share of it) without fusing the
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowbit.kernels import cpu_gptq
-from lowbit.quant.gptq import int_block_torch
+from lowbit.native import gptq_columns as cpu_gptq
+from lowbit.compress.gptq import int_block_torch
 
 
 def _case(b: int, n: int, asymmetric: bool, seed: int = 0):

@@ -5,7 +5,7 @@ import torch
 
 from lowbit.errors import LowbitError, UsageError
 from lowbit.kernels import choose_path, cpu_bf16, cpu_int4dot, cpu_lut, native, prepare, qmatmul
-from lowbit.tests.kernels.cases import BF16_TOL, FP32_TOL, ROWS, SHAPES, SPECS, oracle, quantized, rel_err
+from tests.kernels.cases import BF16_TOL, FP32_TOL, ROWS, SHAPES, SPECS, oracle, quantized, rel_err
 
 # Paths that round activations (and scales) to bf16; the others compute in float32.
 BF16_PATHS = {"cpu-int4dot", "cpu-int4", "cpu-int8", "cpu-bf16"}

@@ -1,10 +1,10 @@
-"""The batch-invariant int4 kernel (kernels/int4_dot.c) against the float64 oracle, row by row."""
+"""The batch-invariant int4 kernel (native/int4_dot.c) against the float64 oracle, row by row."""
 
 import pytest
 import torch
 
 from lowbit.kernels import cpu_int4dot, prepare, qmatmul
-from lowbit.tests.kernels.cases import SHAPES, oracle, quantized, rel_err
+from tests.kernels.cases import SHAPES, oracle, quantized, rel_err
 
 pytestmark = pytest.mark.skipif(not cpu_int4dot.bf16_available(), reason="no AVX512-BF16 build on this machine")
 LABELS = ["int4", "int4-asym-g64", "int4-asym", "int4-channel"]

@@ -1,11 +1,11 @@
-"""The int8-activation int4 kernel (kernels/int4_vnni.c) against its float64 oracle, row by row."""
+"""The int8-activation int4 kernel (native/int4_vnni.c) against its float64 oracle, row by row."""
 
 import pytest
 import torch
 
 from lowbit.errors import LowbitError
 from lowbit.kernels import cpu_int4dot, layout, qmatmul
-from lowbit.tests.kernels.cases import oracle, quantized, rel_err
+from tests.kernels.cases import oracle, quantized, rel_err
 
 pytestmark = pytest.mark.skipif(not cpu_int4dot.vnni_available(), reason="no AVX512-VNNI build on this machine")
 LABELS = ["int4", "int4-g64", "int4-asym-g64", "int4-asym", "int4-channel"]

@@ -1,4 +1,4 @@
-"""The C row ops (kernels/rowops.c) against torch's reference arithmetic and a float64 oracle, and
+"""The C row ops (native/rowops.c) against torch's reference arithmetic and a float64 oracle, and
 their batch invariance (a row alone == the same row among others, bit for bit, threaded or not)."""
 
 import pytest
@@ -186,7 +186,7 @@ def test_usable_only_without_autograd_on_cpu_float_weights_of_the_same_dtype():
 def test_portable_build_computes_the_same_bits(monkeypatch):
     """No FMA contraction or reassociation: the AVX-512 build's vector lanes and the portable
     build's (x86-64-v2) compute every value identically."""
-    from lowbit.kernels import native
+    from lowbit.native import build as native
 
     portable = cpu_rowops.configure(native.load_library(portable=True))
     if portable is None:

@@ -1,4 +1,4 @@
-"""kernels/scale_search.c: every candidate's weighted squared error against a float64 torch
+"""native/scale_search.c: every candidate's weighted squared error against a float64 torch
 computation of the same formula, and the search it drives (quant/intq.py) against torch's
 search_best: the same choice in every group but near-ties, where both choices score the same."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowbit.kernels import cpu_scale_search
+from lowbit.native import scale_search as cpu_scale_search
 from lowbit.quant import get_format, parse_spec
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from lowbit.quant import parse_spec
-from lowbit.quant.awq import fold_scale, quantized_error, scale_groups, search_scales
-from lowbit.quant.stats import StatsAccumulator
+from lowbit.compress.awq import fold_scale, quantized_error, scale_groups, search_scales
+from lowbit.compress.stats import StatsAccumulator
 from lowbit.runtime.loader import load_model
 
 
@@ -64,7 +64,7 @@ FAKE_SPECS = ["int4-g32", "int4-asym-g64", "int8", "nf4", "nf4-dq", "int4-asym-g
 @pytest.mark.parametrize("label", FAKE_SPECS)
 def test_fake_quantize_is_dequantize_of_quantize(label):
     """The searches' unpacked shortcut gives exactly the checkpoint's dequantized weights (ragged K)."""
-    from lowbit.quant.awq import fake_quantize
+    from lowbit.compress.awq import fake_quantize
     from lowbit.quant.registry import get_format
 
     spec = parse_spec(label)
@@ -76,7 +76,7 @@ def test_fake_quantize_is_dequantize_of_quantize(label):
 
 
 def test_score_rows_spread_and_whole_for_blocks():
-    from lowbit.quant.awq import score_rows
+    from lowbit.compress.awq import score_rows
 
     rows = score_rows(1000, parse_spec("int4-g64"), limit=256)
     assert rows.numel() == 256 and rows[0] == 0 and rows[-1] == 999

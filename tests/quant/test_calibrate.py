@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from lowbit.errors import LowbitError
-from lowbit.quant.calibrate import CalibrationInputs, LayerwiseModel, calibrate, calibration_samples, first_token_weight
-from lowbit.quant.stats import StatsAccumulator, StatsFile
+from lowbit.compress.calibrate import CalibrationInputs, LayerwiseModel, calibrate, calibration_samples, first_token_weight
+from lowbit.compress.stats import StatsAccumulator, StatsFile
 from lowbit.runtime.loader import load_model
 
 

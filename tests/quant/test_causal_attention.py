@@ -1,11 +1,11 @@
-"""The calibration attention (quant/causal_attention.py) against float64 masked softmax attention."""
+"""The calibration attention (kernels/causal_attention.py) against float64 masked softmax attention."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lowbit.quant.causal_attention import QUERY_BLOCK, BlockCausalAttention
+from lowbit.kernels.causal_attention import QUERY_BLOCK, BlockCausalAttention
 
 
 def reference(q, k, v, scale, window):

@@ -49,7 +49,7 @@ def test_grid_is_the_formats_element_quantizer(fmt_name):
 
 
 def test_formats_without_a_grid_are_the_integer_ones():
-    """Integer grids run their own loop (kernels/gptq_columns.c int_block); every other format
+    """Integer grids run their own loop (native/gptq_columns.c int_block); every other format
     offers an ElementGrid, so no format is left on the slow generic loop."""
     from lowbit.quant import intq
     from lowbit.quant.registry import _MODULES

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lowbit.quant import get_format, parse_spec
-from lowbit.quant.gptq import gptq_quantize, output_error, prepare_hessian, refit_scales
+from lowbit.compress.gptq import gptq_quantize, output_error, prepare_hessian, refit_scales
 
 FORMATS = ["int4-g32", "int4-asym-g64", "nf4", "mxfp4", "nvfp4", "fp8", "int8"]
 
@@ -125,11 +125,11 @@ def test_kept_weights_are_exact_and_excluded():
 @pytest.mark.parametrize("native", [True, False], ids=["C", "torch"])
 @pytest.mark.parametrize("fmt_name", ["int4-g16", "int4-asym-g16", "int3-g32", "int5-g16", "int6-asym-g32", "int8", "int2-asym"])
 def test_integer_loop_is_the_generic_loop_bit_for_bit(fmt_name, native, kept, monkeypatch):
-    """The integer-grid column loop (gptq._integer_loop), in C (kernels/gptq_columns.c) and in
+    """The integer-grid column loop (gptq._integer_loop), in C (native/gptq_columns.c) and in
     torch, against the format-generic one, with and without weights kept in bf16 (outliers);
     600 rows so the C loop splits them over threads."""
-    from lowbit.kernels import cpu_gptq
-    from lowbit.quant import gptq
+    from lowbit.native import gptq_columns as cpu_gptq
+    from lowbit.compress import gptq
 
     if native:
         assert cpu_gptq.available(), "the C library did not build"
@@ -169,8 +169,8 @@ def test_integer_loop_is_the_generic_loop_bit_for_bit(fmt_name, native, kept, mo
 def test_grid_loop_is_the_generic_loop_bit_for_bit(fmt_name, kept, monkeypatch):
     """The C column loop for element-grid formats (gptq._grid_loop) against the format-generic
     torch loop: the same codes, values and kept weights; 600 rows so the C loop splits them."""
-    from lowbit.kernels import cpu_gptq
-    from lowbit.quant import gptq
+    from lowbit.native import gptq_columns as cpu_gptq
+    from lowbit.compress import gptq
 
     assert cpu_gptq.available(), "the C library did not build"
     spec = parse_spec(fmt_name)
@@ -254,8 +254,8 @@ def test_refit_with_kept_weights_and_where_it_does_not_apply():
 def test_float_target_is_the_ridge_solution_and_leaves_equal_inputs_alone():
     # W' = argmin E‖W' x − W x_float‖² + λ‖W' − W‖², solved directly in float64 as one least squares
     # over stacked rows [X; sqrt(λ) I] against [X_float Wᵀ; sqrt(λ) Wᵀ].
-    from lowbit.quant.gptq import float_target
-    from lowbit.quant.stats import ShiftAccumulator, StatsAccumulator
+    from lowbit.compress.gptq import float_target
+    from lowbit.compress.stats import ShiftAccumulator, StatsAccumulator
 
     g = torch.Generator().manual_seed(3)
     n_tok, k, n = 400, 24, 10
@@ -283,7 +283,7 @@ def test_float_target_is_the_ridge_solution_and_leaves_equal_inputs_alone():
 
 
 def test_shift_accumulator_weights_the_first_position_like_the_hessian():
-    from lowbit.quant.stats import ShiftAccumulator
+    from lowbit.compress.stats import ShiftAccumulator
 
     g = torch.Generator().manual_seed(4)
     x_float = torch.randn(3, 5, 4, generator=g)

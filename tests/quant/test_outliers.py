@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from lowbit.quant import get_format, parse_spec
-from lowbit.quant.gptq import output_error
-from lowbit.quant.outliers import outlier_bits, outlier_mask, pack_outliers, salience, unpack_outliers
-from lowbit.quant.stats import StatsAccumulator
+from lowbit.compress.gptq import output_error
+from lowbit.compress.outliers import outlier_mask, salience
+from lowbit.quant.outlier_matrix import outlier_bits, pack_outliers, unpack_outliers
+from lowbit.compress.stats import StatsAccumulator
 
 
 def _stats(k: int, seed: int = 0):
@@ -92,7 +93,7 @@ def test_error_salience_takes_the_weight_that_stretches_its_group():
 def test_error_salience_takes_a_weight_on_a_massive_channel_inside_the_range():
     # Channel 7 carries activations 10⁴× louder than the rest: any weight there costs more error
     # than narrowing a range saves, even though w[1, 7] is neither its group's largest nor smallest.
-    from lowbit.quant.stats import InputStats
+    from lowbit.compress.stats import InputStats
 
     sq_mean = torch.ones(64)
     sq_mean[7] = 1e4

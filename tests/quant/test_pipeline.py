@@ -12,9 +12,9 @@ from safetensors.torch import load_file, save_file
 
 from lowbit.errors import LowbitError, UsageError
 from lowbit.formats.native import NativeReader
-from lowbit.quant.methods import LayerResult, register_method, rtn_layer
-from lowbit.quant.pipeline import quantize_model
-from lowbit.quant.recipe import load_recipe, parse_recipe
+from lowbit.compress.methods import LayerResult, register_method, rtn_layer
+from lowbit.compress.pipeline import quantize_model
+from lowbit.compress.recipe import load_recipe, parse_recipe
 from lowbit.quant.registry import weight_bytes
 from lowbit.quant.rtn import quantize_rtn
 from lowbit.runtime.loader import load_model

@@ -1,4 +1,4 @@
-"""`lowbit quantize --method gptq|awq|awq+gptq` through quant/pipeline.py: sequential calibration
+"""`lowbit quantize --method gptq|awq|awq+gptq` through compress/pipeline.py: sequential calibration
 is deterministic, a killed run resumes to the same bytes, and --calib STATS from another model is refused."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from lowbit.errors import LowbitError
-from lowbit.quant.calibrate import CalibrationInputs, LayerwiseModel, calibrate
-from lowbit.quant.pipeline import quantize_model
-from lowbit.quant.workdir import work_dir_for
+from lowbit.compress.calibrate import CalibrationInputs, LayerwiseModel, calibrate
+from lowbit.compress.pipeline import quantize_model
+from lowbit.compress.workdir import work_dir_for
 
 TEXT = " ".join(f"The {i}th river flows past the old mill near town number {i * 7 % 13}." for i in range(200))
 
@@ -46,7 +46,7 @@ def test_deterministic_and_resumable(tiny_model, tmp_path, method, extra, monkey
 
     # Kill the run right after layer 1's result is saved; the rerun continues from the work folder
     # (replaying layer 1 from its saved result, where gptq computed it stage by stage).
-    from lowbit.quant.workdir import WorkDir
+    from lowbit.compress.workdir import WorkDir
 
     real = WorkDir.save_layer
 
@@ -90,7 +90,7 @@ def test_calib_stats_quantize_every_format(tiny_model, tmp_path):
     ("model.layers.1.post_attention_layernorm.weight", r"non-finite activations .* entering model\.layers\.1\.mlp\.gate_proj"),
 ])
 def test_gptq_staged_refuses_non_finite_activations(tiny_model, tmp_path, where, message):
-    # GPTQ calibrates site by site (quant/staged.py); an inf norm weight poisons that site's input,
+    # GPTQ calibrates site by site (compress/staged.py); an inf norm weight poisons that site's input,
     # which must stop the run with one line naming the site, and no output.
     from safetensors.torch import load_file, save_file
 
@@ -110,7 +110,7 @@ def test_gptq_staged_gemma3_resumes_to_the_same_bytes(tiny_model, tmp_path, monk
     # Gemma-3's sandwich norms (post-attention, pre/post-FFN) and sliding windows go through the
     # site-by-site pass; a resumed run replays finished layers through the plain layer forward, so
     # equal bytes mean the stages computed exactly what the layer computes.
-    from lowbit.quant.workdir import WorkDir
+    from lowbit.compress.workdir import WorkDir
 
     model = tiny_model("gemma3", with_tokenizer=True)
     text = tmp_path / "calib.txt"
@@ -138,11 +138,11 @@ def test_apply_outcome_puts_in_what_the_checkpoint_holds(tiny_model, tmp_path, m
     # each Linear holding exactly the checkpoint's dequantized weight plus its side matrix, even when
     # AWQ folded the next group's scale into that Linear (o_proj into v_proj, down_proj into up_proj).
     from lowbit.formats.native import NativeReader
-    from lowbit.quant.calibrate import LayerStats
-    from lowbit.quant.outliers import unpack_outliers
-    from lowbit.quant.sequential import QuantOptions, apply_outcome, quantize_layer
+    from lowbit.compress.calibrate import LayerStats
+    from lowbit.quant.outlier_matrix import unpack_outliers
+    from lowbit.compress.sequential import QuantOptions, apply_outcome, quantize_layer
     from lowbit.quant.spec import parse_spec
-    from lowbit.quant.stats import StatsFile
+    from lowbit.compress.stats import StatsFile
     from lowbit.runtime.loader import load_model
 
     path = tiny_model("llama")
@@ -177,7 +177,7 @@ def test_awq_folds_into_a_dense_member_of_a_mixed_recipe(tiny_model, tmp_path, m
     # A recipe that keeps k_proj and gate_proj dense: AWQ still scales their groups (searched on the
     # quantized members alone), and the dense members are written with the folded scale, so
     # norm -> dense member computes what the float model did.
-    from lowbit.quant.recipe import parse_recipe
+    from lowbit.compress.recipe import parse_recipe
     from lowbit.runtime.loader import load_model
 
     path = tiny_model("llama")
@@ -205,7 +205,7 @@ def test_float_target_brings_the_output_closer_to_the_float_model(tiny_model, tm
     # GPTQ with float targets minimises each Linear's error against the float model's outputs, so
     # on the calibration windows the quantized model's last hidden states end closer to the float
     # model's than plain sequential GPTQ leaves them (int3: errors large enough to accumulate).
-    from lowbit.quant.calibrate import prepare_calibration
+    from lowbit.compress.calibrate import prepare_calibration
     from lowbit.runtime.loader import load_model
 
     model = tiny_model("llama", with_tokenizer=True)

@@ -1,8 +1,8 @@
-"""Calibration token ids cached by text and tokenizer hash (quant/token_cache.py)."""
+"""Calibration token ids cached by text and tokenizer hash (compress/token_cache.py)."""
 
 from __future__ import annotations
 
-from lowbit.quant.token_cache import cache_path, encode_cached
+from lowbit.compress.token_cache import cache_path, encode_cached
 
 
 class CountingTokenizer:

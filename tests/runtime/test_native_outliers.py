@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from lowbit.formats.native import save_native
-from lowbit.quant.outliers import pack_outliers, unpack_outliers
+from lowbit.quant.outlier_matrix import pack_outliers, unpack_outliers
 from lowbit.quant.rtn import quantize_rtn
 from lowbit.runtime.loader import load_model
 from lowbit.runtime.quant_linear import QuantLinear
@@ -88,7 +88,7 @@ def test_engine_greedy_decode_matches_the_reference(hf_checkpoint, llama_config,
     the side matrices too: its greedy tokens are the float64 reference's argmax, step by step."""
     from lowbit.runtime.engine.engine import Engine
     from lowbit.runtime.engine.sequence import SamplingParams
-    from lowbit.tests.conftest import _byte_tokenizer
+    from tests.conftest import _byte_tokenizer
 
     src, hf_model = hf_checkpoint(llama_config(vocab_size=258, bos_token_id=256, eos_token_id=257))
     _, effective = _quantize_with_outliers(src, tmp_path / "q")

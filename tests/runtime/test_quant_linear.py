@@ -68,7 +68,7 @@ def test_attach_swaps_by_name_and_checks_shapes(reference_kernels):
 
 
 def test_loaded_checkpoint_holds_no_dense_quantized_weights(tiny_float_model, tmp_path):
-    from lowbit.quant.pipeline import quantize_model
+    from lowbit.compress.pipeline import quantize_model
     from lowbit.runtime.loader import load_model
 
     src = tiny_float_model("llama")

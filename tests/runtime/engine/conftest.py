@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from lowbit.tests.runtime.conftest import _gemma3_config, _llama_config, build_hf, randomize_
+from tests.runtime.conftest import _gemma3_config, _llama_config, build_hf, randomize_
 
 
 def byte_tokenizer_json() -> dict:

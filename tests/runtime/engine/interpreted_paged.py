@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from lowbit.tests.runtime.engine.test_paged_attention import random_cache, sequence_kv
+from tests.runtime.engine.test_paged_attention import random_cache, sequence_kv
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/runtime/engine/test_paged_triton.py"
 
@@ -15,7 +15,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/runtime/eng
 @pytest.mark.parametrize("window", [None, 5])
 def test_paged_decode_kernel_matches_reference(kv_dtype, window):
     from lowbit.runtime.engine.paged_attention import reference_attention
-    from lowbit.runtime.engine.triton_paged import paged_decode
+    from lowbit.kernels.triton_paged import paged_decode
 
     cache, tables = random_cache(kv_dtype)
     lens = [1, 7, 16, 21]

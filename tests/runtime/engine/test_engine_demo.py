@@ -8,7 +8,7 @@ import torch
 
 from lowbit.runtime.engine.engine import Engine
 from lowbit.runtime.engine.sequence import SamplingParams
-from lowbit.tests.runtime.engine.test_engine import contiguous_greedy
+from tests.runtime.engine.test_engine import contiguous_greedy
 
 pytestmark = pytest.mark.demo
 GREEDY = SamplingParams(temperature=0, max_tokens=8)

@@ -8,7 +8,7 @@ from lowbit.kernels import cpu_int4dot
 from lowbit.runtime.engine.draft_models import quantize_linears_
 from lowbit.runtime.engine.engine import Engine
 from lowbit.runtime.engine.sequence import SamplingParams
-from lowbit.tests.runtime.engine.test_engine import prompts
+from tests.runtime.engine.test_engine import prompts
 
 pytestmark = pytest.mark.skipif(not cpu_int4dot.available(), reason="no AVX512-BF16 build on this machine")
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

@@ -1,0 +1,154 @@
+"""What a native checkpoint holds, per quantized layer, and how far it is from its float base.
+
+`inspect_checkpoint(path, base=None)` reads the checkpoint one module at a time (NativeReader);
+with a base model each layer's relative reconstruction error ‖W − Ŵ‖ / ‖W‖ (float64) is computed
+against the base's weight, read lazily from its safetensors, and rows come worst first.
+A layer's outlier side matrix (`--keep-outliers`) counts in its bytes and bits/weight at 48 bits per
+kept weight, and its error is that of Ŵ + S, what the runtime computes with.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from lowbit.errors import LowbitError
+from lowbit.formats.native import NativeReader, is_native
+from lowbit.quant.outlier_matrix import outlier_bits, unpack_outliers
+
+
+@dataclass(slots=True)
+class LayerRow:
+    name: str
+    format: str  # spec label
+    shape: tuple[int, int]
+    group: str  # "g64", "block128", "channel", "tensor"
+    bits_per_weight: float  # scales, zeros, global scales and the outlier side matrix included
+    bytes: int
+    rel_error: float | None = None
+    outliers: int = 0  # weights kept in bf16 beside the format (48 bits each)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "format": self.format, "shape": list(self.shape), "group": self.group,
+                "bits_per_weight": self.bits_per_weight, "bytes": self.bytes, "rel_error": self.rel_error,
+                "outliers": self.outliers}
+
+
+@dataclass(slots=True)
+class InspectReport:
+    path: str
+    base: str | None
+    rows: list[LayerRow]
+    dense_params: int  # every tensor kept dense (embeddings, norms, skipped Linears), a tied matrix once
+    dense_bytes: int
+    formats: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def quantized_params(self) -> int:
+        return sum(r.shape[0] * r.shape[1] for r in self.rows)
+
+    @property
+    def outliers(self) -> int:
+        return sum(r.outliers for r in self.rows)
+
+    @property
+    def quantized_bytes(self) -> int:
+        return sum(r.bytes for r in self.rows)
+
+    @property
+    def total_params(self) -> int:
+        return self.quantized_params + self.dense_params
+
+    @property
+    def total_bytes(self) -> int:
+        return self.quantized_bytes + self.dense_bytes
+
+    @property
+    def bf16_bytes(self) -> int:
+        return 2 * self.total_params
+
+    def to_dict(self) -> dict:
+        q, t = self.quantized_params, self.total_params
+        return {
+            "path": self.path,
+            "base": self.base,
+            "formats": self.formats,
+            "layers": [r.to_dict() for r in self.rows],
+            "quantized": {"params": q, "bytes": self.quantized_bytes,
+                          "bits_per_weight": 8.0 * self.quantized_bytes / max(1, q), "outliers": self.outliers},
+            "dense": {"params": self.dense_params, "bytes": self.dense_bytes},
+            "total": {"params": t, "bytes": self.total_bytes, "bits_per_weight": 8.0 * self.total_bytes / max(1, t),
+                      "bf16_bytes": self.bf16_bytes, "ratio_vs_bf16": self.total_bytes / max(1, self.bf16_bytes)},
+        }
+
+
+def group_label(spec) -> str:
+    if spec.granularity == "group":
+        return f"g{spec.group_size}"
+    if spec.granularity == "block":
+        return f"block{spec.group_size}"
+    return spec.granularity
+
+
+def inspect_checkpoint(path: str | os.PathLike, base: str | os.PathLike | None = None) -> InspectReport:
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise LowbitError(f"checkpoint not found: {path}")
+    if not is_native(path):
+        raise LowbitError(f"{path} is not a lowbit quantized checkpoint (convert other formats with `lowbit convert --to native`)")
+    reader = NativeReader(path)
+    source = _base_tensors(base) if base is not None else None
+    rows = []
+    for module in reader.modules:
+        qt = reader.quantized(module)
+        side = reader.outliers(module)
+        kept = 0 if side is None else int(side["indices"].numel())
+        side_bytes = 0 if side is None else sum(t.numel() * t.element_size() for t in side.values())
+        row = LayerRow(module, qt.spec.label, tuple(qt.shape), group_label(qt.spec),
+                       qt.bits_per_weight + outlier_bits(kept, tuple(qt.shape)), qt.nbytes + side_bytes, outliers=kept)
+        if source is not None:
+            row.rel_error = _error_against(source, module, qt, side)
+        rows.append(row)
+        del qt, side
+    if source is not None:
+        rows.sort(key=lambda r: -r.rel_error)
+    dense_params = dense_bytes = 0
+    for name in reader.dense_names:
+        t = reader.dense(name)
+        dense_params += t.numel()
+        dense_bytes += t.numel() * t.element_size()
+    formats: dict[str, int] = {}
+    for r in rows:
+        formats[r.format] = formats.get(r.format, 0) + 1
+    return InspectReport(str(path), str(base) if base is not None else None, rows, dense_params, dense_bytes, formats)
+
+
+def _base_tensors(base):
+    from lowbit.formats.resolve import resolve_model
+    from lowbit.compress.pipeline import SourceTensors
+
+    directory = resolve_model(base)
+    if not directory.is_dir() or not (directory / "config.json").is_file():
+        raise LowbitError(f"base model {base} is not a model directory with config.json")
+    if is_native(directory):
+        raise LowbitError(f"base model {base} is itself quantized; --base needs the float model")
+    return SourceTensors(directory)
+
+
+def _error_against(source, module: str, qt, side=None) -> float:
+    """‖W − (Ŵ + S)‖ / ‖W‖ in float64 (S: the outlier side matrix, when the layer has one)."""
+    name = f"{module}.weight"
+    if name not in source.shapes:
+        raise LowbitError(f"base model has no {name}: is it the model this checkpoint was made from?")
+    if tuple(source.shapes[name]) != tuple(qt.shape):
+        raise LowbitError(f"base {name} has shape {tuple(source.shapes[name])}, the checkpoint {tuple(qt.shape)}")
+    w = source.get(name).double()
+    approx = qt.dequantize(torch.float64)
+    if side is not None:
+        approx = approx + unpack_outliers(side, tuple(qt.shape)).double()
+    norm = w.norm()
+    diff = (approx - w).norm()
+    return float(diff / norm) if norm > 0 else float(diff)

@@ -1,0 +1,435 @@
+"""quantize_model: a float Hugging Face checkpoint -> lowbit's native quantized checkpoint.
+
+The checkpoint is walked part by part (embeddings, each decoder layer, final norm + lm_head):
+each part's tensors are read lazily from the safetensors files (memory-mapped), the method
+(compress/methods.py) quantizes the part's Linear weights, and NativeWriter streams the result into
+shards, so the process holds the output plus one layer — never the float model twice.
+
+What gets quantized: every 2-D `.weight` inside a decoder layer (`...layers.<i>.`) — the attention
+and MLP projections. Embeddings, norms and biases stay as stored; lm_head too unless
+`quantize_head`. A head tied to the embeddings is refused rather than silently untied (which
+would store the matrix twice). Modules that run fused (q/k/v, gate/up) in a format with a
+per-tensor global scale (nvfp4) share one, computed from all of them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from lowbit.errors import LowbitError, UsageError
+from lowbit.formats.atomic import atomic_dir, check_output_path
+from lowbit.formats.checkpoint import copy_side_files, read_config, weight_files
+from lowbit.formats.native import NativeWriter
+from lowbit.compress.methods import LayerWork, MethodContext, get_method
+from lowbit.compress.recipe import Recipe, match_rules, single_format
+from lowbit.quant.registry import get_format, part_layout
+from lowbit.quant.rtn import shared_global_scale
+from lowbit.quant.spec import FormatSpec, parse_spec
+
+ProgressFn = Callable[[int, int, str], None]
+
+HEAD = "lm_head"
+# Projections that read the same input and run as one fused matmul.
+FUSED_SETS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+_LAYER = re.compile(r"^(.*?\blayers\.(\d+))\.")
+_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I8": 1, "U8": 1, "I16": 2, "I32": 4, "I64": 8,
+                "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}
+_FOREIGN_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
+
+
+@dataclass(slots=True)
+class ModuleRecord:
+    name: str
+    format: str  # spec label, or "dense"
+    shape: tuple[int, int]
+    bytes_before: int
+    bytes_after: int  # the outlier side matrix included (48 bits per kept weight)
+    outliers: int = 0  # weights kept in bf16 beside the format
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8.0 * self.bytes_after / (self.shape[0] * self.shape[1])
+
+
+@dataclass(slots=True)
+class QuantizeSummary:
+    model: str
+    output: str
+    method: str
+    modules: list[ModuleRecord]
+    params: int  # every stored element of the output model (a tied matrix once)
+    bytes_before: int  # tensor bytes of the source checkpoint
+    bytes_after: int  # tensor bytes written (packed weights, scales, dense tensors)
+    seconds: float
+    recipe: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def formats(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for m in self.modules:
+            counts[m.format] = counts.get(m.format, 0) + 1
+        return counts
+
+    @property
+    def outliers(self) -> int:
+        return sum(m.outliers for m in self.modules)
+
+    @property
+    def linear_params(self) -> int:
+        return sum(m.shape[0] * m.shape[1] for m in self.modules)
+
+    @property
+    def linear_bits_per_weight(self) -> float:
+        """Bits per weight over the quantizable Linears (dense ones count at their stored width)."""
+        return 8.0 * sum(m.bytes_after for m in self.modules) / max(1, self.linear_params)
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Bits per parameter over the whole model: embeddings, norms and dense layers included."""
+        return 8.0 * self.bytes_after / max(1, self.params)
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model,
+            "output": self.output,
+            "method": self.method,
+            "formats": self.formats,
+            "recipe": self.recipe,
+            "linear_params": self.linear_params,
+            "linear_bits_per_weight": self.linear_bits_per_weight,
+            "params": self.params,
+            "bits_per_weight": self.bits_per_weight,
+            "outliers": self.outliers,
+            "bytes_before": self.bytes_before,
+            "bytes_after": self.bytes_after,
+            "seconds": self.seconds,
+            "modules": [
+                {"name": m.name, "format": m.format, "shape": list(m.shape), "bytes": m.bytes_after,
+                 "bits_per_weight": m.bits_per_weight, "outliers": m.outliers}
+                for m in self.modules
+            ],
+            "notes": self.notes,
+        }
+
+
+class SourceTensors:
+    """The tensors of a float checkpoint, read one at a time from memory-mapped safetensors."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self._handles = []
+        self.file_of: dict[str, int] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.nbytes: dict[str, int] = {}
+        for file in weight_files(directory):
+            try:
+                handle = safe_open(str(file), framework="pt")
+                for name in handle.keys():
+                    piece = handle.get_slice(name)
+                    shape = tuple(piece.get_shape())
+                    self.file_of[name] = len(self._handles)
+                    self.shapes[name] = shape
+                    self.nbytes[name] = _numel(shape) * _DTYPE_BYTES.get(piece.get_dtype(), 4)
+            except Exception as exc:  # noqa: BLE001 - safetensors raises several unrelated types
+                raise LowbitError(f"cannot read {file}: {_first_line(exc)}") from None
+            self._handles.append(handle)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.file_of)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handles[self.file_of[name]].get_tensor(name)
+
+
+@dataclass(slots=True)
+class _Part:
+    name: str
+    index: int | None
+    tensors: list[str]
+
+
+def quantize_model(
+    model: str | os.PathLike,
+    spec_or_recipe: FormatSpec | str | Recipe | None,
+    *,
+    out_dir: str | os.PathLike,
+    method: str = "rtn",
+    skip: list[str] | tuple[str, ...] = (),
+    quantize_head: bool = False,
+    overwrite: bool = False,
+    method_options: dict | None = None,
+    progress: ProgressFn | None = None,
+) -> QuantizeSummary:
+    """Quantize `model` (demo name, directory or hub id) into `out_dir`; see the module docstring.
+
+    `spec_or_recipe`: one format for every module ("int4-g64", a FormatSpec) or a Recipe
+    (compress/recipe.py) for mixed precision. `skip`: module-name patterns kept dense.
+    `progress(done, total, part_name)` is called after each part. Everything that can be wrong
+    with the inputs is checked before the output directory is created; the output appears only
+    when complete.
+    """
+    from lowbit.formats.resolve import resolve_model
+
+    started = time.perf_counter()
+    recipe = _as_recipe(spec_or_recipe).with_skips(list(skip))
+    source_dir = _source_dir(resolve_model(model))
+    config = read_config(source_dir)
+    _refuse_quantized(source_dir, config)
+    out = Path(out_dir).expanduser()
+    _check_output(out, source_dir, overwrite)
+    factory = get_method(method)
+
+    source = SourceTensors(source_dir)
+    linears = _linear_modules(source, quantize_head)
+    if quantize_head:
+        _check_head(config, source)
+    specs = _assign(recipe, linears, source)
+    parts = _parts(source.names)
+    context = MethodContext(method=method, model_dir=source_dir, config=config,
+                            num_layers=sum(p.index is not None for p in parts), options=dict(method_options or {}))
+    layer_method = factory(context)
+
+    records: list[ModuleRecord] = []
+    notes: list[str] = []
+    bytes_after = 0
+    params = 0
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        writer = NativeWriter(tmp)
+        for done, part in enumerate(parts, start=1):
+            tensors = {name: source.get(name) for name in part.tensors}
+            part_specs = {m: specs[m] for m in _modules_in(part) if specs.get(m) is not None}
+            work = LayerWork(name=part.name, index=part.index, tensors=tensors, specs=part_specs,
+                             fused=_fused_groups(part_specs), global_scales={})
+            work.global_scales = _global_scales(work)
+            result = layer_method(work)
+            _check_result(part, part_specs, result, tensors)
+            notes.extend(result.notes)
+            for module, qt in result.qtensors.items():
+                writer.add_quantized(module, qt)
+                bytes_after += qt.nbytes
+                params += _numel(qt.shape)
+            for module, side in result.outliers.items():
+                writer.add_outliers(module, side)
+                bytes_after += _outlier_bytes(side)
+            for name, tensor in tensors.items():
+                if name.endswith(".weight") and name[: -len(".weight")] in part_specs:
+                    continue
+                tensor = result.dense.get(name, tensor)
+                writer.add_dense(name, tensor)
+                bytes_after += tensor.numel() * tensor.element_size()
+                params += tensor.numel()
+            for module in _modules_in(part):
+                if module not in specs:
+                    continue
+                shape = source.shapes[f"{module}.weight"]
+                qt = result.qtensors.get(module)
+                after = qt.nbytes if qt is not None else source.nbytes[f"{module}.weight"]
+                side = result.outliers.get(module)
+                kept = 0 if side is None else int(side["indices"].numel())
+                records.append(ModuleRecord(module, qt.spec.label if qt is not None else "dense", shape,
+                                            source.nbytes[f"{module}.weight"],
+                                            after + (0 if side is None else _outlier_bytes(side)), kept))
+            del tensors, work, result
+            if progress is not None:
+                progress(done, len(parts), part.name)
+        copy_side_files(source_dir, tmp)
+        writer.close({k: v for k, v in config.items() if k != "quantization_config"})
+        _add_provenance(tmp, method, recipe, source_dir, method_options)
+
+    return QuantizeSummary(
+        model=str(model), output=str(out), method=method, modules=records, params=params,
+        bytes_before=sum(source.nbytes.values()), bytes_after=bytes_after,
+        seconds=time.perf_counter() - started, recipe=recipe.to_list(), notes=notes,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# checks and planning (all before anything is written)
+
+
+def _as_recipe(spec_or_recipe) -> Recipe:
+    if isinstance(spec_or_recipe, Recipe):
+        return spec_or_recipe
+    if isinstance(spec_or_recipe, FormatSpec):
+        return single_format(spec_or_recipe)
+    if isinstance(spec_or_recipe, str):
+        return single_format(parse_spec(spec_or_recipe))
+    raise UsageError("give a format (--format) or a recipe (--recipe)")
+
+
+def _source_dir(path: Path) -> Path:
+    if path.is_file():
+        hint = " (convert a GGUF first with `lowbit convert`)" if path.suffix.lower() == ".gguf" else ""
+        raise LowbitError(f"{path} is a file; lowbit quantize reads a Hugging Face model directory{hint}")
+    if not (path / "config.json").is_file():
+        raise LowbitError(f"{path} is not a model directory: it has no config.json")
+    return path
+
+
+def _refuse_quantized(path: Path, config: dict) -> None:
+    qc = config.get("quantization_config")
+    if isinstance(qc, dict) and qc:
+        method = qc.get("quant_method", "unknown")
+        raise LowbitError(f"{path} is already quantized (quant_method '{method}'); lowbit quantize needs a float checkpoint")
+    for name, kind in _FOREIGN_FILES.items():
+        if (path / name).is_file():
+            raise LowbitError(f"{path} is already quantized ({kind}: it has {name}); lowbit quantize needs a float checkpoint")
+
+
+def _check_output(out: Path, source: Path, overwrite: bool) -> None:
+    check_output_path(out, overwrite)
+    resolved, src = out.resolve(), source.resolve()
+    if resolved == src or src in resolved.parents or resolved in src.parents:
+        raise UsageError(f"output {out} would overwrite the model being quantized ({source})")
+
+
+def _linear_modules(source: SourceTensors, quantize_head: bool) -> list[str]:
+    modules = []
+    for name in source.names:
+        if not name.endswith(".weight") or len(source.shapes[name]) != 2:
+            continue
+        module = name[: -len(".weight")]
+        if _LAYER.match(name) or (quantize_head and module == HEAD):
+            modules.append(module)
+    if quantize_head and HEAD not in modules:
+        raise UsageError("--quantize-head: this checkpoint stores no lm_head.weight (its head is tied to the embeddings)")
+    if not modules:
+        raise LowbitError(f"{source.directory}: no decoder-layer Linear weights found (expected names like model.layers.0.mlp.down_proj.weight)")
+    return modules
+
+
+def _check_head(config: dict, source: SourceTensors) -> None:
+    tied = config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings", True))
+    if tied:
+        raise UsageError(
+            "--quantize-head: lm_head is tied to the token embeddings in this model; quantizing it would untie "
+            "them and store the matrix twice, so lowbit keeps tied heads dense"
+        )
+
+
+def _assign(recipe: Recipe, modules: list[str], source: SourceTensors) -> dict[str, FormatSpec | None]:
+    """module -> spec (None: dense), every spec checked against the module's shape."""
+    specs = {}
+    for module, rule in match_rules(recipe, modules).items():
+        spec = rule.spec if rule is not None else None
+        shape = source.shapes[f"{module}.weight"]
+        if spec is not None:
+            try:
+                part_layout(spec, shape)
+            except UsageError as exc:
+                raise UsageError(f"{module} {shape[0]}x{shape[1]}: {exc}") from None
+        specs[module] = spec
+    return specs
+
+
+def _parts(names: list[str]) -> list[_Part]:
+    """Embeddings (and anything else before the layers), each decoder layer, then the head."""
+    first, head = _Part("embeddings", None, []), _Part("head", None, [])
+    layers: dict[int, _Part] = {}
+    for name in names:
+        match = _LAYER.match(name)
+        if match:
+            index = int(match.group(2))
+            layers.setdefault(index, _Part(match.group(1), index, [])).tensors.append(name)
+        elif name.startswith(HEAD + ".") or re.search(r"(^|\.)norm\.weight$", name):
+            head.tensors.append(name)
+        else:
+            first.tensors.append(name)
+    ordered = [layers[i] for i in sorted(layers)]
+    return [p for p in (first, *ordered, head) if p.tensors]
+
+
+def _modules_in(part: _Part) -> list[str]:
+    return [n[: -len(".weight")] for n in part.tensors if n.endswith(".weight")]
+
+
+def _fused_groups(specs: dict[str, FormatSpec]) -> list[tuple[str, ...]]:
+    groups = []
+    by_parent: dict[str, dict[str, str]] = {}
+    for module in specs:
+        parent, _, leaf = module.rpartition(".")
+        by_parent.setdefault(parent, {})[leaf] = module
+    for leaves in by_parent.values():
+        for fused in FUSED_SETS:
+            members = tuple(leaves[leaf] for leaf in fused if leaf in leaves)
+            if len(members) > 1:
+                groups.append(members)
+    return groups
+
+
+def _global_scales(work: LayerWork) -> dict[str, torch.Tensor]:
+    """nvfp4's per-tensor scale, shared by fused modules that use the same format."""
+    out = {}
+    for group in work.fused:
+        spec = work.specs[group[0]]
+        if any(work.specs[m] != spec for m in group):
+            continue  # different formats never run as one matmul
+        if not hasattr(get_format(spec), "global_scale_for"):
+            continue  # no global scale: reading the weights would only map their pages for the whole run
+        scale = shared_global_scale([work.weight(m) for m in group], spec)
+        if scale is not None:
+            out.update(dict.fromkeys(group, scale))
+    return out
+
+
+def _check_result(part: _Part, specs: dict, result, tensors: dict) -> None:
+    got, want = set(result.qtensors), set(specs)
+    if got != want:
+        raise LowbitError(f"{part.name}: the method returned {sorted(got)} but was asked for {sorted(want)}")
+    for module, qt in result.qtensors.items():
+        if qt.spec != specs[module] or tuple(qt.shape) != tuple(tensors[f"{module}.weight"].shape):
+            raise LowbitError(f"{module}: the method returned {qt.spec.label} {qt.shape}, expected {specs[module].label}")
+    extra = set(result.dense) - set(tensors)
+    if extra:
+        raise LowbitError(f"{part.name}: the method returned unknown dense tensors {sorted(extra)}")
+    stray = set(result.outliers) - got
+    if stray:
+        raise LowbitError(f"{part.name}: the method returned outliers for modules it did not quantize: {sorted(stray)}")
+
+
+def _outlier_bytes(side: dict[str, torch.Tensor]) -> int:
+    """Stored bytes of a side matrix: int32 index + bf16 value, 48 bits per kept weight."""
+    return sum(t.numel() * t.element_size() for t in side.values())
+
+
+# Method options that say where files were, not how the weights were made.
+_LOCAL_OPTIONS = ("work_dir", "snapshot_every_s")
+
+
+def _add_provenance(directory: Path, method: str, recipe: Recipe, source: Path, options: dict | None = None) -> None:
+    """Record how the checkpoint was made beside the per-module specs (informational only)."""
+    import json
+
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    qc = config["quantization_config"]
+    qc["method"] = method
+    qc["recipe"] = recipe.to_list()
+    qc["source"] = source.name
+    recorded = {k: v if isinstance(v, (bool, int, float)) or v is None else str(v)
+                for k, v in sorted((options or {}).items()) if k not in _LOCAL_OPTIONS}
+    if recorded:  # calibration text, windows, GPTQ/outlier settings: `--data wiki-calib --samples 128 ...`
+        qc["method_options"] = recorded
+    path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

@@ -1,0 +1,149 @@
+"""One in-memory picture of a checkpoint that every converter reads from and writes to.
+
+`Checkpoint` holds the model's config.json (without any quantization_config), the quantized
+Linear weights as QTensors by module name, and every other tensor dense by its Hugging Face
+name. A weight a reader could decode but not express as a lowbit QTensor (GPTQ act-order,
+a GPTQ v1 zero point of 16, a GGUF Q6_K block) is kept dense with the reason in `unexpressed`,
+so exact callers (eval) still see the true values and converters know it needs requantization.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from lowbit.errors import LowbitError
+from lowbit.quant.qtensor import QTensor
+
+# Files a model directory carries besides its weights; copied verbatim between directory formats.
+SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
+
+
+@dataclass(slots=True)
+class Checkpoint:
+    config: dict
+    qtensors: dict[str, QTensor] = field(default_factory=dict)  # module name -> QTensor
+    dense: dict[str, torch.Tensor] = field(default_factory=dict)  # HF tensor name -> tensor
+    # module name -> (nominal lowbit format label, why it could not stay quantized)
+    unexpressed: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # module name -> bf16 side matrix {'indices', 'values'} added to its QTensor (native only; quant/outlier_matrix.py)
+    outliers: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    source_dir: Path | None = None  # where tokenizer files come from (None: see `gguf`)
+    gguf: object | None = None  # the GGUFFile a GGUF source was read from
+    kind: str = "hf"
+
+    def tensors(self) -> dict[str, torch.Tensor | QTensor]:
+        """HF parameter names → dense tensors or QTensors (`<module>.weight` for quantized ones)."""
+        out: dict[str, torch.Tensor | QTensor] = dict(self.dense)
+        for module, qt in self.qtensors.items():
+            out[f"{module}.weight"] = qt
+        return out
+
+    def linear_weights(self) -> list[str]:
+        """Module names of every 2-D projection weight (quantized or dense), in a stable order."""
+        names = set(self.qtensors)
+        for name, t in self.dense.items():
+            if name.endswith(".weight") and t.dim() == 2 and _is_projection(name):
+                names.add(name[: -len(".weight")])
+        return sorted(names, key=_natural_key)
+
+
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _is_projection(name: str) -> bool:
+    return name.split(".")[-2] in _PROJECTIONS
+
+
+def _natural_key(name: str) -> list:
+    return [int(p) if p.isdigit() else p for p in name.split(".")]
+
+
+def read_config(directory: Path) -> dict:
+    path = directory / "config.json"
+    if not path.is_file():
+        raise LowbitError(f"{directory} has no config.json")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise LowbitError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(config, dict):
+        raise LowbitError(f"{path} does not hold a JSON object")
+    return config
+
+
+def weight_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [directory / n for n in names]
+        for f in files:
+            if not f.is_file():
+                raise LowbitError(f"{directory}: shard {f.name} is missing")
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise LowbitError(f"{directory} has no *.safetensors weights")
+    return files
+
+
+def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in weight_files(directory):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    out[name] = f.get_tensor(name)
+        except Exception as exc:  # noqa: BLE001 - safetensors raises several unrelated types
+            raise LowbitError(f"cannot read {file}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    return out
+
+
+def read_hf(directory: Path) -> Checkpoint:
+    config = read_config(directory)
+    config.pop("quantization_config", None)
+    return Checkpoint(config=config, dense=read_safetensors(directory), source_dir=directory, kind="hf")
+
+
+def read_native(directory: Path) -> Checkpoint:
+    from lowbit.formats.native import load_native
+
+    ckpt = load_native(directory)
+    config = dict(ckpt.config)
+    config.pop("quantization_config", None)
+    return Checkpoint(config=config, qtensors=ckpt.qtensors, dense=ckpt.dense, source_dir=directory, kind="native",
+                      outliers=ckpt.outliers)
+
+
+def copy_side_files(source: Path | None, out: Path) -> list[str]:
+    """Copy tokenizer/generation files that exist in `source` into `out`; returns their names."""
+    copied = []
+    if source is None:
+        return copied
+    for name in SIDE_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, out / name)
+            copied.append(name)
+    return copied
+
+
+def write_config(out: Path, config: dict, quantization_config: dict | None) -> None:
+    full = dict(config)
+    if quantization_config is not None:
+        full["quantization_config"] = quantization_config
+    (out / "config.json").write_text(json.dumps(full, indent=2) + "\n")

@@ -1,0 +1,311 @@
+"""`convert(IN, OUT, to=...)`: any supported checkpoint into native, compressed-tensors, GPTQ, AWQ, GGUF or HF.
+
+Each target first checks every projection weight; anything it cannot hold exactly stops the
+conversion (one line naming the layer and why) unless `allow_requant`, in which case that
+weight is requantized from its dequantized values and the result lists what changed with
+the relative Frobenius error per layer. Outputs are written atomically.
+
+A native checkpoint's outlier side matrices (`--keep-outliers`) have no place in the other
+formats: `--to native` copies them, `--to hf` adds them into the dense weights (exact), and the
+quantized targets refuse unless `allow_requant`, which folds each into its weight (Ŵ + S) and
+requantizes that in the layer's own format before the target's usual checks.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from lowbit.errors import UsageError
+from lowbit.formats.atomic import atomic_dir, atomic_file, check_output_path
+from lowbit.formats.checkpoint import Checkpoint, copy_side_files, write_config
+from lowbit.formats.foreign import detect_checkpoint_kind, read_checkpoint
+from lowbit.formats.requant import LayerChange, dequantized, refuse_unless_allowed, relative_error, source_label
+from lowbit.quant.qtensor import QTensor
+from lowbit.quant.rtn import quantize_rtn
+from lowbit.quant.spec import FormatSpec
+
+TARGETS = ("native", "compressed-tensors", "gptq", "awq", "gguf", "hf")
+_ALIASES = {"ct": "compressed-tensors", "compressed_tensors": "compressed-tensors", "lowbit": "native"}
+
+ProgressFn = Callable[[int, int, str], None]
+
+
+@dataclass(slots=True)
+class ConvertResult:
+    input: Path
+    input_format: str
+    output: Path
+    target: str
+    changes: list[LayerChange] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def exact(self) -> bool:
+        return not self.changes
+
+    def to_dict(self) -> dict:
+        out = self.output
+        files = sorted(p.name for p in out.iterdir()) if out.is_dir() else [out.name]
+        size = sum(p.stat().st_size for p in out.iterdir()) if out.is_dir() else out.stat().st_size
+        return {
+            "input": str(self.input), "input_format": self.input_format, "output": str(out), "target": self.target,
+            "exact": self.exact, "requantized": [c.to_dict() for c in self.changes], "notes": self.notes,
+            "files": files, "bytes": size, "seconds": round(self.seconds, 3),
+        }
+
+
+def parse_target(name: str) -> str:
+    key = _ALIASES.get(name.lower(), name.lower())
+    if key not in TARGETS:
+        raise UsageError(f"unknown target format '{name}' (choose {', '.join(TARGETS)})")
+    return key
+
+
+def convert(
+    source: str | os.PathLike,
+    output: str | os.PathLike,
+    to: str,
+    *,
+    allow_requant: bool = False,
+    overwrite: bool = False,
+    gguf_type: str | None = None,
+    dtype: str = "bfloat16",
+    progress: ProgressFn | None = None,
+) -> ConvertResult:
+    source, output = Path(source).expanduser(), Path(output).expanduser()
+    target = parse_target(to)
+    if gguf_type is not None and target != "gguf":
+        raise UsageError("--gguf-type applies only to --to gguf")
+    check_output_path(output, overwrite)
+    kind = detect_checkpoint_kind(source)
+    started = time.perf_counter()
+    result = ConvertResult(input=source, input_format=kind, output=output, target=target)
+    if kind == "gguf" and target == "hf":
+        from lowbit.formats.gguf_import import convert_gguf
+
+        convert_gguf(source, output, dtype=dtype, overwrite=overwrite, progress=progress)
+    else:
+        ckpt = read_checkpoint(source, kind)
+        _fold_outliers(ckpt, target, allow_requant, result)
+        if target == "gguf":
+            from lowbit.formats.gguf_export import write_gguf
+
+            with atomic_file(output, overwrite=overwrite) as tmp:
+                changes, notes = write_gguf(ckpt, tmp, gguf_type, allow_requant, progress)
+                result.changes.extend(changes)
+                result.notes.extend(notes)
+        else:
+            writer = {"native": _write_native, "compressed-tensors": _write_ct, "gptq": _write_gptq,
+                      "awq": _write_awq, "hf": _write_hf}[target]
+            with atomic_dir(output, overwrite=overwrite) as tmp:
+                writer(ckpt, tmp, allow_requant, result, dtype)
+                if ckpt.source_dir is not None:
+                    copy_side_files(ckpt.source_dir, tmp)
+                elif ckpt.gguf is not None and ckpt.gguf.has("tokenizer.ggml.tokens"):
+                    from lowbit.formats.gguf_tokenizer import write_tokenizer_files
+
+                    write_tokenizer_files(ckpt.gguf, tmp)
+                else:
+                    result.notes.append("the input has no tokenizer; none was written")
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+# ------------------------------------------------------------------ shared steps
+
+
+_TARGET_NAMES = {"compressed-tensors": "compressed-tensors", "gptq": "GPTQ", "awq": "AWQ", "gguf": "GGUF"}
+
+
+def _fold_outliers(ckpt: Checkpoint, target: str, allow: bool, result: ConvertResult) -> None:
+    """Put each outlier side matrix where the target can hold it (see the module docstring)."""
+    from lowbit.quant.outlier_matrix import unpack_outliers
+
+    if not ckpt.outliers or target == "native":
+        return
+    if target != "hf":
+        module = next(iter(ckpt.outliers))
+        count = len(ckpt.outliers)
+        more = f" (and {count - 1} more layers)" if count > 1 else ""
+        refuse_unless_allowed(_TARGET_NAMES[target], [(module, f"it keeps {ckpt.outliers[module]['indices'].numel()} outlier "
+                              f"weights in a bf16 side matrix, which {_TARGET_NAMES[target]} has no place for{more}")], allow)
+    for module, side in ckpt.outliers.items():
+        qt = ckpt.qtensors[module]
+        w = qt.dequantize(torch.float32) + unpack_outliers(side, tuple(qt.shape))
+        if target == "hf":
+            del ckpt.qtensors[module]
+            ckpt.dense[f"{module}.weight"] = w
+            continue
+        folded = quantize_rtn(w, qt.spec)
+        ckpt.qtensors[module] = folded
+        result.changes.append(LayerChange(module, f"{qt.spec.label} + {side['indices'].numel()} outliers", qt.spec.label,
+                                          "outliers folded into the weight", relative_error(w, folded.dequantize())))
+    if target == "hf":
+        result.notes.append(f"added the outlier side matrices of {len(ckpt.outliers)} layers into their weights")
+    ckpt.outliers = {}
+
+
+
+def _projection_values(ckpt: Checkpoint) -> dict[str, torch.Tensor | QTensor]:
+    tensors = ckpt.tensors()
+    return {m: tensors[f"{m}.weight"] for m in ckpt.linear_weights()}
+
+
+def _requantize(module: str, value, spec: FormatSpec, reason: str, result: ConvertResult, fix=None) -> QTensor:
+    w = dequantized(value)
+    qt = quantize_rtn(w, spec)
+    if fix is not None:
+        qt = fix(qt)
+    result.changes.append(LayerChange(module, source_label(value), spec.label, reason, relative_error(w, qt.dequantize())))
+    return qt
+
+
+def _dense_rest(ckpt: Checkpoint, quantized: set[str]) -> dict[str, torch.Tensor]:
+    return {n: t for n, t in ckpt.dense.items() if not (n.endswith(".weight") and n[: -len(".weight")] in quantized)}
+
+
+def _plan(values: dict, check, allow: bool, target: str, ckpt: Checkpoint, keep_dense: bool = True) -> dict[str, str | None]:
+    """module → None (write exactly) or the reason it needs requantization; refuses when not allowed."""
+    reasons: dict[str, str | None] = {}
+    for module, value in values.items():
+        if module in ckpt.unexpressed:
+            reasons[module] = ckpt.unexpressed[module][1]
+        elif isinstance(value, QTensor):
+            reasons[module] = check(value)
+        elif not keep_dense:
+            reasons[module] = "the weight is not quantized"
+    refuse_unless_allowed(target, [(m, r) for m, r in reasons.items() if r], allow)
+    return reasons
+
+
+def _save(tmp: Path, tensors: dict[str, torch.Tensor]) -> None:
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+
+
+# ------------------------------------------------------------------ writers
+
+
+def _write_native(ckpt: Checkpoint, tmp: Path, allow: bool, result: ConvertResult, dtype: str) -> None:
+    from lowbit.formats.native import NativeWriter
+    from lowbit.quant.spec import parse_spec
+
+    values = _projection_values(ckpt)
+    reasons = _plan(values, lambda qt: None, allow, "a lowbit native checkpoint", ckpt)
+    writer = NativeWriter(tmp)
+    quantized = set()
+    for module, value in values.items():
+        if isinstance(value, QTensor):
+            writer.add_quantized(module, value)
+            quantized.add(module)
+        elif module in ckpt.unexpressed:
+            spec = _nominal_spec(ckpt.unexpressed[module][0], parse_spec)
+            writer.add_quantized(module, _requantize(module, value, spec, reasons[module], result))
+            quantized.add(module)
+    for module, side in ckpt.outliers.items():
+        writer.add_outliers(module, side)
+    for name, t in _dense_rest(ckpt, quantized).items():
+        writer.add_dense(name, t)
+    writer.close(dict(ckpt.config))
+
+
+def _nominal_spec(label: str, parse_spec) -> FormatSpec:
+    """The lowbit spec nearest a foreign layer's own description ("int4 g128 act-order", "Q6_K")."""
+    words = label.split()
+    if words and words[0].startswith("int"):
+        group = next((int(w[1:]) for w in words if w.startswith("g") and w[1:].lstrip("-").isdigit()), 128)
+        return parse_spec(words[0] + "-asym", group if group > 0 else -1, scale_dtype="float16")
+    if label.upper().startswith(("Q8", "Q6", "Q5")):
+        return parse_spec("int8-g32-sfp16")
+    if label.startswith("fp8"):
+        return parse_spec("fp8-block128")
+    return parse_spec("int4-asym-g32-sfp16")
+
+
+def _write_ct(ckpt: Checkpoint, tmp: Path, allow: bool, result: ConvertResult, dtype: str) -> None:
+    from lowbit.formats import compressed_tensors as ct
+
+    values = _projection_values(ckpt)
+    reasons = _plan(values, ct.why_not_exact, allow, "compressed-tensors", ckpt)
+    out: dict[str, torch.Tensor] = {}
+    schemes: dict[str, FormatSpec] = {}
+    dense_linears = []
+    for module, value in values.items():
+        if not isinstance(value, QTensor) and module not in ckpt.unexpressed:
+            dense_linears.append(module)
+            continue
+        qt = value
+        if reasons.get(module):
+            spec = ct.requant_spec(value.spec if isinstance(value, QTensor) else ct.parse_spec("int4"), tuple(value.shape))
+            qt = _requantize(module, value, spec, reasons[module], result)
+        out.update(ct.module_tensors(module, qt))
+        schemes[module] = qt.spec
+    out.update(_dense_rest(ckpt, set(schemes)))
+    if "lm_head" not in schemes:
+        dense_linears.append("lm_head")  # a Linear even when tied to the embeddings: "Linear" must not match it
+    _save(tmp, out)
+    write_config(tmp, ckpt.config, ct.quantization_config(schemes, dense_linears) if schemes else None)
+
+
+def _write_gptq(ckpt: Checkpoint, tmp: Path, allow: bool, result: ConvertResult, dtype: str) -> None:
+    import json
+
+    from lowbit.formats import gptq
+
+    values = _projection_values(ckpt)
+    scheme = gptq.model_scheme([v.spec for v in values.values() if isinstance(v, QTensor)])
+    reasons = _plan(values, lambda qt: gptq.why_not_exact(qt, scheme), allow, "GPTQ", ckpt, keep_dense=False)
+    out: dict[str, torch.Tensor] = {}
+    for module, value in values.items():
+        qt = value
+        if reasons.get(module):
+            qt = _requantize(module, value, gptq.requant_spec(scheme), reasons[module], result, fix=gptq.fit_v1_zeros)
+        out.update(gptq.module_tensors(module, qt))
+    out.update(_dense_rest(ckpt, set(values)))
+    _save(tmp, out)
+    qconfig = gptq.quantize_config(scheme)
+    write_config(tmp, ckpt.config, qconfig)
+    (tmp / "quantize_config.json").write_text(json.dumps(qconfig, indent=2) + "\n")
+
+
+def _write_awq(ckpt: Checkpoint, tmp: Path, allow: bool, result: ConvertResult, dtype: str) -> None:
+    import json
+
+    from lowbit.formats import awq
+
+    values = _projection_values(ckpt)
+    group = awq.model_group([v.spec for v in values.values() if isinstance(v, QTensor)])
+    reasons = _plan(values, lambda qt: awq.why_not_exact(qt, group), allow, "AWQ", ckpt, keep_dense=False)
+    out: dict[str, torch.Tensor] = {}
+    for module, value in values.items():
+        qt = value
+        if reasons.get(module):
+            qt = _requantize(module, value, awq.requant_spec(group), reasons[module], result)
+        out.update(awq.module_tensors(module, qt))
+    out.update(_dense_rest(ckpt, set(values)))
+    _save(tmp, out)
+    qconfig = awq.quantization_config(group)
+    write_config(tmp, ckpt.config, qconfig)
+    (tmp / "quant_config.json").write_text(json.dumps({k: qconfig[k] for k in ("zero_point", "q_group_size", "w_bit", "version")}, indent=2) + "\n")
+
+
+def _write_hf(ckpt: Checkpoint, tmp: Path, allow: bool, result: ConvertResult, dtype: str) -> None:
+    from lowbit.formats.gguf_import import parse_dtype
+
+    torch_dtype = parse_dtype(dtype)
+    out = {}
+    for name, value in ckpt.tensors().items():
+        out[name] = dequantized(value).to(torch_dtype) if isinstance(value, QTensor) or value.is_floating_point() else value
+    _save(tmp, out)
+    config = dict(ckpt.config)
+    config["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
+    write_config(tmp, config, None)
+    if ckpt.qtensors:
+        result.notes.append(f"dequantized {len(ckpt.qtensors)} quantized weights to {config['torch_dtype']}")

@@ -1,0 +1,75 @@
+"""CPU path for dense float32 Linears at a few rows (native/f32_dot.c, AVX-512).
+
+Batch-invariant: each output (m, n) is computed by the same arithmetic whether its row runs
+alone (a plain decode step) or among up to MAX_ROWS rows (a speculative verify of 1 + k tokens,
+several sequences in one step), which torch's float32 Linear does not promise (one row takes its
+matrix-vector route, more rows a packed GEMM). It also reads the weight once for all rows, where
+torch's GEMM route cost ~3x its one-row time at 2-5 rows here. More rows (prefill) go to torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowbit.native.build import load_library
+
+MAX_ROWS = 16
+_LIB = None
+
+
+def available() -> bool:
+    global _LIB
+    lib = load_library()
+    if lib is not None and lib.lowbit_f32dot_available() == 1:
+        _LIB = lib
+        return True
+    return False
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y [M, N] = x [M, K] · weight [N, K]ᵀ (+ bias), all float32 on CPU, rows of x and weight contiguous.
+    The caller keeps M <= MAX_ROWS (any M works; the point of the kernel is small M)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    rc = (_LIB or load_library()).lowbit_f32_matmul(
+        weight.data_ptr(), n, k, weight.stride(0), None if bias is None else bias.data_ptr(),
+        x.data_ptr(), x.stride(0), m, y.data_ptr(), n, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"lowbit_f32_matmul failed with code {rc}")
+    return y
+
+
+class InvariantLinear(torch.nn.Linear):
+    """An nn.Linear whose float32 CPU forward at <= MAX_ROWS rows runs native/f32_dot.c.
+
+    A subclass, so the module keeps its parameters, its Hugging Face name and `isinstance(m,
+    nn.Linear)` for everything that walks the model (draft quantization, weight swaps)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        rows = x.numel() // max(x.shape[-1], 1)
+        if (x.dtype is not torch.float32 or w.dtype is not torch.float32 or x.device.type != "cpu" or rows == 0
+                or rows > MAX_ROWS or w.stride(-1) != 1 or torch.is_grad_enabled() and w.requires_grad):
+            return torch.nn.functional.linear(x, w, self.bias)
+        x2 = x.reshape(rows, x.shape[-1])
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        bias = self.bias
+        if bias is not None and (bias.dtype is not torch.float32 or not bias.is_contiguous()):
+            return torch.nn.functional.linear(x, w, bias)
+        return matmul(x2, w, bias).view(*x.shape[:-1], w.shape[0])
+
+
+def use_invariant_linears(model: torch.nn.Module) -> int:
+    """Make every float32 nn.Linear of `model` an InvariantLinear (in place; the kernel must be
+    available). Returns how many were switched."""
+    if not available():
+        return 0
+    count = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Linear and module.weight.dtype is torch.float32 and module.weight.device.type == "cpu":
+            # Swapping the class keeps the very same parameters (tied embeddings stay tied).
+            module.__class__ = InvariantLinear
+            count += 1
+    return count

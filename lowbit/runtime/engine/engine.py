@@ -1,0 +1,362 @@
+"""Engine: the step loop that ties scheduler, paged KV cache, model runner, sampler and drafter.
+
+    engine = Engine("smollm2-135m")
+    engine.add_request("a", prompt_ids, SamplingParams(max_tokens=32))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            print(out.text_delta, end="")
+
+Each `step()` is one scheduler plan run as ONE model forward (prefill chunks and decodes mixed,
+flattened); with a drafter, the decodes first get k draft tokens and the forward verifies them.
+Outputs carry the new token ids and the new text (incremental detokenization, stop strings cut
+and never streamed). See docs/engine.md.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lowbit.errors import UsageError
+from lowbit.kernels.cpu_f32 import use_invariant_linears
+from lowbit.runtime.engine.block_manager import BlockManager
+from lowbit.runtime.engine.detokenizer import IncrementalDetokenizer
+from lowbit.runtime.engine.drafter import ModelDrafter, NgramDrafter, parse_draft
+from lowbit.runtime.engine.model_runner import ModelRunner, Work
+from lowbit.runtime.engine.paged_cache import PagedKVCache, kv_bytes_per_token
+from lowbit.runtime.engine.sampler import Sampler, _logprobs, process_logits
+from lowbit.runtime.engine.scheduler import Scheduler
+from lowbit.runtime.engine.sequence import SamplingParams, Sequence
+from lowbit.runtime.engine.speculative import AdaptiveK, SpecStats, rejection_sample
+from lowbit.runtime.models.fusion import fuse_projections
+
+LogprobEntry = tuple[float, list[tuple[int, float]]]  # (chosen token's logprob, top-n (id, logprob))
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    logprobs: list[LogprobEntry] | None
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass(slots=True)
+class Completion:
+    """One finished request, as `Engine.generate` returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[LogprobEntry] | None
+    num_cached_tokens: int
+
+
+@dataclass(slots=True)
+class EngineStats:
+    running: int
+    waiting: int
+    kv_usage: float  # fraction of KV blocks in use, 0..1
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_cache_queries: int  # tokens looked up in the prefix cache
+    prefix_cache_hits: int  # tokens found there
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    preemptions_total: int
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    spec_mean_accepted_length: float  # tokens per target pass on drafted sequences (accepted + 1)
+
+
+def _dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise UsageError(f"unknown dtype '{dtype}' (choose from {', '.join(names)})")
+    return names[dtype]
+
+
+def default_kv_memory(device: torch.device) -> int:
+    """A fifth of the memory that is free now (CPU: MemAvailable), capped at 4 GiB on CPU."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.5)
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        available = info.get("MemAvailable", 8 << 30)
+    except OSError:
+        available = 8 << 30
+    return min(int(available * 0.2), 4 << 30)
+
+
+class Engine:
+    def __init__(self, model: str | Path, *, dtype=torch.float32, device: str | torch.device | None = None,
+                 kv_memory: int | None = None, block_size: int = 16, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
+                 enable_prefix_caching: bool = True, kv_dtype: str | None = None, draft: str | None = None,
+                 num_speculative_tokens: int = 4):
+        from lowbit.formats.resolve import resolve_model
+        from lowbit.runtime.loader import load_model
+        from lowbit.runtime.tokenizer import load_tokenizer
+
+        self.dtype = _dtype(dtype)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        path = resolve_model(model)
+        self.model_path = path
+        self.model = load_model(path, self.dtype, self.device)
+        fuse_projections(self.model)  # q/k/v and gate/up as one matmul where exact (int4dot weights)
+        if self.device.type == "cpu" and self.dtype is torch.float32:
+            # batch-invariant float32 Linears: a verify of 1 + k rows computes each row as a plain step does
+            use_invariant_linears(self.model)
+        self.config = self.model.config
+        self.tokenizer = load_tokenizer(path)
+        if num_speculative_tokens < 1:
+            raise UsageError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+        self.num_speculative_tokens = num_speculative_tokens
+
+        draft_kind, draft_arg = parse_draft(draft)
+        self.draft_kind = draft_kind
+        draft_model = None
+        # A draft's precision only moves its acceptance rate, never the output (the target
+        # verifies every token), so a float32 target drafts in bf16: the fast kernels' dtype.
+        self.draft_dtype = torch.bfloat16 if self.dtype is torch.float32 else self.dtype
+        if draft_kind == "self":
+            from lowbit.runtime.engine.draft_models import quantized_copy
+
+            draft_model = quantized_copy(path, draft_arg, self.draft_dtype, self.device)
+        elif draft_kind == "model":
+            from lowbit.runtime.engine.draft_models import load_draft_model
+
+            draft_model = load_draft_model(draft_arg, self.tokenizer, self.draft_dtype, self.device)
+
+        bytes_per_token = kv_bytes_per_token(self.config, self.dtype, kv_dtype)
+        if draft_model is not None:
+            bytes_per_token += kv_bytes_per_token(draft_model.config, self.draft_dtype, None)
+        limit = self.config.max_position_embeddings
+        if kv_memory is None:
+            # a share of free memory, but no more than max_num_seqs sequences of full length need
+            wanted = bytes_per_token * max_num_seqs * min(max_model_len or limit, limit) + bytes_per_token * block_size
+            kv_memory = min(default_kv_memory(self.device), wanted)
+        self.kv_memory = int(kv_memory)
+        num_blocks = self.kv_memory // (bytes_per_token * block_size)
+        if num_blocks < 2:
+            raise UsageError(f"kv_memory of {self.kv_memory} bytes holds fewer than 2 blocks of {block_size} tokens "
+                             f"({bytes_per_token} bytes per token); give the KV cache more memory")
+        self.max_model_len = min(max_model_len or limit, limit, num_blocks * block_size)
+
+        self.cache = PagedKVCache(self.config, num_blocks, block_size, self.dtype, self.device, kv_dtype)
+        self.runner = ModelRunner(self.model, self.cache)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        eos = set(self.tokenizer.eos_ids) | set(self.config.eos_token_ids)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, eos, self.max_model_len)
+        self.scheduler.stop_checker = self._check_stop
+        self.sampler = Sampler()
+        if draft_kind == "ngram":
+            self.drafter = NgramDrafter()
+        elif draft_model is not None:
+            draft_cache = PagedKVCache(draft_model.config, num_blocks, block_size, self.draft_dtype, self.device)
+            self.drafter = ModelDrafter(draft_model, draft_cache)
+        else:
+            self.drafter = None
+        self.spec_stats = SpecStats()
+
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._reported: dict[str, int] = {}
+        self._adaptive: dict[str, AdaptiveK] = {}
+        self._ids = itertools.count()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    # -- public API ---------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
+        params = params if params is not None else SamplingParams()
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise UsageError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                             f"maximum model length {self.max_model_len}")
+        if prompt_ids and (min(prompt_ids) < 0 or max(prompt_ids) >= self.config.vocab_size):
+            raise UsageError(f"prompt token ids must be in [0, {self.config.vocab_size})")
+        seq = Sequence(request_id, prompt_ids, params)
+        self.scheduler.add(seq)
+        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, seq.token_ids, params.stop)
+        self._reported[request_id] = 0
+        self.prompt_tokens_total += seq.num_prompt_tokens
+
+    def abort_request(self, request_id: str) -> None:
+        if request_id in self.scheduler.requests:
+            self.scheduler.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def reset_prefix_cache(self) -> None:
+        self.block_manager.reset_prefix_cache()
+
+    def stats(self) -> EngineStats:
+        bm, s = self.block_manager, self.spec_stats
+        return EngineStats(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting), kv_usage=bm.usage,
+            kv_blocks_used=bm.num_used_blocks, kv_blocks_total=bm.num_blocks,
+            prefix_cache_queries=bm.num_query_tokens, prefix_cache_hits=bm.num_hit_tokens,
+            prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
+            preemptions_total=self.scheduler.num_preemptions, spec_draft_tokens=s.num_drafted,
+            spec_accepted_tokens=s.num_accepted, spec_mean_accepted_length=s.mean_accepted_length,
+        )
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[Completion]:
+        """Run prompts to completion (batched) and return one Completion each, in prompt order."""
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = [f"generate-{next(self._ids)}" for _ in prompts]
+        results = {rid: Completion(rid, list(p), [], "", None, None, 0) for rid, p in zip(ids, prompts)}
+        for rid, prompt, p in zip(ids, prompts, params_list):
+            self.add_request(rid, prompt, p)
+        while self.has_unfinished_requests():
+            for out in self.step():
+                c = results.get(out.request_id)
+                if c is None:
+                    continue
+                c.token_ids += out.new_token_ids
+                c.text += out.text_delta
+                if out.logprobs is not None:
+                    c.logprobs = (c.logprobs or []) + out.logprobs
+                if out.finished:
+                    c.finish_reason = out.finish_reason
+                    c.num_cached_tokens = out.num_cached_tokens
+        return [results[rid] for rid in ids]
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        outputs = [self._output(seq, []) for seq in out.finished]
+        if out.items:
+            tokens, logprobs = self._execute(out)
+            self.scheduler.postprocess(out, tokens)
+            for item, lps in zip(out.items, logprobs):
+                seq = item.seq
+                if self.drafter is not None:
+                    self.drafter.sync(seq)
+                if seq.num_output_tokens > self._reported[seq.request_id] or seq.is_finished:
+                    outputs.append(self._output(seq, lps))
+        return outputs
+
+    # -- internals ----------------------------------------------------------------------------
+    def _check_stop(self, seq: Sequence) -> bool:
+        return self._detok[seq.request_id].add(seq.last_token)
+
+    def _output(self, seq: Sequence, logprobs: list) -> RequestOutput:
+        rid = seq.request_id
+        before = self._reported.get(rid, 0)
+        new_ids = seq.token_ids[seq.num_prompt_tokens + before :]
+        self.generation_tokens_total += len(new_ids)
+        finished = seq.is_finished
+        det = self._detok.get(rid)
+        text = det.delta(finished) if det is not None else ""
+        lps = None
+        if seq.params.logprobs is not None:
+            lps = [(lp.logprob, lp.top) for lp in logprobs[: len(new_ids)] if lp is not None]
+        if finished:
+            for table in (self._detok, self._reported, self._adaptive):
+                table.pop(rid, None)
+            if self.drafter is not None:
+                self.drafter.forget(rid)
+        else:
+            self._reported[rid] = before + len(new_ids)
+        return RequestOutput(rid, new_ids, text, finished, seq.finish_reason if finished else None, lps,
+                             seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens)
+
+    def _draft_len(self, seq: Sequence) -> int:
+        # k adapts within [1, num_speculative_tokens]: a verify's cost grows with its rows (on CPU in
+        # steps of 4, native/int4_dot.c), so growing past the requested k cost more than it won.
+        k = self._adaptive.setdefault(
+            seq.request_id, AdaptiveK(self.num_speculative_tokens, 1, self.num_speculative_tokens)).k
+        room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+        return max(0, min(k, room))
+
+    def _execute(self, out) -> tuple[list[list[int]], list[list]]:
+        items = out.items
+        drafts: list[list[int]] = [[] for _ in items]
+        draft_probs: list[torch.Tensor | None] = [None] * len(items)
+        if self.drafter is not None:
+            bm = self.block_manager
+            drafting = []
+            for i, item in enumerate(items):
+                seq = item.seq
+                if item.num_new_tokens == 1 and item.samples:
+                    k = self._draft_len(seq)
+                    if k > 0 and bm.can_append(seq, k):
+                        bm.append_slot(seq, k)
+                        drafting.append((i, k))
+            proposals = self.drafter.propose(items, [(items[i].seq, k) for i, k in drafting])
+            for (i, _), (tokens, probs) in zip(drafting, proposals):
+                drafts[i], draft_probs[i] = tokens, probs
+                items[i].num_new_tokens = 1 + len(tokens)
+
+        works = []
+        for item, d in zip(items, drafts):
+            seq = item.seq
+            tokens = seq.token_ids[item.start : item.start + item.num_new_tokens - len(d)] + d
+            works.append(Work(seq.block_table, item.start, tokens, (1 + len(d)) if item.samples else 0))
+        logits = self.runner.run(works)
+
+        result: list[list[int]] = [[] for _ in items]
+        logprobs: list[list] = [[] for _ in items]
+        plain_rows, plain_items, row = [], [], 0
+        for i, item in enumerate(items):
+            if not item.samples:
+                continue
+            if drafts[i]:
+                n = 1 + len(drafts[i])
+                result[i], logprobs[i] = self._verify(item.seq, logits[row : row + n], drafts[i], draft_probs[i])
+                row += n
+            else:
+                plain_rows.append(row)
+                plain_items.append(i)
+                row += 1
+        if plain_rows:
+            rows = logits if len(plain_rows) == logits.shape[0] else logits[plain_rows]
+            sampled = self.sampler(rows, [items[i].seq for i in plain_items])
+            for j, i in enumerate(plain_items):
+                result[i] = [sampled.token_ids[j]]
+                logprobs[i] = [sampled.logprobs[j]]
+        return result, logprobs
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None):
+        """Target logits [k+1, V] over [last, d0..d(k-1)] -> the emitted tokens and their logprobs."""
+        p, k = seq.params, len(drafts)
+        histories = ([seq.token_ids + drafts[:j] for j in range(k + 1)] if p.repetition_penalty != 1.0
+                     else [[]] * (k + 1))
+        if p.greedy:
+            if p.repetition_penalty == 1.0:
+                target = logits.argmax(dim=-1).tolist()
+            else:
+                target = process_logits(logits, [p] * (k + 1), histories).argmax(dim=-1).tolist()
+            accepted = 0
+            while accepted < k and drafts[accepted] == target[accepted]:
+                accepted += 1
+            emitted = drafts[:accepted] + [target[accepted]]
+        else:
+            target_probs = process_logits(logits, [p] * (k + 1), histories).softmax(dim=-1)
+            tokens, num_accepted = rejection_sample(
+                torch.tensor([drafts], device=logits.device), target_probs[None],
+                None if draft_probs is None else draft_probs[None],
+                generator=Sampler.generator(seq, logits.device))
+            accepted = int(num_accepted[0])
+            emitted = tokens[0, : accepted + 1].tolist()
+        self.spec_stats.record(k, accepted)
+        self._adaptive[seq.request_id].update(k, accepted)
+        n = len(emitted)
+        logprobs = _logprobs(logits[:n], [p] * n, emitted) if p.logprobs is not None else [None] * n
+        return emitted, logprobs
