@@ -28,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from lowbit.data.shakespeare import shakespeare_text
+from lowbit.data.wiki import iter_articles, join_articles, split_articles
 from lowbit.errors import LowbitError, UsageError
 from lowbit.formats.atomic import atomic_file
 from lowbit.paths import data_asset_path, lowbit_home, model_asset_path
@@ -197,7 +199,7 @@ def _total_size(paths: list[Path]) -> int:
 
 
 def _convert(name: str, gguf: Path, report: ProgressFn) -> Path:
-    from lowbit.formats.gguf_import import convert_gguf
+    from lowbit.formats.gguf_import import convert_gguf  # here: torch loads only when a model is built
 
     out = model_asset_path(name)
     convert_gguf(gguf, out, dtype="bfloat16", overwrite=True, progress=lambda done, total, tensor: report(name, done, total, tensor))
@@ -221,8 +223,6 @@ def _build_gemma3(report: ProgressFn) -> list[Path]:
 
 
 def _build_wiki(report: ProgressFn) -> list[Path]:
-    from lowbit.data.wiki import iter_articles, join_articles, split_articles
-
     report("wiki", 0, 1, "extracting articles")
     calib, evaluation = split_articles(list(iter_articles()))
     outputs = []
@@ -233,8 +233,6 @@ def _build_wiki(report: ProgressFn) -> list[Path]:
 
 
 def _build_shakespeare(report: ProgressFn) -> list[Path]:
-    from lowbit.data.shakespeare import shakespeare_text
-
     report("shakespeare", 0, 1, "converting plays")
     path = _write_text(data_asset_path("shakespeare"), shakespeare_text())
     report("shakespeare", 1, 1, "")

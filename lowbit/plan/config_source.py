@@ -55,7 +55,7 @@ def load_config(arg: str) -> tuple[dict[str, Any], str]:
 
 
 def _installed_demo(name: str) -> Path | None:
-    from lowbit.formats.resolve import resolve_model
+    from lowbit.formats.resolve import resolve_model  # here, not at the top: `lowbit plan` starts without torch
 
     try:
         path = resolve_model(name)

@@ -127,7 +127,7 @@ def custom_hardware(
 
 def measure_cpu(buffer_mib: int = 512, matmul_size: int = 1024, repeats: int = 5) -> Hardware:
     """This machine, measured: best-of-`repeats` streaming read and matmul, all cores busy."""
-    import psutil
+    import psutil  # here: only `--gpu cpu` measures, and torch is slow to import
     import torch
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -36,7 +36,7 @@ def plan_format(text: str, group_size: int | None = None) -> PlanFormat:
     label = text.strip().lower()
     if label in UNQUANTIZED:
         return PlanFormat("bf16", None)
-    from lowbit.quant.registry import parse_spec
+    from lowbit.quant.registry import parse_spec  # here, not at the top: `lowbit plan` starts without torch
 
     if group_size is None:
         return PlanFormat(label, parse_spec(label))
@@ -55,7 +55,7 @@ def linear_bytes(fmt: PlanFormat, out_features: int, in_features: int) -> int:
     """Bytes of one [out, in] Linear weight in this format, as the registry stores it."""
     if fmt.spec is None:
         return out_features * in_features * BF16_BYTES
-    from lowbit.quant.registry import weight_bytes
+    from lowbit.quant.registry import weight_bytes  # here: see parse_format
 
     try:
         return int(weight_bytes(fmt.spec, (out_features, in_features)))

@@ -16,7 +16,7 @@ quantizer GPTQ uses, so all formats share one tested path for groups and ragged 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import sys
 from types import ModuleType
 
 import torch
@@ -25,23 +25,6 @@ from lowbit.errors import UsageError
 from lowbit.quant.groups import GroupScales, check_weight, grouped, num_groups, ungrouped
 from lowbit.quant.qtensor import QTensor
 from lowbit.quant.spec import FormatSpec
-
-
-@dataclass(frozen=True, slots=True)
-class ElementGrid:
-    """An element quantizer that rounds y = x / scale to the nearest of a fixed set of values and
-    returns (code, value · scale), described as tables so other layers can run it (kernels/
-    gptq_columns.c): index j = how many midpoints lie below y (|y| when sign_bit is set), plus one
-    when y equals midpoint j and tie_up[j]; past the last midpoint the largest value (saturation).
-    With sign_bit set the grid holds magnitudes and a negative y (−0 included) takes the code
-    codes[j] | sign_bit and the value −values[j]. Each format's tests check it against the
-    format's own quantize_group_values."""
-
-    values: torch.Tensor  # float32 [G], ascending
-    codes: torch.Tensor  # uint8 [G], the code of each value (without the sign bit)
-    mids: torch.Tensor  # float64 [G − 1], ascending: the boundaries between neighbouring values
-    tie_up: torch.Tensor  # uint8 [G − 1]: 1 where y exactly on mids[j] takes values[j + 1]
-    sign_bit: int  # 0: values are signed; else the code bit of a negative y
 
 
 def quantize_with(fmt: ModuleType, w: torch.Tensor, spec: FormatSpec, scales: GroupScales) -> QTensor:
@@ -76,20 +59,8 @@ def quantize_column_with(
     return codes[:, 0], values[:, 0]
 
 
-def layout_bytes(layout: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> int:
-    total = 0
-    for shape, dtype in layout.values():
-        count = 1
-        for d in shape:
-            count *= d
-        total += count * torch.empty((), dtype=dtype).element_size()
-    return total
-
-
 def public_functions(module_name: str):
     """quantize, dequantize, fake_quantize_column and bits_per_weight for one format module."""
-    import sys
-
     def fmt() -> ModuleType:
         return sys.modules[module_name]
 

@@ -20,6 +20,8 @@ import functools
 
 import torch
 
+from lowbit.quant.element_grid import ElementGrid
+
 
 def _decode_bits(code: int, exp_bits: int, man_bits: int, bias: int) -> float:
     sign = -1.0 if code >> (exp_bits + man_bits) & 1 else 1.0
@@ -78,9 +80,8 @@ def _positive_grid(name: str) -> tuple[torch.Tensor, torch.Tensor, int]:
 
 @functools.cache
 def element_grid(name: str):
-    """encode_minifloat(·, name) as a codec.ElementGrid: the finite magnitudes in code order, ties
+    """encode_minifloat(·, name) as an ElementGrid: the finite magnitudes in code order, ties
     going up from an odd code (to the even one)."""
-    from lowbit.quant.codec import ElementGrid
 
     grid, mids, sign_bit = _positive_grid(name)
     below = torch.arange(mids.numel())

@@ -29,6 +29,7 @@ import torch
 
 from lowbit.errors import UsageError
 from lowbit.quant import codec
+from lowbit.quant.element_grid import ElementGrid
 from lowbit.quant.groups import (
     GroupScales,
     check_weight,
@@ -89,9 +90,9 @@ def quantize_group_values(x, scale, zero, spec: FormatSpec):
     return codes.to(torch.uint8), NF4_VALUES.to(y.device)[codes] * scale
 
 
-def element_grid(spec: FormatSpec) -> codec.ElementGrid:
+def element_grid(spec: FormatSpec) -> ElementGrid:
     """quantize_group_values as a table: bucketize's ties (right=False) stay on the lower code."""
-    return codec.ElementGrid(values=NF4_VALUES.clone(), codes=torch.arange(16, dtype=torch.uint8),
+    return ElementGrid(values=NF4_VALUES.clone(), codes=torch.arange(16, dtype=torch.uint8),
                              mids=_MIDPOINTS.double(), tie_up=torch.zeros(15, dtype=torch.uint8), sign_bit=0)
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from lowbit.errors import LowbitError
+from lowbit.quant.registry import get_format
 from lowbit.quant.spec import FormatSpec
 
 PART_NAMES = ("qweight", "scales", "zeros", "global_scale", "scales_scale", "scales_offset")
@@ -60,8 +61,6 @@ class QTensor:
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict, where: str = "tensor") -> QTensor:
         """Rebuild from `to_tensors()` + `meta()`; shapes and dtypes are checked against the spec."""
-        from lowbit.quant.registry import get_format
-
         try:
             spec = FormatSpec.from_dict(meta["spec"])
             shape = (int(meta["shape"][0]), int(meta["shape"][1]))
@@ -90,8 +89,6 @@ class QTensor:
         return 8.0 * self.nbytes / (self.shape[0] * self.shape[1])
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        from lowbit.quant.registry import get_format
-
         return get_format(self.spec).dequantize(self, dtype=dtype)
 
     def to(self, device: torch.device | str) -> QTensor:

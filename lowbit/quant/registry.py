@@ -8,7 +8,7 @@ from types import ModuleType
 import torch
 
 from lowbit.errors import UsageError
-from lowbit.quant import codec
+from lowbit.quant.parts import layout_bytes
 from lowbit.quant.spec import FormatSpec, list_formats, parse_spec
 
 _MODULES = {
@@ -45,7 +45,7 @@ def part_layout(spec: FormatSpec | str, shape: tuple[int, int]) -> dict:
 
 def weight_bytes(spec: FormatSpec | str, shape: tuple[int, int]) -> int:
     """Exact stored bytes of a [out_features, in_features] weight, scales and zeros included."""
-    return codec.layout_bytes(part_layout(spec, shape))
+    return layout_bytes(part_layout(spec, shape))
 
 
 def bits_per_weight(spec: FormatSpec | str, shape: tuple[int, int]) -> float:

@@ -1,4 +1,4 @@
-"""Each format's codec.ElementGrid against its own quantize_group_values, on every grid value,
+"""Each format's ElementGrid (quant/element_grid.py) against its own quantize_group_values, on every grid value,
 every midpoint (ties) and its float32 neighbours, ±0, saturation and random values: the tables
 GPTQ's C loop reads must be the format's rounding, code for code."""
 
