@@ -435,7 +435,7 @@ def _integer_loop(work, values, upper, scale_t, zero_t, spec: FormatSpec, block_
 
 
 def _grid_loop(work, values, upper, scale_t, grid, block_size: int, keep_t=None, kept=None) -> torch.Tensor:
-    """The column loop in C for formats with an element grid (codec.ElementGrid: minifloats, NF4),
+    """The column loop in C for formats with an element grid (ElementGrid (quant/element_grid.py): minifloats, NF4),
     writing `values` (and `kept`) and returning the codes [K, N]: the generic loop's operations
     without its 16 torch calls a column (tested against it)."""
     divisor = safe_divisor(scale_t).float().contiguous()

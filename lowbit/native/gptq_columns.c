@@ -112,7 +112,7 @@ int lowbit_gptq_int_block(float *block, int64_t b, int64_t n, const float *u, in
 }
 
 /* The same loop for formats whose element quantizer is "the nearest value of x / divisor on a
-   grid" (minifloats, NF4; quant/codec.py ElementGrid): g values ascending (magnitudes when
+   grid" (minifloats, NF4; quant/element_grid.py): g values ascending (magnitudes when
    sign_bit is set, the code then taking sign_bit for negative x, -0 included), g - 1 midpoints in
    double, x exactly on midpoint j going up when tie_up[j]. Beyond the last midpoint it saturates.
    Writes the codes (uint8) where the integer loop writes integers; value = grid value * scale. */
