@@ -20,9 +20,9 @@ FORMAT:METHOD:PERCENT triples (the "best recipe" candidates), where FORMAT may b
 Bits/weight are over the quantized Linears, scales included, each kept outlier counted at 48
 bits, modules a recipe keeps dense at 16.
 
-Rows go to --json after each configuration (default bench/results/calibration.json for SmolLM2,
-bench/results/calibration-MODEL.json otherwise; bench/plots.py draws them) and --resume skips the
-configurations already there (same model, calibration and eval settings). At the end the markdown
+Rows go to --json after each configuration (default bench/results/calibration.json, for every
+model: a run with other settings replaces it, and git keeps the earlier files; bench/plots.py draws
+it) and --resume skips the configurations already there (same model, calibration and eval settings). At the end the markdown
 tables for docs/benchmarks.md are printed to stdout with the command line.
 """
 
@@ -52,7 +52,8 @@ def _peak_rss_mb() -> float:
 
 
 def default_json(model: str) -> Path:
-    return RESULTS / ("calibration.json" if model == "smollm2-135m" else f"calibration-{model}.json")
+    """The one rows file of this script (the model is recorded inside it)."""
+    return RESULTS / "calibration.json"
 
 
 def configurations(formats, methods, outliers, outlier_formats, outlier_methods, best) -> list[tuple[str, str, float]]:
@@ -337,7 +338,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="GPTQ dampening as a fraction of mean diag(H) (default: lowbit's, 0.01)")
     parser.add_argument("--stats", type=Path, default=None, help="reuse this STATS file instead of calibrating")
     parser.add_argument("--workdir", default=None, help="where the STATS file and the float model's logits go (default: the temp dir)")
-    parser.add_argument("--json", type=Path, default=None, help="rows file (default bench/results/calibration[-MODEL].json)")
+    parser.add_argument("--json", type=Path, default=None, help="rows file (default bench/results/calibration.json)")
     parser.add_argument("--resume", action="store_true", help="keep the rows --json already has for these settings")
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)

@@ -7,6 +7,7 @@ per model and calibration size, with the KLD the result scores.
 Each run is a fresh `lowbit` process (so peak RSS is that run's alone, read from wait4's rusage);
 the growth columns compare each model with the first one at the same calibration size. Runs one
 at a time: on a shared machine the seconds mean little, so note the load average printed beside.
+The rows go to bench/results/gptq_cost.json (replaced) unless --json names another file.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def run_measured(cmd: list[str]) -> tuple[float, float, str]:
@@ -49,7 +52,8 @@ def main() -> None:
     ap.add_argument("--eval-data", default="wiki-eval")
     ap.add_argument("--eval-chunks", type=int, default=0, help="score each result (0: skip)")
     ap.add_argument("--ctx", type=int, default=2048)
-    ap.add_argument("--json", type=Path)
+    ap.add_argument("--json", type=Path, default=RESULTS / "gptq_cost.json",
+                    help="rows file, replaced (default bench/results/gptq_cost.json)")
     args = ap.parse_args()
 
     rows = []
@@ -88,6 +92,7 @@ def main() -> None:
         print(f"| {r['model']} | {key} | {r['seconds']} | {r['peak_rss_mb']} | {r['seconds'] / base['seconds']:.2f} | "
               f"{r['peak_rss_mb'] / base['peak_rss_mb']:.2f} | {r.get('kld', '–')} | {r['load_before']}→{r['load_after']} |")
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1))
 
 

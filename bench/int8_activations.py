@@ -2,6 +2,9 @@
 
     python bench/int8_activations.py CHECKPOINT [CHECKPOINT ...] [--chunks 10] [--ctx 2048] [--json]
 
+The markdown table (with the command line and date) goes to bench/results/int8_activations.md,
+replacing it, unless --out names another file; --json prints the rows on stdout instead.
+
 Rows: the prefill route (bf16 weights and torch's GEMM: what `lowbit eval` and every prompt use),
 and the decode kernel (cpu-int4dot, what every generated token uses) over all rows of each chunk
 with bf16 activations (`LOWBIT_INT4_ACTIVATIONS=bf16`, native/int4_dot.c) and with int8 ones
@@ -17,8 +20,11 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 ROUTES = (("prefill GEMM (bf16 weights)", None, False), ("decode kernel, bf16 activations", "bf16", True),
           ("decode kernel, int8 activations", "int8", True))
@@ -55,6 +61,8 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--out", type=Path, default=RESULTS / "int8_activations.md",
+                        help="markdown table, replaced (default bench/results/int8_activations.md)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = []
@@ -66,11 +74,15 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows, indent=1))
         return
-    print(f"wiki-eval, ctx {args.ctx}, {args.chunks} chunks, KLD vs {args.base} (float32)\n")
-    print("| checkpoint | route | PPL | KLD | same top % |")
-    print("| --- | --- | --- | --- | --- |")
-    for r in rows:
-        print(f"| {r['checkpoint']} | {r['route']} | {r['ppl']:.3f} | {r['kld']:.4f} ± {r['kld_err']:.4f} | {r['same_top']:.2f} |")
+    lines = [f"`python bench/int8_activations.py {' '.join(sys.argv[1:])}` ({time.strftime('%Y-%m-%d %H:%M')})", "",
+             f"wiki-eval, ctx {args.ctx}, {args.chunks} chunks, KLD vs {args.base} (float32)", "",
+             "| checkpoint | route | PPL | KLD | same top % |", "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['checkpoint']} | {r['route']} | {r['ppl']:.3f} | {r['kld']:.4f} ± {r['kld_err']:.4f} | {r['same_top']:.2f} |"
+              for r in rows]
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
 
 
 if __name__ == "__main__":

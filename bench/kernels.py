@@ -3,6 +3,7 @@
     python bench/kernels.py              # every format x shape x M (minutes on a 2-core CPU)
     python bench/kernels.py --quick      # a subset
     python bench/kernels.py --json       # one JSON object on stdout as well
+    python bench/kernels.py --device cuda --rows 1,2,4,8,16 --peak-gb-s 4800 --markdown OUT.md
 
 For each (format, N x K, M): the path dispatch picked, the median time of qmatmul, the effective
 weight bandwidth (bytes the path reads / time), its ratio to the machine's streaming-read
@@ -10,7 +11,12 @@ bandwidth (measured here: a sum over a buffer far larger than the last-level cac
 speed-up over bf16 F.linear of the same shape, timed in the same run in alternating rounds
 (bf16, then every format, repeated) so load changes on a shared machine hit all alike. Weights are rotated through
 enough copies to exceed the cache, so every call streams its weight from memory as decode does.
-On a CUDA machine the same script times the Triton path against cuBLAS bf16.
+On a CUDA machine the same script times the Triton path against cuBLAS bf16, each sample a run of
+back-to-back calls between two CUDA events (one call of a decode-sized matmul is shorter than a
+synchronisation), on larger default shapes; --peak-gb-s gives the bandwidth the "of peak" columns
+divide by (the datasheet's HBM figure, e.g. 4800 for an H200; default: the streaming read measured
+here), for the kernel and for bf16 alike. --path forces a kernel path (e.g. `triton` on the CPU
+under TRITON_INTERPRET=1, which bench/gpu_check.sh --dry-run uses); --markdown appends the table.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ FORMATS = ["int4", "int4-asym", "int8", "nf4", "fp8", "fp8-block128", "mxfp4", "
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (4096, 4096), (11008, 4096)]  # (N out, K in)
 ROWS = [1, 8, 64, 512]
 QUICK = {"formats": ["int4", "int8", "nf4", "fp8", "mxfp4", "nvfp4"], "shapes": [(576, 576), (1536, 576), (4096, 4096)], "rows": [1, 8]}
+CUDA_SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]  # Llama-3-8B's: large enough to stream from HBM
 ROTATE_BYTES = 96 << 20  # > 3x a 32 MiB L3
 
 
@@ -47,6 +54,8 @@ def sample_times(calls, device, budget_s=0.4, min_reps=5, max_reps=200) -> list[
     for c in calls[:2]:
         c()
     sync(device)
+    if device.type == "cuda":
+        return _cuda_sample_times(calls, budget_s, min_reps, max_reps)
     times = []
     start = time.perf_counter()
     i = 0
@@ -56,6 +65,23 @@ def sample_times(calls, device, budget_s=0.4, min_reps=5, max_reps=200) -> list[
         sync(device)
         times.append(time.perf_counter() - t)
         i += 1
+    return times
+
+
+def _cuda_sample_times(calls, budget_s, min_samples, max_samples, per_sample=20) -> list[float]:
+    """Seconds per call on a GPU: each sample times `per_sample` back-to-back calls with events."""
+    times = []
+    start = time.perf_counter()
+    i = 0
+    while (len(times) < min_samples or time.perf_counter() - start < budget_s) and len(times) < max_samples:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(per_sample):
+            calls[i % len(calls)]()
+            i += 1
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) / 1000 / per_sample)
     return times
 
 
@@ -91,8 +117,12 @@ def quantize(label: str, w: torch.Tensor):
     return get_format(spec).quantize(w, spec)
 
 
-def run(formats, shapes, rows, device, rounds: int = 5) -> dict:
+def run(formats, shapes, rows, device, rounds: int = 5, budget_s: float = 0.3, path: str | None = None,
+        peak_gb_s: float | None = None) -> dict:
+    """`budget_s`: seconds per candidate and round; `path`: force a kernel path (dispatch's choice
+    when None); `peak_gb_s`: the bandwidth "of peak" divides by (default: the measured stream)."""
     bw = stream_bandwidth(device)
+    peak = peak_gb_s * 1e9 if peak_gb_s else bw
     load_before = _load_average()
     results = []
     for n, k in shapes:
@@ -101,24 +131,27 @@ def run(formats, shapes, rows, device, rounds: int = 5) -> dict:
         prepared = {}
         for label in formats:
             qt = quantize(label, w)
-            first = prepare(qt, device)
-            prepared[label] = [first] + [prepare(qt, device) for _ in range(copies_for(first.nbytes) - 1)]
+            first = prepare(qt, device, path)
+            prepared[label] = [first] + [prepare(qt, device, path) for _ in range(copies_for(first.nbytes) - 1)]
         for m in rows:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             candidates = {"bf16": [lambda d=d: F.linear(x, d) for d in dense]}
             for label, ps in prepared.items():
                 candidates[label] = [lambda p=p: qmatmul(x, p) for p in ps]
-            t = interleaved_medians(candidates, device, rounds, budget_s=0.3 * rounds)
+            t = interleaved_medians(candidates, device, rounds, budget_s=budget_s * rounds)
+            bf16_gbs = n * k * 2 / t["bf16"]
             for label, ps in prepared.items():
                 first = ps[0]
                 gbs = first.nbytes / t[label]
                 results.append({
                     "format": label, "path": first.path, "n": n, "k": k, "m": m, "us": t[label] * 1e6,
-                    "gb_s": gbs / 1e9, "of_stream": gbs / bw, "vs_bf16": t["bf16"] / t[label], "bf16_us": t["bf16"] * 1e6,
+                    "gb_s": gbs / 1e9, "of_stream": gbs / bw, "of_peak": gbs / peak, "vs_bf16": t["bf16"] / t[label],
+                    "bf16_us": t["bf16"] * 1e6, "bf16_of_peak": bf16_gbs / peak,
                 })
         del dense, prepared
     return {
-        "device": describe(device), "threads": torch.get_num_threads(), "stream_gb_s": bw / 1e9, "results": results,
+        "device": describe(device), "threads": torch.get_num_threads(), "stream_gb_s": bw / 1e9,
+        "peak_gb_s": peak / 1e9, "peak_source": "given" if peak_gb_s else "measured stream", "results": results,
         "load_average": [load_before, _load_average()],
     }
 
@@ -157,20 +190,52 @@ def show(report: dict, console: Console) -> None:
     console.print(table)
 
 
+def markdown(report: dict) -> str:
+    """The table as markdown: one row per (format, shape, M), bf16 beside it."""
+    lines = [f"{report['device']} · streaming read {report['stream_gb_s']:.1f} GB/s measured · "
+             f"of peak = weight bytes per second / {report['peak_gb_s']:.0f} GB/s ({report['peak_source']})", "",
+             "| format | path | N x K | M | time µs | GB/s | of peak | bf16 µs | bf16 of peak | × bf16 |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in report["results"]:
+        lines.append(f"| {r['format']} | {r['path']} | {r['n']}x{r['k']} | {r['m']} | {r['us']:.1f} | {r['gb_s']:.1f} | "
+                     f"{r['of_peak']:.0%} | {r['bf16_us']:.1f} | {r['bf16_of_peak']:.0%} | {r['vs_bf16']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def _shapes(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(v) for v in s.lower().split("x")) for s in text.split(",") if s]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a subset of formats, shapes and batch sizes")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     ap.add_argument("--formats", nargs="*", help="format names (default: all)")
+    ap.add_argument("--rows", type=_int_list, help="comma-separated M values (default: 1,8,64,512; --quick 1,8)")
+    ap.add_argument("--shapes", type=_shapes, help="comma-separated NxK weight shapes (default: per device)")
+    ap.add_argument("--path", help="force this kernel path (see lowbit.kernels.dispatch; default: its choice)")
+    ap.add_argument("--peak-gb-s", type=float, help="bandwidth for the 'of peak' columns (default: the measured stream)")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating timing rounds")
+    ap.add_argument("--budget", type=float, default=0.3, help="seconds per candidate and round")
+    ap.add_argument("--markdown", type=argparse.FileType("a"), help="append the markdown table to this file")
     ap.add_argument("--json", action="store_true", help="also print one JSON object on stdout")
     ap.add_argument("--threads", type=int, help="CPU threads (default: torch's); 1 is steadier on a busy machine")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    pick = QUICK if args.quick else {"formats": FORMATS, "shapes": SHAPES, "rows": ROWS}
+    device = torch.device(args.device)
+    pick = QUICK if args.quick else {"formats": FORMATS, "shapes": CUDA_SHAPES if device.type == "cuda" else SHAPES, "rows": ROWS}
     formats = args.formats or pick["formats"]
-    report = run(formats, pick["shapes"], pick["rows"], torch.device(args.device))
+    report = run(formats, args.shapes or pick["shapes"], args.rows or pick["rows"], device, args.rounds, args.budget,
+                 args.path, args.peak_gb_s)
     show(report, Console(stderr=True, width=140))
+    if args.markdown:
+        args.markdown.write(markdown(report))
+        args.markdown.close()
     if args.json:
         print(json.dumps(report))
     return 0

@@ -12,13 +12,14 @@ Two steps, two interpreters (llm-compressor pins its own transformers, so it liv
     # 2. llm-compressor on exactly those ids, measured as a fresh child process (the venv)
     python -m venv /tmp/lcvenv && /tmp/lcvenv/bin/pip install torch==2.13.0 llmcompressor==0.14.0.1
     /tmp/lcvenv/bin/python bench/llmcompressor_cost.py --samples 128 --seqlen 512 \\
-        --ids /tmp/ids-128x512.pt -o /tmp/lc-128x512 --json /tmp/lc-128x512.json
+        --ids /tmp/ids-128x512.pt -o /tmp/lc-128x512
     # 3. score the compressed-tensors checkpoint with lowbit
     lowbit eval /tmp/lc-128x512 --data wiki-eval --chunks 10 --ctx 2048 --base smollm2-135m --json
 
 Step 2 forks a child that does the whole job (import, load, oneshot, save) and reads the child's
 wall time and peak RSS from wait4, as bench/gptq_cost.py does for `lowbit quantize`; the child
-also reports the seconds spent inside oneshot alone. Run it under the shared CPU lock.
+also reports the seconds spent inside oneshot alone. Run it under the shared CPU lock. The row goes
+to bench/results/llmcompressor_cost.json (replaced) unless --json names another file.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import time
 from pathlib import Path
 
 MODEL = "~/.cache/lowbit/models/smollm2-135m"
+RESULTS = Path(__file__).resolve().parent / "results"
 
 # bench/kernels.py would shadow the `kernels` package transformers probes for at import.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
@@ -109,7 +111,11 @@ def measure(args: argparse.Namespace) -> None:
            "load_after": round(os.getloadavg()[0], 2), "output": str(args.output)}
     print(json.dumps(row))
     if args.json:
-        args.json.write_text(json.dumps(row, indent=1))
+        # the file holds one pair: this row, and lowbit's from bench/gptq_cost.py run back to back
+        # on the same machine (added by hand, as "lowbit"); a new run replaces both
+        report = {"date": time.strftime("%Y-%m-%d"), "llmcompressor": row}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
 
 
 def main() -> None:
@@ -123,7 +129,8 @@ def main() -> None:
     ap.add_argument("--ids", type=Path, help="token windows [samples, seqlen] from --dump-ids")
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("-o", "--output", type=Path, help="compressed-tensors checkpoint to write")
-    ap.add_argument("--json", type=Path, help="also write the measured row here")
+    ap.add_argument("--json", type=Path, default=RESULTS / "llmcompressor_cost.json",
+                    help="write the measured row here, replacing the file (default bench/results/llmcompressor_cost.json)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.dump_ids:

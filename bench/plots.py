@@ -1,7 +1,7 @@
 """The pictures in docs/img/, drawn from the benchmark scripts' JSON results (one command).
 
     python bench/plots.py              # redraw every picture from bench/results/*.json
-    python bench/plots.py --measure    # first rerun the measurements (about 20 minutes on 2 cores)
+    python bench/plots.py --measure    # first rerun the measurements (tens of minutes on a 2-core CPU)
 
 Pictures:
   quality_vs_bits.png   PPL and KLD vs bits per weight, every format x method, for SmolLM2
@@ -9,7 +9,7 @@ Pictures:
                         marker per method, hollow + line for kept outliers; plus the RTN rows of
                         bench/results/quality.json from bench/quality.py for formats the
                         calibration run left out, when both used the same ctx and chunks)
-  quality_vs_bits_MODEL.png  the same for each bench/results/calibration-MODEL.json (e.g. Gemma-3)
+  quality_vs_bits_MODEL.png  the same when bench/results/calibration.json holds another model (e.g. Gemma-3)
   decode_vs_batch.png   decode tok/s vs batch size, measured by `lowbit bench`, against plan's
                         roofline (bench/results/decode_vs_batch.json from bench/decode_vs_batch.py)
   kv_memory.png         KV cache memory vs context length, reserved vs paged, bf16 vs fp8 / int8,
@@ -41,8 +41,7 @@ DPI = 110
 
 # the measurements --measure reruns, each writing its JSON into bench/results/
 MEASUREMENTS = [
-    ["quality.py", "--ctx", "512", "--chunks", "4", "--threads", "1", "--formats", "int8", "fp8", "int4-g128",
-     "int4-asym-g128", "int4-g32", "nf4", "mxfp4", "nvfp4", "--json", str(RESULTS / "quality.json")],
+    ["quality.py", "--chunks", "2", "--threads", "1", "--json", str(RESULTS / "quality.json")],
     ["decode_vs_batch.py", "--out", str(RESULTS / "decode_vs_batch.json")],
 ]
 
@@ -61,14 +60,20 @@ QUALITY_MODEL = "smollm2-135m"  # bench/quality.py's model: its rows carry no mo
 
 
 def calibration_json(model: str) -> Path:
-    """bench/calibration.py's default rows file for a model."""
-    return RESULTS / ("calibration.json" if model == QUALITY_MODEL else f"calibration-{model}.json")
+    """bench/calibration.py's rows file (one for every model; the model is named inside)."""
+    return RESULTS / "calibration.json"
+
+
+def _calibration_model() -> str | None:
+    path = RESULTS / "calibration.json"
+    return json.loads(path.read_text()).get("model") if path.exists() else None
 
 
 def quality_models() -> list[str]:
-    """Models with quality rows: SmolLM2 (quality.json or calibration.json) and every calibration-MODEL.json."""
-    models = [QUALITY_MODEL] if (RESULTS / "quality.json").exists() or calibration_json(QUALITY_MODEL).exists() else []
-    return models + sorted(p.stem[len("calibration-"):] for p in RESULTS.glob("calibration-*.json"))
+    """Models with quality rows: SmolLM2 (from quality.json) and the model calibration.json holds."""
+    models = [QUALITY_MODEL] if (RESULTS / "quality.json").exists() else []
+    calibrated = _calibration_model()
+    return models + ([calibrated] if calibrated and calibrated not in models else [])
 
 
 def quality_rows(model: str = QUALITY_MODEL) -> tuple[list[dict], str]:
@@ -77,6 +82,8 @@ def quality_rows(model: str = QUALITY_MODEL) -> tuple[list[dict], str]:
     rows, notes = [], []
     calib_path = calibration_json(model)
     calib = json.loads(calib_path.read_text()) if calib_path.exists() else None
+    if calib is not None and calib.get("model", QUALITY_MODEL) != model:
+        calib = None
     if calib is not None:
         rows = [{**r, "method": r.get("method", "rtn"), "outliers_pct": r.get("outliers_pct", 0)} for r in calib["rows"]]
         notes.append(f"ctx {calib.get('ctx')}, {calib.get('chunks_run', calib.get('chunks'))} chunks, "

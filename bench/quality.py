@@ -3,6 +3,8 @@
     python bench/quality.py                         # every format, ctx 2048, the first 2 chunks
     python bench/quality.py --chunks 10 --formats int4-g32 nvfp4 --json results.json
 
+Rows go to bench/results/quality.json (replaced) unless --json names another file.
+
 For each format the demo model is quantized with lowbit's pipeline (RTN, searched scales, lm_head
 and embeddings kept), written and loaded back as a native checkpoint, and run with the reference
 kernel path (fp32 dequantize-then-matmul, so the figures are the format's, not a kernel's
@@ -36,6 +38,7 @@ from lowbit.runtime.evaluate import evaluate_tokens, plan_windows, tokenize_for_
 from lowbit.runtime.loader import load_model  # noqa: E402
 from lowbit.runtime.tokenizer import load_tokenizer  # noqa: E402
 
+RESULTS = Path(__file__).resolve().parent / "results"
 FORMATS = [
     "int4-g32", "int4-g64", "int4-g128", "nvfp4", "mxfp4-floor", "mxfp4-roundup", "mxfp4", "nf4",
     "int8", "fp8", "fp8-block128", "int4-asym-g32", "int4-asym-g64", "int4-asym-g128",
@@ -76,6 +79,7 @@ def run(args) -> list[dict]:
             del model
             shutil.rmtree(out, ignore_errors=True)
             if args.json:
+                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
                 Path(args.json).write_text(json.dumps({"chunks": len(windows), "ctx": args.ctx, "rows": rows}, indent=2))
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -107,7 +111,8 @@ def main() -> None:
     parser.add_argument("--formats", nargs="+", default=FORMATS)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--workdir", default=None, help="where the temporary checkpoints and base logits go")
-    parser.add_argument("--json", default=None, help="also write the rows to this JSON file (updated after each format)")
+    parser.add_argument("--json", default=str(RESULTS / "quality.json"),
+                        help="write the rows to this JSON file, replacing it (updated after each format; default bench/results/quality.json)")
     args = parser.parse_args()
     rows = run(args)
     print(f"{args.model} on {args.data}: ctx {args.ctx}, first {args.chunks} chunks, RTN, KLD vs bf16 (fp32 compute)")

@@ -5,7 +5,7 @@
 For every decoder Linear, the format's RTN quantization; the table gives the relative weight
 MSE Σ(ŵ − w)² / Σw² over all of them, and its ratio to the first format listed. It is the floor
 a calibrated method starts from: GPTQ and AWQ move the error around, the grid sets its size
-(docs/benchmarks.md, "The sink weight on the calibrated table": why fp8 cannot reach Q8_0).
+(docs/benchmarks.md, "Findings behind the defaults": why fp8 cannot reach Q8_0).
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ def test_plots_draw_calibration_rows(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     plots = _load("plots")
     monkeypatch.setattr(plots, "RESULTS", tmp_path)
-    (tmp_path / "calibration-gemma3-270m.json").write_text(json.dumps(_report()))
+    (tmp_path / "calibration.json").write_text(json.dumps(_report()))  # one rows file, the model named inside
     assert plots.quality_models() == ["gemma3-270m"]
     rows, note = plots.quality_rows("gemma3-270m")
     assert len(rows) == 8 and "ctx 512, 2 chunks" in note

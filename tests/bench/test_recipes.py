@@ -20,17 +20,28 @@ SMOLLM2 = {"self_attn.q_proj": (576, 576), "self_attn.k_proj": (192, 576), "self
            "self_attn.o_proj": (576, 576), "mlp.gate_proj": (1536, 576), "mlp.up_proj": (1536, 576),
            "mlp.down_proj": (576, 1536)}
 MODULES = {f"model.layers.{i}.{name}": shape for i in range(30) for name, shape in SMOLLM2.items()}
+GEMMA3 = {"self_attn.q_proj": (1024, 640), "self_attn.k_proj": (256, 640), "self_attn.v_proj": (256, 640),
+          "self_attn.o_proj": (640, 1024), "mlp.gate_proj": (2048, 640), "mlp.up_proj": (2048, 640),
+          "mlp.down_proj": (640, 2048)}
+# decoder Linears of the models bench/calibration.py's rows file may hold
+MODEL_MODULES = {"smollm2-135m": MODULES,
+                 "gemma3-270m": {f"model.layers.{i}.{name}": shape for i in range(18) for name, shape in GEMMA3.items()}}
 
 
-def linear_bits(recipe_path: Path, outliers_pct: float = 0.0) -> float:
-    rules = match_rules(load_recipe(recipe_path), list(MODULES))
+def linear_bits(recipe_path: Path, outliers_pct: float = 0.0, whole_outliers: bool = False, modules=None) -> float:
+    """Bits/weight over the Linears (SmolLM2's unless `modules` says); with whole_outliers, each matrix
+    keeps round(n · pct / 100) weights, as compress/outliers.py counts them (else the nominal pct)."""
+    modules = MODULES if modules is None else modules
+    rules = match_rules(load_recipe(recipe_path), list(modules))
     bits = weights = 0.0
     for module, rule in rules.items():
-        shape = MODULES[module]
+        shape = modules[module]
         n = shape[0] * shape[1]
         bits += (16.0 if rule is None or rule.spec is None else bits_per_weight(rule.spec, shape)) * n
+        if whole_outliers:
+            bits += BITS_PER_OUTLIER * int(round(n * outliers_pct / 100.0))
         weights += n
-    return bits / weights + BITS_PER_OUTLIER * outliers_pct / 100
+    return bits / weights + (0.0 if whole_outliers else BITS_PER_OUTLIER * outliers_pct / 100)
 
 
 def test_recipes_are_shipped():
@@ -56,7 +67,13 @@ def test_best_recipes_fit_the_budget(name, pct, expected):
 
 
 def test_layout_bits_match_the_measured_row():
-    # the bench counts bits from the quantized tensors it made; the layout must agree exactly
-    rows = json.loads((ROOT / "bench" / "results" / "calibration-dq-512x512-10chunks.json").read_text())["rows"]
-    row = next(r for r in rows if r["format"].endswith("v5-int4-asym-g32-dq.yaml") and r["outliers_pct"] == 0.14)
-    assert linear_bits(ROOT / "bench" / "recipes" / "v5-int4-asym-g32-dq.yaml", 0.14) == pytest.approx(row["linear_bpw"], abs=2e-5)
+    # the bench counts bits from the quantized tensors it made; the layout must agree exactly for
+    # every recipe row bench/calibration.py kept (bench/results/calibration.json holds the latest run)
+    report = json.loads((ROOT / "bench" / "results" / "calibration.json").read_text())
+    assert report["model"] in MODEL_MODULES, f"no Linear shapes here for {report['model']}"
+    rows = [r for r in report["rows"] if r["format"].startswith("@bench/recipes/")]
+    assert rows, "bench/results/calibration.json has no recipe row to check"
+    for row in rows:
+        bits = linear_bits(ROOT / row["format"][1:], row["outliers_pct"], whole_outliers=True,
+                           modules=MODEL_MODULES[report["model"]])
+        assert bits == pytest.approx(row["linear_bpw"], abs=1e-9), row["format"]
