@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.native.build import load_library
+from lowbit.native import paged_decode as native_paged_decode
 
 MAX_HEAD_DIM = 512
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def supported(dtype: torch.dtype, head_dim: int) -> bool:
-    return dtype in _DTYPES and head_dim <= MAX_HEAD_DIM and head_dim % 2 == 0 and load_library() is not None
+    return dtype in _DTYPES and head_dim <= MAX_HEAD_DIM and head_dim % 2 == 0 and native_paged_decode.library() is not None
 
 
 def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
@@ -29,7 +29,7 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.T
     t, hd = q.shape
     kvh, d = key_pool.shape[1], key_pool.shape[2]
     out = torch.empty(t, hd, dtype=q.dtype)
-    rc = load_library().lowbit_paged_decode(
+    rc = native_paged_decode.library().lowbit_paged_decode(
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
         None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(), _DTYPES[q.dtype],
         positions.data_ptr(), slots.data_ptr(), items.data_ptr(), tables.data_ptr(), tables.shape[1],

@@ -27,7 +27,7 @@ import functools
 import torch
 
 from lowbit.kernels import layout
-from lowbit.native.build import load_library
+from lowbit.native import bf16_gemv
 from lowbit.kernels.prepared import PreparedWeight
 from lowbit.quant.qtensor import QTensor
 
@@ -48,7 +48,7 @@ class WeightStruct(ctypes.Structure):
 
 
 def available() -> bool:
-    lib = load_library()
+    lib = bf16_gemv.library()
     return lib is not None and lib.lowbit_bf16_available() == 1
 
 
@@ -169,7 +169,7 @@ def dequantize(pw: PreparedWeight, part: int = 0) -> torch.Tensor:
     n, k = pw.shape
     width = pw.params["blocks"] * 64
     w = torch.empty(n, width, dtype=torch.bfloat16)
-    rc = load_library().lowbit_bf16_dequant(pw.params["ref"], w.data_ptr(), width, part, torch.get_num_threads())
+    rc = bf16_gemv.library().lowbit_bf16_dequant(pw.params["ref"], w.data_ptr(), width, part, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"lowbit_bf16_dequant failed with code {rc}")
     return w[:, :k]
@@ -210,7 +210,7 @@ def matmul(x: torch.Tensor, pw: PreparedWeight, out_dtype: torch.dtype = torch.f
     xb = xb.contiguous()
     out_bf16 = out_dtype == torch.bfloat16
     y = torch.empty(m, n, dtype=torch.bfloat16 if out_bf16 else torch.float32)
-    rc = load_library().lowbit_bf16_matmul(pw.params["ref"], xb.data_ptr(), ldx, m, y.data_ptr(), int(out_bf16), torch.get_num_threads())
+    rc = bf16_gemv.library().lowbit_bf16_matmul(pw.params["ref"], xb.data_ptr(), ldx, m, y.data_ptr(), int(out_bf16), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"lowbit_bf16_matmul failed with code {rc}")
     return y

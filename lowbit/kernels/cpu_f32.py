@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.native.build import load_library
+from lowbit.native import f32_dot
 
 MAX_ROWS = 16
 _LIB = None
@@ -19,7 +19,7 @@ _LIB = None
 
 def available() -> bool:
     global _LIB
-    lib = load_library()
+    lib = f32_dot.library()
     if lib is not None and lib.lowbit_f32dot_available() == 1:
         _LIB = lib
         return True
@@ -32,7 +32,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
-    rc = (_LIB or load_library()).lowbit_f32_matmul(
+    rc = (_LIB or f32_dot.library()).lowbit_f32_matmul(
         weight.data_ptr(), n, k, weight.stride(0), None if bias is None else bias.data_ptr(),
         x.data_ptr(), x.stride(0), m, y.data_ptr(), n, torch.get_num_threads())
     if rc != 0:

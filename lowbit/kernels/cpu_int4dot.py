@@ -34,7 +34,7 @@ import torch
 
 from lowbit.errors import LowbitError
 from lowbit.kernels import layout
-from lowbit.native.build import load_library
+from lowbit.native import int4_dot, int4_vnni
 from lowbit.kernels.prepared import PreparedWeight
 from lowbit.quant.qtensor import QTensor
 
@@ -66,40 +66,45 @@ class I4VWeightStruct(ctypes.Structure):
 
 
 ACTIVATIONS_ENV = "LOWBIT_INT4_ACTIVATIONS"
-_LIB = None
+_I4 = _I4V = None  # the two libraries, once available() has found them (the fused call reads these)
 
 
 def bf16_available() -> bool:
     """The bf16-activation kernel (native/int4_dot.c, AVX512-BF16) is built for this CPU."""
-    lib = load_library()
+    lib = int4_dot.library()
     return lib is not None and lib.lowbit_i4_available() == 1
 
 
 def vnni_available() -> bool:
     """The int8-activation kernel (native/int4_vnni.c, AVX512-VNNI) is built for this CPU."""
-    lib = load_library()
+    lib = int4_vnni.library()
     return lib is not None and lib.lowbit_i4v_available() == 1
 
 
 def available() -> bool:
     """Either route: CPUs with VNNI but no BF16 (Cascade Lake, Ice Lake servers) take int8 activations."""
-    global _LIB
+    global _I4, _I4V
     ok = bf16_available() or vnni_available()
     if ok:
-        _LIB = load_library()
+        _I4, _I4V = int4_dot.library(), int4_vnni.library()
     return ok
 
 
 def activations() -> str:
-    """"int8" (the VNNI kernel) or "bf16": `LOWBIT_INT4_ACTIVATIONS`, else int8 where the CPU has VNNI."""
-    choice = os.environ.get(ACTIVATIONS_ENV, "").strip().lower()
+    """"int8" (the VNNI kernel) or "bf16": the `KernelSettings` in effect (kernels/dispatch.py,
+    the CLI's --int4-activations), else `LOWBIT_INT4_ACTIVATIONS`, else int8 where the CPU has VNNI."""
+    from lowbit.kernels.dispatch import current_settings  # late: dispatch imports this module
+
+    choice, source = current_settings().int4_activations, "--int4-activations"
+    if choice is None:
+        choice, source = os.environ.get(ACTIVATIONS_ENV, "").strip().lower(), ACTIVATIONS_ENV
     if choice not in ("", "int8", "bf16"):
         raise LowbitError(f"{ACTIVATIONS_ENV} must be int8 or bf16, not {choice!r}")
     vnni = vnni_available()
     if choice == "int8" and not vnni:
-        raise LowbitError(f"{ACTIVATIONS_ENV}=int8 needs a CPU with AVX512-VNNI")
+        raise LowbitError(f"{source}=int8 needs a CPU with AVX512-VNNI")
     if choice == "bf16" and not bf16_available():
-        raise LowbitError(f"{ACTIVATIONS_ENV}=bf16 needs a CPU with AVX512-BF16")
+        raise LowbitError(f"{source}=bf16 needs a CPU with AVX512-BF16")
     return choice or ("int8" if vnni else "bf16")
 
 
@@ -125,7 +130,8 @@ def supports_int8(qt: QTensor) -> bool:
     """8-bit integer codes through the int8-activation kernel (path INT8_PATH: W8A8 decode). Never
     chosen on its own (dispatch lists it after torch's int8 op and cpu-lut), only by name
     (`LOWBIT_KERNEL=cpu-int8dot` or `prepare(..., path=)`): it rounds activations to int8. Tried
-    on draft lm_heads: 1.0 ms instead of 2.1 on SmolLM2's, but acceptance fell 3.37 -> 2.91."""
+    on draft lm_heads: faster than torch's int8 op, but the rounded activations moved the draft's
+    argmax and cut its acceptance (hence draft_models.RescoredHead)."""
     spec = qt.spec
     if spec.bits != 8 or spec.element != "int" or not vnni_available():
         return False
@@ -329,12 +335,15 @@ def matmul(x: torch.Tensor, pw: PreparedWeight, out_dtype: torch.dtype = torch.f
 
 def _fused(x: torch.Tensor, pw: PreparedWeight, out_bf16: bool) -> torch.Tensor:
     # A decode step makes ~120 of these calls, so this stays a few attribute lookups and one
-    # ctypes call (~3 us of Python per call; the old route through dispatch cost ~10 us).
+    # ctypes call (Python's fixed cost per call adds up over a step; the old route through
+    # dispatch cost several times more).
     n = pw.shape[0]
     m = x.shape[0]
     y = torch.empty(m, n, dtype=torch.bfloat16 if out_bf16 else torch.float32)
-    lib = _LIB or load_library()
-    fn = lib.lowbit_i4v_matmul if pw.params["act"] == "int8" else lib.lowbit_i4_matmul
+    if pw.params["act"] == "int8":
+        fn = (_I4V or int4_vnni.library()).lowbit_i4v_matmul
+    else:
+        fn = (_I4 or int4_dot.library()).lowbit_i4_matmul
     rc = fn(pw.params["ref"], x.data_ptr(), x.dtype == torch.bfloat16, x.stride(0), m, y.data_ptr(), out_bf16, n,
             torch.get_num_threads())
     if rc != 0:

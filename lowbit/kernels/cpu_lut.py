@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from lowbit.kernels import layout
-from lowbit.native.build import load_library
+from lowbit.native import lut_gemv
 from lowbit.kernels.prepared import PreparedWeight
 from lowbit.quant.qtensor import QTensor
 
@@ -36,7 +36,7 @@ def supports(qt: QTensor) -> bool:
     g = layout.group_scales(qt).group_size
     single_group = g >= qt.shape[1]
     # The kernel finds a column's group with a shift, so groups must be powers of two >= 16.
-    return ok and (single_group or (g >= 16 and g & (g - 1) == 0)) and load_library() is not None
+    return ok and (single_group or (g >= 16 and g & (g - 1) == 0)) and lut_gemv.library() is not None
 
 
 def repack4(codes: torch.Tensor) -> torch.Tensor:
@@ -89,7 +89,7 @@ def dequantize(pw: PreparedWeight) -> torch.Tensor:
     """The float32 weight [N, K], decoded by the C kernel."""
     n, k = pw.shape
     w = torch.empty(n, k, dtype=torch.float32)
-    load_library().lowbit_lut_dequant(*_common_args(pw), w.data_ptr(), k, torch.get_num_threads())
+    lut_gemv.library().lowbit_lut_dequant(*_common_args(pw), w.data_ptr(), k, torch.get_num_threads())
     return w
 
 
@@ -99,7 +99,7 @@ def matmul(x: torch.Tensor, pw: PreparedWeight) -> torch.Tensor:
     m = x.shape[0]
     if m > FUSED_MAX_ROWS:
         return x.float() @ dequantize(pw).T
-    lib = load_library()
+    lib = lut_gemv.library()
     width = pw.tensors["codes"].shape[1] * 2 if pw.params["bits"] == 4 else k
     width = -(-width // 16) * 16
     xf = torch.nn.functional.pad(x.float(), (0, width - k)).contiguous()

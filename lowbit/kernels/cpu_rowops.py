@@ -10,36 +10,17 @@ no_grad), and the library built; anything else keeps the torch path.
 
 from __future__ import annotations
 
-import ctypes
-import functools
-
 import torch
 
-from lowbit.native.build import load_library
+from lowbit.native import rowops
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # Activation names of runtime/layers.py ACTIVATIONS the C code computes (others stay in torch).
 ACTS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1, "gelu_new": 1}
 
-_P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
-
-@functools.cache
 def _lib():
-    return configure(load_library())
-
-
-def configure(lib):
-    """lib with the row ops' signatures set, or None without them."""
-    if lib is None or not hasattr(lib, "lowbit_rmsnorm"):
-        return None
-    lib.lowbit_rmsnorm.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _F, _INT, _INT, _P, _I64, _INT]
-    lib.lowbit_rmsnorm.restype = _INT
-    lib.lowbit_add_rmsnorm.argtypes = [_P, _I64, _P, _I64, _P, _I64, _I64, _P, _F, _INT, _INT, _P, _I64, _P, _I64, _INT]
-    lib.lowbit_add_rmsnorm.restype = _INT
-    lib.lowbit_act_mul.argtypes = [_P, _I64, _P, _I64, _I64, _I64, _INT, _INT, _P, _I64, _INT]
-    lib.lowbit_act_mul.restype = _INT
-    return lib
+    return rowops.library()
 
 
 def available() -> bool:

@@ -21,9 +21,12 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "lowbit_native.h"
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define HAVE_BF16DOT 1
-#include <immintrin.h>
+#else
+#define HAVE_BF16DOT 0
 #endif
 
 /* One prepared weight; kernels/cpu_bf16.py builds the same struct with ctypes. */
@@ -41,21 +44,12 @@ typedef struct {
     float post;                  /* multiplies every output */
 } Weight;
 
-int lowbit_bf16_available(void) {
-#ifdef HAVE_BF16DOT
-    return 1;
-#else
-    return 0;
-#endif
-}
+int lowbit_bf16_available(void) { return HAVE_BF16DOT; }
 
-#ifdef HAVE_BF16DOT
-#define INLINE static inline __attribute__((always_inline))
+#if HAVE_BF16DOT
 #define MB_MAX 8
 #define MAX_M 8     /* rows of x per pass over a weight tile */
 #define ROW_TILE 16 /* weight rows per tile: re-read from cache for each pass over x */
-
-
 
 INLINE int64_t clamp_group(int64_t j, int64_t G) { return j < G ? j : G - 1; }
 
@@ -256,41 +250,25 @@ INLINE void row_block_outer(const int MB, const Weight *w, int64_t n, int64_t b0
 
 typedef void (*rows_fn)(const Weight *, int64_t, int64_t, int64_t, const uint16_t *, int64_t, int64_t, float *);
 
-ROWS_FOR(16, 1, 0, 0)
-ROWS_FOR(32, 1, 0, 0)
-ROWS_FOR(64, 1, 0, 0)
-ROWS_FOR(16, 0, 0, 0)
-ROWS_FOR(32, 0, 0, 0)
-ROWS_FOR(64, 0, 0, 0)
-ROWS_FOR(16, 0, 1, 0)
-ROWS_FOR(32, 0, 1, 0)
-ROWS_FOR(64, 0, 1, 0)
-ROWS_FOR(32, 0, 0, 1)
-ROWS_FOR(64, 0, 0, 1)
-ROWS_FOR(32, 0, 1, 1)
-ROWS_FOR(64, 0, 1, 1)
+/* The compiled variants (group 16/32/64+, mode, zero point, pair): X(GM, MODE, HZ, PAIR) each. */
+#define VARIANTS(X)                                                                                   \
+    X(16, 1, 0, 0) X(32, 1, 0, 0) X(64, 1, 0, 0)                                                      \
+    X(16, 0, 0, 0) X(32, 0, 0, 0) X(64, 0, 0, 0) X(16, 0, 1, 0) X(32, 0, 1, 0) X(64, 0, 1, 0)         \
+    X(32, 0, 0, 1) X(64, 0, 0, 1) X(32, 0, 1, 1) X(64, 0, 1, 1)
+VARIANTS(ROWS_FOR)
 
 static rows_fn pick(int gm, int mode, int hz, int pair) {
 #define P(GM, MODE, HZ, PAIR) if (gm == GM && mode == MODE && hz == HZ && pair == PAIR) return rows_##GM##_##MODE##_##HZ##_##PAIR;
-    P(16, 1, 0, 0) P(32, 1, 0, 0) P(64, 1, 0, 0)
-    P(16, 0, 0, 0) P(32, 0, 0, 0) P(64, 0, 0, 0) P(16, 0, 1, 0) P(32, 0, 1, 0) P(64, 0, 1, 0)
-    P(32, 0, 0, 1) P(64, 0, 0, 1) P(32, 0, 1, 1) P(64, 0, 1, 1)
+    VARIANTS(P)
 #undef P
     return 0;
 }
 #endif
 
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);               /* round to nearest even */
-}
-
 /* y[M, N] = x[M, 64 * blocks] (bf16, zero-padded, row stride ldx) times the weight; y is float32, or bf16 when
    out_bf16 (rounded to nearest even, as torch does). Returns 0, or -1 for an unsupported weight. */
 int lowbit_bf16_matmul(const Weight *w, const uint16_t *x, int64_t ldx, int64_t M, void *y, int out_bf16, int threads) {
-#ifdef HAVE_BF16DOT
+#if HAVE_BF16DOT
     const int gm = w->gshift == 4 ? 16 : w->gshift == 5 ? 32 : 64;
     rows_fn fn = pick(gm, w->mode, w->zeros != 0, w->pair);
     if (!fn || M < 1 || w->gshift < 4 || ldx < 64 * w->blocks) return -1;
@@ -308,14 +286,14 @@ int lowbit_bf16_matmul(const Weight *w, const uint16_t *x, int64_t ldx, int64_t 
             for (int64_t m = 0; m < mt; m++)
                 for (int64_t i = 0; i < nt; i++) {
                     float v = out[i * MAX_M + m] * w->post;
-                    if (yb) yb[(m0 + m) * N + n0 + i] = to_bf16(v);
+                    if (yb) yb[(m0 + m) * N + n0 + i] = lowbit_bf16_bits(v); /* as torch rounds */
                     else yf[(m0 + m) * N + n0 + i] = v;
                 }
         }
     }
     return 0;
 #else
-    (void)w; (void)x; (void)M; (void)y; (void)out_bf16; (void)threads;
+    (void)w; (void)x; (void)ldx; (void)M; (void)y; (void)out_bf16; (void)threads;
     return -1;
 #endif
 }
@@ -323,7 +301,7 @@ int lowbit_bf16_matmul(const Weight *w, const uint16_t *x, int64_t ldx, int64_t 
 /* The bf16 weight [N, ldo] (columns past 64 * blocks untouched): part 0 = the weights (hi in pair
    mode), part 1 = the pair's lo parts. For large batches, which then run one bf16 GEMM per part. */
 int lowbit_bf16_dequant(const Weight *w, uint16_t *out, int64_t ldo, int part, int threads) {
-#ifdef HAVE_BF16DOT
+#if HAVE_BF16DOT
     if (w->gshift < 4 || ldo < 64 * w->blocks || (part && !w->pair)) return -1;
     const int gm = w->gshift == 4 ? 16 : w->gshift == 5 ? 32 : 64;
     const int hz = w->zeros != 0;

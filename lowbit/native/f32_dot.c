@@ -13,21 +13,17 @@
 
 #include <stdint.h>
 
+#include "lowbit_native.h"
+
 #if defined(__AVX512F__)
 #define HAVE_F32DOT 1
-#include <immintrin.h>
-#endif
-
-int lowbit_f32dot_available(void) {
-#ifdef HAVE_F32DOT
-    return 1;
 #else
-    return 0;
+#define HAVE_F32DOT 0
 #endif
-}
 
-#ifdef HAVE_F32DOT
-#define INLINE static inline __attribute__((always_inline))
+int lowbit_f32dot_available(void) { return HAVE_F32DOT; }
+
+#if HAVE_F32DOT
 #define NT 4 /* weight rows per tile */
 /* Each k step also prefetches, into L2, the same k of the next tile's rows: a tile's four rows
    are four short streams (2.3 KB each at K = 576) that the hardware prefetcher barely learns
@@ -53,7 +49,7 @@ INLINE void f32_tile(const int NB, const int MB, const float *w, int64_t ldw, in
         }
     }
     if (k < K) {
-        const __mmask16 mask = (__mmask16)((1u << (K - k)) - 1u);
+        const __mmask16 mask = lowbit_lanes(K - k);
         __m512 xv[MT];
         for (int m = 0; m < MB; m++) xv[m] = _mm512_maskz_loadu_ps(mask, x + m * ldx + k);
         for (int nb = 0; nb < NB; nb++) {
@@ -81,7 +77,7 @@ INLINE void f32_pass(const int NB, int mb, const float *w, int64_t ldw, int64_t 
 /* Returns 0, or -1 when the build has no AVX-512. */
 int lowbit_f32_matmul(const float *w, int64_t N, int64_t K, int64_t ldw, const float *bias, const float *x, int64_t ldx,
                       int64_t M, float *y, int64_t ldy, int threads) {
-#ifndef HAVE_F32DOT
+#if !HAVE_F32DOT
     (void)w; (void)N; (void)K; (void)ldw; (void)bias; (void)x; (void)ldx; (void)M; (void)y; (void)ldy; (void)threads;
     return -1;
 #else

@@ -27,33 +27,147 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "lowbit_native.h"
+
 #define ROWS_PER_TASK 256
 
 /* x rounded to bfloat16 (nearest, ties to even) and back, as torch's x.to(bfloat16).float();
-   NaN stays NaN. */
-static inline float bf16_round(float x) {
-    uint32_t bits;
-    memcpy(&bits, &x, 4);
-    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return x;
-    bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
-    memcpy(&x, &bits, 4);
-    return x;
-}
+   NaN stays NaN (the very same NaN). */
+static inline float bf16_round(float x) { return isnan(x) ? x : lowbit_bf16_round(x); }
+
+/* One call's arrays (see the entry points below). */
+typedef struct {
+    float *block;
+    int64_t b, n, ldu;
+    const float *u, *divisor, *scale;
+    const float *lo, *hi; /* integer grid: per-element bounds, or NULL for lo_s / hi_s */
+    float lo_s, hi_s;
+    int64_t g; /* element grid: g values, g - 1 midpoints */
+    const double *mids;
+    const uint8_t *tie_up;
+    const float *grid;
+    const uint8_t *grid_codes;
+    int sign_bit;
+    float *ints;    /* integer grid: the integers */
+    uint8_t *codes; /* element grid: the codes */
+    float *values, *errors;
+    const uint8_t *keep;
+    float *kept;
+} Block;
 
 /* Column i's scaled errors e fed into the block's later columns r > i, rows n0..n1. */
-static inline void update_later_columns(float *block, int64_t b, int64_t n, const float *u, int64_t ldu, int64_t i,
-                                        const float *e, int64_t n0, int64_t n1) {
-    for (int64_t r = i + 1; r < b; r++) {
-        const float c = u[i * ldu + r];
-        float *y = block + r * n;
+static inline void update_later_columns(const Block *a, int64_t i, const float *e, int64_t n0, int64_t n1) {
+    for (int64_t r = i + 1; r < a->b; r++) {
+        const float c = a->u[i * a->ldu + r];
+        float *y = a->block + r * a->n;
         for (int64_t k = n0; k < n1; k++) y[k] = fmaf(-c, e[k], y[k]);
     }
 }
 
-/* The weight rows n0..n1 of one task: threads split the rows, which never interact. */
-static inline void task_rows(int64_t task, int64_t n, int64_t *n0, int64_t *n1) {
-    *n0 = task * ROWS_PER_TASK;
-    *n1 = *n0 + ROWS_PER_TASK < n ? *n0 + ROWS_PER_TASK : n;
+/* Column i of an integer grid, rows n0..n1. */
+static void int_column(const Block *a, int64_t i, int64_t n0, int64_t n1) {
+    const int64_t n = a->n;
+    float *x = a->block + i * n;
+    float *t = a->ints + i * n, *v = a->values + i * n, *e = a->errors + i * n;
+    const float *d = a->divisor + i * n, *s = a->scale + i * n;
+    const float diag = a->u[i * a->ldu + i];
+    if (a->lo) {
+        const float *l = a->lo + i * n, *h = a->hi + i * n;
+        for (int64_t k = n0; k < n1; k++) {
+            float q = nearbyintf(x[k] / d[k]);
+            q = q < l[k] ? l[k] : q;
+            q = q > h[k] ? h[k] : q;
+            t[k] = q;
+            v[k] = q * s[k];
+            e[k] = (x[k] - v[k]) / diag;
+        }
+    } else {
+        const float lo_s = a->lo_s, hi_s = a->hi_s;
+        for (int64_t k = n0; k < n1; k++) {
+            float q = nearbyintf(x[k] / d[k]);
+            q = q < lo_s ? lo_s : q;
+            q = q > hi_s ? hi_s : q;
+            t[k] = q;
+            v[k] = q * s[k];
+            e[k] = (x[k] - v[k]) / diag;
+        }
+    }
+    if (a->keep) {
+        const uint8_t *m = a->keep + i * n;
+        float *kp = a->kept + i * n;
+        for (int64_t k = n0; k < n1; k++) {
+            if (m[k]) {
+                kp[k] = bf16_round(x[k]);
+                t[k] = 0.0f;
+                v[k] = 0.0f;
+                e[k] = (x[k] - kp[k]) / diag;
+            } else {
+                kp[k] = 0.0f;
+            }
+        }
+    }
+}
+
+/* Column i of an element grid, rows n0..n1 (see lowbit_gptq_grid_block). */
+static void grid_column(const Block *a, int64_t i, int64_t n0, int64_t n1) {
+    const int64_t n = a->n, g = a->g;
+    const double *mids = a->mids;
+    const int sign_bit = a->sign_bit;
+    const float *x = a->block + i * n, *d = a->divisor + i * n, *s = a->scale + i * n;
+    const uint8_t *m = a->keep ? a->keep + i * n : 0;
+    uint8_t *c = a->codes + i * n;
+    float *v = a->values + i * n, *e = a->errors + i * n, *kp = a->kept ? a->kept + i * n : 0;
+    const float diag = a->u[i * a->ldu + i];
+    for (int64_t k = n0; k < n1; k++) {
+        const int held = m && m[k];
+        const float r = held ? 0.0f : x[k] / d[k];  /* a kept weight's code stands for +0 */
+        const double abs_r = sign_bit ? fabs((double)r) : (double)r;
+        int64_t lo = 0, hi = g - 1;  /* lo = how many midpoints lie below abs_r */
+        while (lo < hi) {
+            const int64_t mid = (lo + hi) / 2;
+            if (mids[mid] < abs_r) lo = mid + 1;
+            else hi = mid;
+        }
+        if (lo < g - 1 && abs_r == mids[lo] && a->tie_up[lo]) lo++;
+        float value = a->grid[lo];
+        uint8_t code = a->grid_codes[lo];
+        if (sign_bit && signbit(r)) {
+            value = -value;
+            code |= (uint8_t)sign_bit;
+        }
+        c[k] = code;
+        if (held) {
+            kp[k] = bf16_round(x[k]);
+            v[k] = 0.0f;
+            e[k] = (x[k] - kp[k]) / diag;
+        } else {
+            if (kp) kp[k] = 0.0f;
+            v[k] = value * s[k];
+            e[k] = (x[k] - v[k]) / diag;
+        }
+    }
+}
+
+/* Tasks lo..hi-1 (ROWS_PER_TASK weight rows each) through the block's columns in order: each
+   column quantized, then its errors fed into the later columns. */
+static inline void run_tasks(const Block *a, int64_t lo, int64_t hi, void (*column)(const Block *, int64_t, int64_t, int64_t)) {
+    for (int64_t task = lo; task < hi; task++) {
+        const int64_t n0 = task * ROWS_PER_TASK, n1 = n0 + ROWS_PER_TASK < a->n ? n0 + ROWS_PER_TASK : a->n;
+        for (int64_t i = 0; i < a->b; i++) {
+            column(a, i, n0, n1);
+            update_later_columns(a, i, a->errors + i * a->n, n0, n1);
+        }
+    }
+}
+
+static void int_tasks(const void *a, int64_t lo, int64_t hi) { run_tasks(a, lo, hi, int_column); }
+static void grid_tasks(const void *a, int64_t lo, int64_t hi) { run_tasks(a, lo, hi, grid_column); }
+
+/* Threads split the weight rows (in tasks), which never interact. */
+static int run(const Block *a, int threads, lowbit_items_fn tasks_fn) {
+    const int64_t tasks = (a->n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+    lowbit_for_items(tasks, tasks > 1 && threads > 1, threads, tasks_fn, a);
+    return 0;
 }
 
 int lowbit_gptq_int_block(float *block, int64_t b, int64_t n, const float *u, int64_t ldu,
@@ -61,54 +175,10 @@ int lowbit_gptq_int_block(float *block, int64_t b, int64_t n, const float *u, in
                           float lo_s, float hi_s, float *ints, float *values, float *errors,
                           const uint8_t *keep, float *kept, int threads) {
     if (b <= 0 || n <= 0) return 0;
-    const int64_t tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
-#pragma omp parallel for num_threads(threads) schedule(static) if (tasks > 1 && threads > 1)
-    for (int64_t task = 0; task < tasks; task++) {
-        int64_t n0, n1;
-        task_rows(task, n, &n0, &n1);
-        for (int64_t i = 0; i < b; i++) {
-            float *x = block + i * n;
-            float *t = ints + i * n, *v = values + i * n, *e = errors + i * n;
-            const float *d = divisor + i * n, *s = scale + i * n;
-            const float diag = u[i * ldu + i];
-            if (lo) {
-                const float *l = lo + i * n, *h = hi + i * n;
-                for (int64_t k = n0; k < n1; k++) {
-                    float q = nearbyintf(x[k] / d[k]);
-                    q = q < l[k] ? l[k] : q;
-                    q = q > h[k] ? h[k] : q;
-                    t[k] = q;
-                    v[k] = q * s[k];
-                    e[k] = (x[k] - v[k]) / diag;
-                }
-            } else {
-                for (int64_t k = n0; k < n1; k++) {
-                    float q = nearbyintf(x[k] / d[k]);
-                    q = q < lo_s ? lo_s : q;
-                    q = q > hi_s ? hi_s : q;
-                    t[k] = q;
-                    v[k] = q * s[k];
-                    e[k] = (x[k] - v[k]) / diag;
-                }
-            }
-            if (keep) {
-                const uint8_t *m = keep + i * n;
-                float *kp = kept + i * n;
-                for (int64_t k = n0; k < n1; k++) {
-                    if (m[k]) {
-                        kp[k] = bf16_round(x[k]);
-                        t[k] = 0.0f;
-                        v[k] = 0.0f;
-                        e[k] = (x[k] - kp[k]) / diag;
-                    } else {
-                        kp[k] = 0.0f;
-                    }
-                }
-            }
-            update_later_columns(block, b, n, u, ldu, i, e, n0, n1);
-        }
-    }
-    return 0;
+    const Block a = {.block = block, .b = b, .n = n, .ldu = ldu, .u = u, .divisor = divisor, .scale = scale,
+                     .lo = lo, .hi = hi, .lo_s = lo_s, .hi_s = hi_s, .ints = ints, .values = values,
+                     .errors = errors, .keep = keep, .kept = kept};
+    return run(&a, threads, int_tasks);
 }
 
 /* The same loop for formats whose element quantizer is "the nearest value of x / divisor on a
@@ -122,47 +192,8 @@ int lowbit_gptq_grid_block(float *block, int64_t b, int64_t n, const float *u, i
                            uint8_t *codes, float *values, float *errors, const uint8_t *keep, float *kept,
                            int threads) {
     if (b <= 0 || n <= 0 || g <= 0) return g <= 0;
-    const int64_t tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
-#pragma omp parallel for num_threads(threads) schedule(static) if (tasks > 1 && threads > 1)
-    for (int64_t task = 0; task < tasks; task++) {
-        int64_t n0, n1;
-        task_rows(task, n, &n0, &n1);
-        for (int64_t i = 0; i < b; i++) {
-            const float *x = block + i * n, *d = divisor + i * n, *s = scale + i * n;
-            const uint8_t *m = keep ? keep + i * n : 0;
-            uint8_t *c = codes + i * n;
-            float *v = values + i * n, *e = errors + i * n, *kp = kept ? kept + i * n : 0;
-            const float diag = u[i * ldu + i];
-            for (int64_t k = n0; k < n1; k++) {
-                const int held = m && m[k];
-                const float r = held ? 0.0f : x[k] / d[k];  /* a kept weight's code stands for +0 */
-                const double a = sign_bit ? fabs((double)r) : (double)r;
-                int64_t lo = 0, hi = g - 1;  /* lo = how many midpoints lie below a */
-                while (lo < hi) {
-                    const int64_t mid = (lo + hi) / 2;
-                    if (mids[mid] < a) lo = mid + 1;
-                    else hi = mid;
-                }
-                if (lo < g - 1 && a == mids[lo] && tie_up[lo]) lo++;
-                float value = grid[lo];
-                uint8_t code = grid_codes[lo];
-                if (sign_bit && signbit(r)) {
-                    value = -value;
-                    code |= (uint8_t)sign_bit;
-                }
-                c[k] = code;
-                if (held) {
-                    kp[k] = bf16_round(x[k]);
-                    v[k] = 0.0f;
-                    e[k] = (x[k] - kp[k]) / diag;
-                } else {
-                    if (kp) kp[k] = 0.0f;
-                    v[k] = value * s[k];
-                    e[k] = (x[k] - v[k]) / diag;
-                }
-            }
-            update_later_columns(block, b, n, u, ldu, i, e, n0, n1);
-        }
-    }
-    return 0;
+    const Block a = {.block = block, .b = b, .n = n, .ldu = ldu, .u = u, .divisor = divisor, .scale = scale, .g = g,
+                     .mids = mids, .tie_up = tie_up, .grid = grid, .grid_codes = grid_codes, .sign_bit = sign_bit,
+                     .codes = codes, .values = values, .errors = errors, .keep = keep, .kept = kept};
+    return run(&a, threads, grid_tasks);
 }

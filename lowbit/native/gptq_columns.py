@@ -1,5 +1,5 @@
 """GPTQ's per-column loop in C (native/gptq_columns.c) for integer grids (`int_block`) and for
-formats that describe their element quantizer as a codec.ElementGrid (`grid_block`: minifloats,
+formats that describe their element quantizer as an ElementGrid (quant/element_grid.py; `grid_block`: minifloats,
 NF4): one call per block of columns instead of 7-16 torch calls per column. The same float32 operations as compress/gptq.py's
 torch loop (`int_block_torch`), the same bits except where torch leaves a multiply-add unfused
 (see the C file); `available()` is False without the library, and GPTQ keeps torch.
@@ -7,26 +7,21 @@ torch loop (`int_block_torch`), the same bits except where torch leaves a multip
 
 from __future__ import annotations
 
-import ctypes
-import functools
-
 import torch
 
-from lowbit.native.build import bound_library
+from lowbit.native import build
+from lowbit.native.build import F32, I64, INT, P
 
-_P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+SIGNATURES = {
+    "lowbit_gptq_int_block": [P, I64, I64, P, I64, P, P, P, P, F32, F32, P, P, P, P, P, INT],
+    "lowbit_gptq_grid_block": [P, I64, I64, P, I64, P, P, I64, P, P, P, P, INT, P, P, P, P, P, INT],
+}
 
-
-@functools.cache
-def _lib():
-    return bound_library({
-        "lowbit_gptq_int_block": [_P, _I64, _I64, _P, _I64, _P, _P, _P, _P, _F, _F, _P, _P, _P, _P, _P, _INT],
-        "lowbit_gptq_grid_block": [_P, _I64, _I64, _P, _I64, _P, _P, _I64, _P, _P, _P, _P, _INT, _P, _P, _P, _P, _P, _INT],
-    })
+library = build.binding("gptq_columns", SIGNATURES)
 
 
 def available() -> bool:
-    return _lib() is not None
+    return library() is not None
 
 
 def _rows(t: torch.Tensor, b: int, n: int) -> int:
@@ -53,7 +48,7 @@ def int_block(block: torch.Tensor, u: torch.Tensor, divisor: torch.Tensor, scale
     u = _factor(u, b)
     arrays = isinstance(lo, torch.Tensor)
     keep_ptr, kept_ptr = _held(keep, kept, b, n)
-    rc = _lib().lowbit_gptq_int_block(
+    rc = library().lowbit_gptq_int_block(
         _rows(block, b, n), b, n, u.data_ptr(), u.stride(0), _rows(divisor, b, n), _rows(scale, b, n),
         _rows(lo, b, n) if arrays else None, _rows(hi, b, n) if arrays else None,
         0.0 if arrays else lo, 0.0 if arrays else hi,
@@ -76,7 +71,7 @@ def _held(keep, kept, b: int, n: int):
 def grid_block(block: torch.Tensor, u: torch.Tensor, divisor: torch.Tensor, scale: torch.Tensor, grid,
                codes: torch.Tensor, values: torch.Tensor, errors: torch.Tensor,
                keep: torch.Tensor | None = None, kept: torch.Tensor | None = None) -> None:
-    """`int_block` for a grid format: `grid` is the format's codec.ElementGrid, and `codes`
+    """`int_block` for a grid format: `grid` is the format's ElementGrid, and `codes`
     (uint8 [b, n]) receives the element codes where int_block writes integers."""
     b, n = block.shape
     u = _factor(u, b)
@@ -88,7 +83,7 @@ def grid_block(block: torch.Tensor, u: torch.Tensor, divisor: torch.Tensor, scal
     if tables[0].numel() != g - 1 or tables[1].numel() != g - 1 or tables[3].numel() != g:
         raise ValueError("gptq block: the grid's tables do not fit together")
     keep_ptr, kept_ptr = _held(keep, kept, b, n)
-    rc = _lib().lowbit_gptq_grid_block(
+    rc = library().lowbit_gptq_grid_block(
         _rows(block, b, n), b, n, u.data_ptr(), u.stride(0), _rows(divisor, b, n), _rows(scale, b, n), g,
         *(t.data_ptr() for t in tables), grid.sign_bit, codes.data_ptr(), _rows(values, b, n), _rows(errors, b, n),
         keep_ptr, kept_ptr, torch.get_num_threads())

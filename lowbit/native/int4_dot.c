@@ -35,12 +35,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "lowbit_native.h"
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define HAVE_I4DOT 1
-#include <immintrin.h>
-#endif
-#ifdef _OPENMP
-#include <omp.h>
+#else
+#define HAVE_I4DOT 0
 #endif
 
 typedef struct {
@@ -53,18 +53,11 @@ typedef struct {
     int32_t cpg;           /* chunks per group (group / 4); chunks for one group per row */
 } I4Weight;
 
-int lowbit_i4_available(void) {
-#ifdef HAVE_I4DOT
-    return 1;
-#else
-    return 0;
-#endif
-}
+int lowbit_i4_available(void) { return HAVE_I4DOT; }
 
-#ifdef HAVE_I4DOT
-#define INLINE static inline __attribute__((always_inline))
+#if HAVE_I4DOT
 #define ROWS 16  /* output rows per tile: one per lane */
-#define MAXMB 16 /* x rows per pass: 16 accumulators */
+#define MAXMB LOWBIT_PASS_ROWS /* x rows per pass: 16 accumulators */
 #define STRIDE 128 /* bytes from one chunk of a tile to its next: four tiles interleaved */
 /* Prefetch distance in the stream of codes (bytes ahead; one to two 128-byte chunks per 4-16
    ns of dot products, so this is ~20-60 ns early; 0 to rely on the hardware prefetcher alone). */
@@ -133,39 +126,11 @@ INLINE void tiles(const int TT, const int MB, const I4Weight *w, int64_t t0, con
 
 /* One pass: a constant TT and MB per case, so each compiles to its own fully unrolled loop. */
 #define MB_CASE(TT, MB) case MB: tiles(TT, MB, w, t0, xq, M, xsum, m0, tot); break;
-#define MB_UPTO4(TT) MB_CASE(TT, 1) MB_CASE(TT, 2) MB_CASE(TT, 3) MB_CASE(TT, 4)
-#define MB_5TO8(TT) MB_CASE(TT, 5) MB_CASE(TT, 6) MB_CASE(TT, 7) MB_CASE(TT, 8)
 static void pass(int tt, int mb, const I4Weight *w, int64_t t0, const uint16_t *xq, int64_t M, const float *xsum,
                  int64_t m0, float *tot) {
-    if (tt == 4) {
-        switch (mb) { MB_UPTO4(4) }
-    } else if (tt == 3) {
-        switch (mb) { MB_UPTO4(3) }
-    } else if (tt == 2) {
-        switch (mb) { MB_UPTO4(2) MB_5TO8(2) }
-    } else {
-        switch (mb) {
-            MB_UPTO4(1) MB_5TO8(1)
-            MB_CASE(1, 9) MB_CASE(1, 10) MB_CASE(1, 11) MB_CASE(1, 12)
-            MB_CASE(1, 13) MB_CASE(1, 14) MB_CASE(1, 15) MB_CASE(1, 16)
-        }
-    }
+    LOWBIT_TILE_PASSES(tt, mb, MB_CASE);
 }
-
-/* Tiles side by side for a pass of mb rows: enough independent accumulators to cover the dot
-   product's latency, at most 16 in all. */
-static int tiles_for(int mb) { return mb <= 4 ? 4 : mb <= 8 ? 2 : 1; }
-
-/* float32 -> bf16, round to nearest even, NaN kept NaN; 16 at a time (n <= 16 read, masked). */
-static inline __m256i to_bf16(const float *src, int n) {
-    const __m512i u = _mm512_castps_si512(_mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1u), src));
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
-                                                      _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-    r = _mm512_srli_epi32(r, 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x7F800000));
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-    return _mm512_cvtepi32_epi16(r);
-}
+#undef MB_CASE
 
 /* Row m of x as bf16 into row (K padded with zeros to kp), and its group sums (a fixed order:
    16 lanes along k, then a fixed horizontal sum) when the weight has zero points. */
@@ -177,8 +142,8 @@ static void convert_row(const I4Weight *w, const void *x, int x_bf16, int64_t ld
     } else {
         const float *src = (const float *)x + m * ldx_in;
         for (int64_t k = 0; k < K; k += 16) {
-            const int n = K - k < 16 ? (int)(K - k) : 16;
-            _mm256_mask_storeu_epi16(row + k, (__mmask16)((1u << n) - 1u), to_bf16(src + k, n));
+            const __mmask16 mask = lowbit_lanes(K - k); /* float32 -> bf16 16 at a time, the tail masked */
+            _mm256_mask_storeu_epi16(row + k, mask, _mm512_cvtepi32_epi16(lowbit_bf16_bits16(_mm512_maskz_loadu_ps(mask, src + k))));
         }
     }
     memset(row + K, 0, (size_t)(kp - K) * 2);
@@ -187,7 +152,7 @@ static void convert_row(const I4Weight *w, const void *x, int x_bf16, int64_t ld
         const int64_t k0 = j * w->cpg * 4, k1 = j == w->G - 1 ? kp : k0 + w->cpg * 4;
         __m512 s = _mm512_setzero_ps();
         for (int64_t k = k0; k < k1; k += 16)
-            s = _mm512_add_ps(s, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + k))), 16)));
+            s = _mm512_add_ps(s, lowbit_bf16_widen16(_mm256_loadu_si256((const __m256i *)(row + k))));
         xsum[m * w->G + j] = _mm512_reduce_add_ps(s);
     }
 }
@@ -195,10 +160,18 @@ static void convert_row(const I4Weight *w, const void *x, int x_bf16, int64_t ld
 /* The 16 output rows of tile t for x row m (lanes past N are not written). */
 static inline void store_tile(const float *v, void *y, int y_bf16, int64_t ldy, int64_t m, int64_t t, int64_t N) {
     const int64_t n0 = t * ROWS;
-    const __mmask16 mask = N - n0 >= ROWS ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n0)) - 1u);
+    const __mmask16 mask = lowbit_lanes(N - n0);
     const __m512 r = _mm512_loadu_ps(v);
     if (y_bf16) _mm256_mask_storeu_epi16((uint16_t *)y + m * ldy + n0, mask, (__m256i)_mm512_cvtneps_pbh(r));
     else _mm512_mask_storeu_ps((float *)y + m * ldy + n0, mask, r);
+}
+
+/* xq: x as bf16 by chunk; xs: the group sums xsum. */
+static void run_tiles(LowbitTileCall *c, int tt, int mb, int64_t t, int64_t m0) {
+    const I4Weight *w = c->w;
+    pass(tt, mb, w, t, c->xq, c->M, c->xs, m0, c->tot);
+    for (int i = 0; i < tt; i++)
+        for (int m = 0; m < mb; m++) store_tile(c->tot + (i * mb + m) * 16, c->y, c->y_bf16, c->ldy, m0 + m, t + i, w->N);
 }
 #endif
 
@@ -206,7 +179,7 @@ static inline void store_tile(const float *v, void *y, int y_bf16, int64_t ldy, 
    Returns 0, or -1 when the build has no AVX512-BF16, -2 when out of memory. */
 int lowbit_i4_matmul(const I4Weight *w, const void *x, int x_bf16, int64_t ldx_in, int64_t M, void *y, int y_bf16,
                      int64_t ldy, int threads) {
-#ifndef HAVE_I4DOT
+#if !HAVE_I4DOT
     (void)w; (void)x; (void)x_bf16; (void)ldx_in; (void)M; (void)y; (void)y_bf16; (void)ldy; (void)threads;
     return -1;
 #else
@@ -215,14 +188,8 @@ int lowbit_i4_matmul(const I4Weight *w, const void *x, int x_bf16, int64_t ldx_i
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-#ifdef _OPENMP
-        const int64_t nth = omp_get_num_threads(), id = omp_get_thread_num();
-#else
-        const int64_t nth = 1, id = 0;
-#endif
-        /* contiguous ranges of tiles: each thread streams one stretch of the codes */
-        const int64_t ta = n_tiles * id / nth, tb = n_tiles * (id + 1) / nth;
-        float tot[4 * MAXMB * 16];
+        int64_t ta, tb; /* contiguous ranges of tiles: each thread streams one stretch of the codes */
+        lowbit_thread_share(n_tiles, &ta, &tb);
         /* Each thread converts x for itself: reading a buffer another core just wrote, line by
            line inside the dot-product loop, cost ~10 us per call at 16 rows (cross-core misses);
            a bulk copy of x streams. */
@@ -236,20 +203,9 @@ int lowbit_i4_matmul(const I4Weight *w, const void *x, int x_bf16, int64_t ldx_i
         }
         if (ta < tb && !failed) {
             for (int64_t m = 0; m < M; m++) convert_row(w, x, x_bf16, ldx_in, m, kp, rows + m * kp, xsum);
-            for (int64_t c = 0; c < C; c++)
-                for (int64_t m = 0; m < M; m++) memcpy(xq + (c * M + m) * 4, rows + m * kp + c * 4, 8);
-            for (int64_t m0 = 0; m0 < M; m0 += MAXMB) {
-                const int mb = M - m0 >= MAXMB ? MAXMB : (int)(M - m0);
-                const int tt_max = tiles_for(mb);
-                for (int64_t t = ta; t < tb;) {
-                    int tt = tb - t < tt_max ? (int)(tb - t) : tt_max;
-                    if (t % 4 + tt > 4) tt = 4 - (int)(t % 4); /* stay within a group of four */
-                    pass(tt, mb, w, t, xq, M, xsum, m0, tot);
-                    for (int i = 0; i < tt; i++)
-                        for (int m = 0; m < mb; m++) store_tile(tot + (i * mb + m) * 16, y, y_bf16, ldy, m0 + m, t + i, w->N);
-                    t += tt;
-                }
-            }
+            lowbit_chunks_by_row(xq, rows, M, C, kp * 2);
+            LowbitTileCall call = {.w = w, .xq = xq, .xs = xsum, .M = M, .ldy = ldy, .y = y, .y_bf16 = y_bf16};
+            lowbit_tile_runs(ta, tb, run_tiles, &call);
         }
         free(rows);
         free(xq);

@@ -31,12 +31,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "lowbit_native.h"
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define HAVE_I4VNNI 1
-#include <immintrin.h>
-#endif
-#ifdef _OPENMP
-#include <omp.h>
+#else
+#define HAVE_I4VNNI 0
 #endif
 
 typedef struct {
@@ -50,18 +50,11 @@ typedef struct {
     int32_t bits;          /* 4 or 8 */
 } I4VWeight;
 
-int lowbit_i4v_available(void) {
-#ifdef HAVE_I4VNNI
-    return 1;
-#else
-    return 0;
-#endif
-}
+int lowbit_i4v_available(void) { return HAVE_I4VNNI; }
 
-#ifdef HAVE_I4VNNI
-#define INLINE static inline __attribute__((always_inline))
+#if HAVE_I4VNNI
 #define ROWS 16
-#define MAXMB 16
+#define MAXMB LOWBIT_PASS_ROWS
 #define TILE_CHUNK(BITS) ((BITS) * 16)    /* bytes of one tile's chunk of 8 k */
 #define STRIDE(BITS) (4 * TILE_CHUNK(BITS)) /* from one chunk of a tile to its next: four tiles interleaved */
 #ifndef PREFETCH_BYTES
@@ -132,26 +125,11 @@ INLINE void vtiles(const int BITS, const int TT, const int MB, const I4VWeight *
         if (w->bits == 8) vtiles(8, TT, MB, w, t0, xq, M, xs, xa, m0, tot); \
         else vtiles(4, TT, MB, w, t0, xq, M, xs, xa, m0, tot); \
     } break;
-#define MB_UPTO4(TT) MB_CASE(TT, 1) MB_CASE(TT, 2) MB_CASE(TT, 3) MB_CASE(TT, 4)
-#define MB_5TO8(TT) MB_CASE(TT, 5) MB_CASE(TT, 6) MB_CASE(TT, 7) MB_CASE(TT, 8)
 static void vpass(int tt, int mb, const I4VWeight *w, int64_t t0, const int8_t *xq, int64_t M, const float *xs,
                   const int32_t *xa, int64_t m0, float *tot) {
-    if (tt == 4) {
-        switch (mb) { MB_UPTO4(4) }
-    } else if (tt == 3) {
-        switch (mb) { MB_UPTO4(3) }
-    } else if (tt == 2) {
-        switch (mb) { MB_UPTO4(2) MB_5TO8(2) }
-    } else {
-        switch (mb) {
-            MB_UPTO4(1) MB_5TO8(1)
-            MB_CASE(1, 9) MB_CASE(1, 10) MB_CASE(1, 11) MB_CASE(1, 12)
-            MB_CASE(1, 13) MB_CASE(1, 14) MB_CASE(1, 15) MB_CASE(1, 16)
-        }
-    }
+    LOWBIT_TILE_PASSES(tt, mb, MB_CASE);
 }
-
-static int vtiles_for(int mb) { return mb <= 4 ? 4 : mb <= 8 ? 2 : 1; }
+#undef MB_CASE
 
 /* Row m of x quantized group by group into row (int8, K padded with zeros to kp), with the
    group's scale and integer sum. A group whose max is not finite gets a NaN scale, so the row's
@@ -162,9 +140,8 @@ static void quantize_row(const I4VWeight *w, const void *x, int x_bf16, int64_t 
     if (x_bf16) {
         const uint16_t *src = (const uint16_t *)x + m * ldx_in;
         for (int64_t k = 0; k < K; k += 16) {
-            const int n = K - k < 16 ? (int)(K - k) : 16;
-            const __m256i h = _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1u), src + k);
-            _mm512_mask_storeu_ps(f + k, (__mmask16)((1u << n) - 1u), _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+            const __mmask16 mask = lowbit_lanes(K - k);
+            _mm512_mask_storeu_ps(f + k, mask, lowbit_bf16_widen16(_mm256_maskz_loadu_epi16(mask, src + k)));
         }
     } else {
         memcpy(f, (const float *)x + m * ldx_in, (size_t)K * sizeof(float));
@@ -200,19 +177,21 @@ static void quantize_row(const I4VWeight *w, const void *x, int x_bf16, int64_t 
 
 static inline void vstore_tile(const float *v, void *y, int y_bf16, int64_t ldy, int64_t m, int64_t t, int64_t N) {
     const int64_t n0 = t * ROWS;
-    const __mmask16 mask = N - n0 >= ROWS ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n0)) - 1u);
+    const __mmask16 mask = lowbit_lanes(N - n0);
     const __m512 r = _mm512_loadu_ps(v);
-    if (y_bf16) {
-        /* round to nearest even, NaN kept NaN (no AVX512-BF16 needed) */
-        const __m512i u = _mm512_castps_si512(r);
-        __m512i b = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
-                                      _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)))), 16);
-        const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x7F800000));
-        b = _mm512_mask_mov_epi32(b, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-        _mm256_mask_storeu_epi16((uint16_t *)y + m * ldy + n0, mask, _mm512_cvtepi32_epi16(b));
+    if (y_bf16) { /* round to nearest even, NaN kept NaN (no AVX512-BF16 needed) */
+        _mm256_mask_storeu_epi16((uint16_t *)y + m * ldy + n0, mask, _mm512_cvtepi32_epi16(lowbit_bf16_bits16(r)));
     } else {
         _mm512_mask_storeu_ps((float *)y + m * ldy + n0, mask, r);
     }
+}
+
+/* xq: x as int8 by chunk; xs, xa: the groups' scales and integer sums. */
+static void vrun_tiles(LowbitTileCall *c, int tt, int mb, int64_t t, int64_t m0) {
+    const I4VWeight *w = c->w;
+    vpass(tt, mb, w, t, c->xq, c->M, c->xs, c->xa, m0, c->tot);
+    for (int i = 0; i < tt; i++)
+        for (int m = 0; m < mb; m++) vstore_tile(c->tot + (i * mb + m) * 16, c->y, c->y_bf16, c->ldy, m0 + m, t + i, w->N);
 }
 #endif
 
@@ -220,7 +199,7 @@ static inline void vstore_tile(const float *v, void *y, int y_bf16, int64_t ldy,
    Returns 0, or -1 when the build has no AVX512-VNNI, -2 when out of memory. */
 int lowbit_i4v_matmul(const I4VWeight *w, const void *x, int x_bf16, int64_t ldx_in, int64_t M, void *y, int y_bf16,
                       int64_t ldy, int threads) {
-#ifndef HAVE_I4VNNI
+#if !HAVE_I4VNNI
     (void)w; (void)x; (void)x_bf16; (void)ldx_in; (void)M; (void)y; (void)y_bf16; (void)ldy; (void)threads;
     return -1;
 #else
@@ -229,13 +208,8 @@ int lowbit_i4v_matmul(const I4VWeight *w, const void *x, int x_bf16, int64_t ldx
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-#ifdef _OPENMP
-        const int64_t nth = omp_get_num_threads(), id = omp_get_thread_num();
-#else
-        const int64_t nth = 1, id = 0;
-#endif
-        const int64_t ta = n_tiles * id / nth, tb = n_tiles * (id + 1) / nth;
-        float tot[4 * MAXMB * 16];
+        int64_t ta, tb;
+        lowbit_thread_share(n_tiles, &ta, &tb);
         /* each thread quantizes x for itself (see int4_dot.c: cheaper than sharing across cores) */
         int8_t *rows = NULL, *xq = NULL;
         float *xs = NULL, *f = NULL;
@@ -250,20 +224,9 @@ int lowbit_i4v_matmul(const I4VWeight *w, const void *x, int x_bf16, int64_t ldx
         }
         if (ta < tb && !failed) {
             for (int64_t m = 0; m < M; m++) quantize_row(w, x, x_bf16, ldx_in, m, kp, f, rows + m * kp, xs, xa);
-            for (int64_t c = 0; c < C; c++)
-                for (int64_t m = 0; m < M; m++) memcpy(xq + (c * M + m) * 8, rows + m * kp + c * 8, 8);
-            for (int64_t m0 = 0; m0 < M; m0 += MAXMB) {
-                const int mb = M - m0 >= MAXMB ? MAXMB : (int)(M - m0);
-                const int tt_max = vtiles_for(mb);
-                for (int64_t t = ta; t < tb;) {
-                    int tt = tb - t < tt_max ? (int)(tb - t) : tt_max;
-                    if (t % 4 + tt > 4) tt = 4 - (int)(t % 4);
-                    vpass(tt, mb, w, t, xq, M, xs, xa, m0, tot);
-                    for (int i = 0; i < tt; i++)
-                        for (int m = 0; m < mb; m++) vstore_tile(tot + (i * mb + m) * 16, y, y_bf16, ldy, m0 + m, t + i, w->N);
-                    t += tt;
-                }
-            }
+            lowbit_chunks_by_row(xq, rows, M, C, kp);
+            LowbitTileCall call = {.w = w, .xq = xq, .xs = xs, .xa = xa, .M = M, .ldy = ldy, .y = y, .y_bf16 = y_bf16};
+            lowbit_tile_runs(ta, tb, vrun_tiles, &call);
         }
         free(rows);
         free(xq);

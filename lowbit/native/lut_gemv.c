@@ -16,12 +16,26 @@
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
+
+#include "lowbit_native.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define USE_AVX512 1
-#include <immintrin.h>
 #endif
 
 #define MAX_M 16
+
+/* One weight, as both entry points receive it (see lowbit_lut_matmul). */
+typedef struct {
+    int bits, kind;
+    const uint8_t *codes;
+    int64_t row_bytes;
+    const float *table;
+    const void *scales;
+    int scale_mode;
+    const float *scale_table, *zeros;
+    int64_t N, K, G, g, row_div;
+} Lut;
 
 static inline float scale_of(const void *scales, int scale_mode, const float *scale_table, int64_t idx) {
     if (scale_mode == 0) return ((const float *)scales)[idx];
@@ -58,9 +72,13 @@ static inline __attribute__((always_inline)) __m512 decode8_vec(__m128i bytes, i
 #endif
 
 #define MB_MAX 4 /* rows of x per pass: their accumulators stay in registers */
-#define INLINE static inline __attribute__((always_inline))
 
 #ifdef USE_AVX512
+/* A row's four accumulator chains, summed in a fixed order. */
+INLINE float sum4(const __m512 *acc) {
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+}
+
 INLINE int64_t group_of(int64_t k, int gshift, int64_t G) {
     if (gshift < 0) return 0;
     int64_t j = k >> gshift;
@@ -97,8 +115,7 @@ INLINE void row4_block(const int MB, const int has_zero, const uint8_t *crow, co
             acc[m][a + 1] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * ldx + k + 16), whi, acc[m][a + 1]);
         }
     }
-    for (int m = 0; m < MB; m++)
-        out[m] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3])));
+    for (int m = 0; m < MB; m++) out[m] = sum4(acc[m]);
 }
 
 INLINE void row8_block(const int MB, const int kind, const uint8_t *crow, const void *scales, int scale_mode,
@@ -110,90 +127,86 @@ INLINE void row8_block(const int MB, const int kind, const uint8_t *crow, const 
     for (int64_t k = 0; k < K; k += 16) {
         const int a = (int)((k >> 4) & 3);
         int64_t left = K - k;
-        __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+        __mmask16 mask = lowbit_lanes(left);
         __m512 w = decode8_vec(_mm_maskz_loadu_epi8(mask, crow + k), kind);
         w = _mm512_mul_ps(w, _mm512_set1_ps(scale_of(scales, scale_mode, scale_table, srow + group_of(k, gshift, G))));
         for (int m = 0; m < MB; m++)
             acc[m][a] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + m * ldx + k), w, acc[m][a]);
     }
-    for (int m = 0; m < MB; m++)
-        out[m] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3])));
+    for (int m = 0; m < MB; m++) out[m] = sum4(acc[m]);
 }
 #endif
 
-/* One output row n for all M rows of x (fp32 [M, ldx]); writes y[m * N + n]. */
-static void row4(const uint8_t *codes, int64_t row_bytes, const float *table, const void *scales,
-                 int scale_mode, const float *scale_table, const float *zeros, int64_t G, int64_t g,
-                 int64_t K, int64_t row_div, const float *x, int64_t ldx, int64_t M, int64_t n,
-                 int64_t N, float *y) {
-    const uint8_t *crow = codes + n * row_bytes;
-    const int64_t srow = (n / row_div) * G;
-    const float *zrow = zeros ? zeros + n * G : 0;
-    const int gshift = G == 1 ? -1 : __builtin_ctzll((unsigned long long)g); /* g is a power of two */
-    float out[MB_MAX];
-    for (int64_t m0 = 0; m0 < M; m0 += MB_MAX) {
-        int64_t mb = M - m0 < MB_MAX ? M - m0 : MB_MAX;
-        const float *xb = x + m0 * ldx;
+/* The k >> gshift of a column's group: g is a power of two; -1 for one group per row. */
+static inline int group_shift(const Lut *L) { return L->G == 1 ? -1 : __builtin_ctzll((unsigned long long)L->g); }
+
+/* Output row n of a 4-bit weight for the mb <= MB_MAX rows of x at xb: out[0..mb). */
+static void row4(const Lut *L, int64_t n, const float *xb, int64_t ldx, int64_t mb, float *out) {
+    const uint8_t *crow = L->codes + n * L->row_bytes;
+    const int64_t G = L->G, K = L->K, srow = (n / L->row_div) * G;
+    const float *zrow = L->zeros ? L->zeros + n * G : 0;
+    const void *scales = L->scales;
+    const int scale_mode = L->scale_mode;
+    const float *scale_table = L->scale_table;
 #ifdef USE_AVX512
-        const __m512 tab = _mm512_loadu_ps(table);
+    const int gshift = group_shift(L);
+    const __m512 tab = _mm512_loadu_ps(L->table);
 #define R4(MB, Z) row4_block(MB, Z, crow, tab, scales, scale_mode, scale_table, zrow, srow, G, gshift, K, xb, ldx, out)
-        if (zeros) {
-            switch (mb) { case 1: R4(1, 1); break; case 2: R4(2, 1); break; case 3: R4(3, 1); break; default: R4(4, 1); }
-        } else {
-            switch (mb) { case 1: R4(1, 0); break; case 2: R4(2, 0); break; case 3: R4(3, 0); break; default: R4(4, 0); }
-        }
+    if (zrow) {
+        switch (mb) { case 1: R4(1, 1); break; case 2: R4(2, 1); break; case 3: R4(3, 1); break; default: R4(4, 1); }
+    } else {
+        switch (mb) { case 1: R4(1, 0); break; case 2: R4(2, 0); break; case 3: R4(3, 0); break; default: R4(4, 0); }
+    }
 #undef R4
 #else
-        for (int64_t m = 0; m < mb; m++) out[m] = 0.0f;
-        for (int64_t j = 0; j < G; j++) {
-            int64_t k0 = j * g, k1 = k0 + g < K ? k0 + g : K;
-            float s = scale_of(scales, scale_mode, scale_table, srow + j);
-            float z = zrow ? zrow[j] : 0.0f;
-            for (int64_t m = 0; m < mb; m++) {
-                float part = 0.0f, xsum = 0.0f;
-                for (int64_t k = k0; k < k1; k++) {
-                    uint8_t byte = crow[(k >> 5) * 16 + (k & 15)];
-                    part += xb[m * ldx + k] * table[(k & 16) ? byte >> 4 : byte & 15];
-                    xsum += xb[m * ldx + k];
-                }
-                out[m] += s * (part - z * xsum);
+    const int64_t g = L->g;
+    const float *table = L->table;
+    for (int64_t m = 0; m < mb; m++) out[m] = 0.0f;
+    for (int64_t j = 0; j < G; j++) {
+        int64_t k0 = j * g, k1 = k0 + g < K ? k0 + g : K;
+        float s = scale_of(scales, scale_mode, scale_table, srow + j);
+        float z = zrow ? zrow[j] : 0.0f;
+        for (int64_t m = 0; m < mb; m++) {
+            float part = 0.0f, xsum = 0.0f;
+            for (int64_t k = k0; k < k1; k++) {
+                uint8_t byte = crow[(k >> 5) * 16 + (k & 15)];
+                part += xb[m * ldx + k] * table[(k & 16) ? byte >> 4 : byte & 15];
+                xsum += xb[m * ldx + k];
             }
+            out[m] += s * (part - z * xsum);
         }
-#endif
-        for (int64_t m = 0; m < mb; m++) y[(m0 + m) * N + n] = out[m];
     }
+#endif
 }
 
-static void row8(const uint8_t *codes, int kind, const void *scales, int scale_mode,
-                 const float *scale_table, int64_t G, int64_t g, int64_t K, int64_t row_div,
-                 const float *x, int64_t ldx, int64_t M, int64_t n, int64_t N, float *y) {
-    const uint8_t *crow = codes + n * K;
-    const int64_t srow = (n / row_div) * G;
-    const int gshift = G == 1 ? -1 : __builtin_ctzll((unsigned long long)g); /* g is a power of two */
-    float out[MB_MAX];
-    for (int64_t m0 = 0; m0 < M; m0 += MB_MAX) {
-        int64_t mb = M - m0 < MB_MAX ? M - m0 : MB_MAX;
-        const float *xb = x + m0 * ldx;
+/* row4 for 8-bit codes (unpadded rows of K bytes). */
+static void row8(const Lut *L, int64_t n, const float *xb, int64_t ldx, int64_t mb, float *out) {
+    const int64_t G = L->G, K = L->K, srow = (n / L->row_div) * G;
+    const uint8_t *crow = L->codes + n * K;
+    const int kind = L->kind;
+    const void *scales = L->scales;
+    const int scale_mode = L->scale_mode;
+    const float *scale_table = L->scale_table;
 #ifdef USE_AVX512
+    const int gshift = group_shift(L);
 #define R8(MB, KIND) row8_block(MB, KIND, crow, scales, scale_mode, scale_table, srow, G, gshift, K, xb, ldx, out)
 #define R8K(MB) do { if (kind == 0) R8(MB, 0); else if (kind == 1) R8(MB, 1); else R8(MB, 2); } while (0)
-        switch (mb) { case 1: R8K(1); break; case 2: R8K(2); break; case 3: R8K(3); break; default: R8K(4); }
+    switch (mb) { case 1: R8K(1); break; case 2: R8K(2); break; case 3: R8K(3); break; default: R8K(4); }
 #undef R8K
 #undef R8
 #else
-        for (int64_t m = 0; m < mb; m++) out[m] = 0.0f;
-        for (int64_t j = 0; j < G; j++) {
-            int64_t k0 = j * g, k1 = k0 + g < K ? k0 + g : K;
-            float s = scale_of(scales, scale_mode, scale_table, srow + j);
-            for (int64_t m = 0; m < mb; m++) {
-                float part = 0.0f;
-                for (int64_t k = k0; k < k1; k++) part += xb[m * ldx + k] * decode8(crow[k], kind);
-                out[m] += s * part;
-            }
+    const int64_t g = L->g;
+    for (int64_t m = 0; m < mb; m++) out[m] = 0.0f;
+    for (int64_t j = 0; j < G; j++) {
+        int64_t k0 = j * g, k1 = k0 + g < K ? k0 + g : K;
+        float s = scale_of(scales, scale_mode, scale_table, srow + j);
+        for (int64_t m = 0; m < mb; m++) {
+            float part = 0.0f;
+            for (int64_t k = k0; k < k1; k++) part += xb[m * ldx + k] * decode8(crow[k], kind);
+            out[m] += s * part;
         }
-#endif
-        for (int64_t m = 0; m < mb; m++) y[(m0 + m) * N + n] = out[m];
     }
+#endif
 }
 
 /* bits: 4 or 8. kind (8-bit): 0 int8, 1 E4M3, 2 E5M2. M <= MAX_M rows per call. */
@@ -202,12 +215,17 @@ int lowbit_lut_matmul(int bits, int kind, const uint8_t *codes, int64_t row_byte
                       int64_t N, int64_t K, int64_t G, int64_t g, int64_t row_div, const float *x,
                       int64_t ldx, int64_t M, float *y, int threads) {
     if (M > MAX_M || M < 1) return -1;
+    const Lut L = {bits, kind, codes, row_bytes, table, scales, scale_mode, scale_table, zeros, N, K, G, g, row_div};
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
-        if (bits == 4)
-            row4(codes, row_bytes, table, scales, scale_mode, scale_table, zeros, G, g, K, row_div, x, ldx, M, n, N, y);
-        else
-            row8(codes, kind, scales, scale_mode, scale_table, G, g, K, row_div, x, ldx, M, n, N, y);
+        /* one output row n for all M rows of x (fp32 [M, ldx]), in passes of MB_MAX rows */
+        float out[MB_MAX];
+        for (int64_t m0 = 0; m0 < M; m0 += MB_MAX) {
+            const int64_t mb = M - m0 < MB_MAX ? M - m0 : MB_MAX;
+            if (bits == 4) row4(&L, n, x + m0 * ldx, ldx, mb, out);
+            else row8(&L, n, x + m0 * ldx, ldx, mb, out);
+            for (int64_t m = 0; m < mb; m++) y[(m0 + m) * N + n] = out[m];
+        }
     }
     return 0;
 }

@@ -19,28 +19,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float ld(const void *p, int64_t i, int bf16) {
-    if (!bf16) return ((const float *)p)[i];
-    uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+#include "lowbit_native.h"
 
-static inline void st(void *p, int64_t i, float f, int bf16) {
-    if (!bf16) { ((float *)p)[i] = f; return; }
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) { ((uint16_t *)p)[i] = (uint16_t)((u >> 16) | 0x40); return; }
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
-}
-
-static inline float r16(float f) {
-    uint16_t h;
-    st(&h, 0, f, 1);
-    return ld(&h, 0, 1);
-}
+/* Short names for the shared element access and bf16 rounding (lowbit_native.h). */
+#define ld lowbit_load
+#define st lowbit_store
+#define r16 lowbit_bf16_round
 
 #define MAXD 512
 #define MAXG 64 /* query heads per KV head */
@@ -61,20 +45,11 @@ static inline int64_t slot_of(const int64_t *bt, int64_t j, int64_t block_size) 
 /* 16 pool values from element i on, as float32 (bf16 widened exactly by a 16-bit shift). */
 static inline __m512 load16(const void *p, int64_t i, int bf16) {
     if (!bf16) return _mm512_loadu_ps((const float *)p + i);
-    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    return lowbit_bf16_widen16(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
 }
 
 /* Each lane rounded to bf16 (nearest even, NaN kept quiet) exactly as st() does, as float32. */
-static inline __m512 round16(__m512 x) {
-    const __m512i u = _mm512_castps_si512(x);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
-                                                  _mm512_set1_epi32(0x7F800000));
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
-    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));
-    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u)));
-}
+static inline __m512 round16(__m512 x) { return _mm512_castsi512_ps(_mm512_slli_epi32(lowbit_bf16_bits16(x), 16)); }
 
 /* e^x for x <= 0 (softmax numerators after the max is subtracted): Cody-Waite reduction by
    ln 2 and a degree-7 polynomial, within ~1 ulp of expf; below -87 the result is ~1e-38, which
@@ -144,6 +119,27 @@ static inline void prefetch_row(const void *pool, int64_t elem, int64_t bytes, i
     const char *a = (const char *)pool + elem * esize;
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(a + b, 0, 2);
 }
+
+/* The register versions' (NV = D / 16, HC heads) for head size D and hc <= regs_heads(D) heads:
+   CALL(NV, HC) with constants, then return. */
+#define BY_HEADS(D, hc, CALL)                                  \
+    do {                                                       \
+        if ((D) == 64) {                                       \
+            switch (hc) {                                      \
+            case 1: CALL(4, 1); return;                        \
+            case 2: CALL(4, 2); return;                        \
+            case 3: CALL(4, 3); return;                        \
+            case 4: CALL(4, 4); return;                        \
+            default: CALL(4, 5); return;                       \
+            }                                                  \
+        }                                                      \
+        if ((D) == 128) {                                      \
+            if ((hc) == 1) CALL(8, 1); else CALL(8, 2);        \
+            return;                                            \
+        }                                                      \
+        CALL(16, 1);                                           \
+        return;                                                \
+    } while (0)
 
 /* Largest head count per scores_regs / values_regs call for head size D (0: no register version). */
 static int64_t regs_heads(int64_t D) {
@@ -242,21 +238,7 @@ static void scores(const float *qv, int64_t nk, int64_t hc, int64_t D, int64_t l
 #else
 #define SR(NV, HC) scores_regs(NV, HC, qv, nk, lo, p, bt, block_size, row, off, kpool, vpool, bf16, scale, sc, ml, fetch_values)
 #endif
-        if (D == 64) {
-            switch (hc) {
-            case 1: SR(4, 1); return;
-            case 2: SR(4, 2); return;
-            case 3: SR(4, 3); return;
-            case 4: SR(4, 4); return;
-            default: SR(4, 5); return;
-            }
-        }
-        if (D == 128) {
-            if (hc == 1) SR(8, 1); else SR(8, 2);
-            return;
-        }
-        SR(16, 1);
-        return;
+        BY_HEADS(D, hc, SR);
 #undef SR
     }
 #endif
@@ -290,13 +272,13 @@ static float softmax_numerators(float *sc, int64_t n) {
 #ifdef HAVE_AVX512_ATTN
     __m512 mv = _mm512_set1_ps(-INFINITY);
     for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 k = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+        const __mmask16 k = lowbit_lanes(n - i);
         mv = _mm512_mask_max_ps(mv, k, mv, _mm512_maskz_loadu_ps(k, sc + i));
     }
     const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
     __m512 sum = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 k = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+        const __mmask16 k = lowbit_lanes(n - i);
         const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + i), m));
         _mm512_mask_storeu_ps(sc + i, k, e);
         sum = _mm512_mask_add_ps(sum, k, sum, e);
@@ -346,21 +328,7 @@ static void values(const float *e, int64_t hc, int64_t ml, int64_t D, int64_t lo
 #ifdef HAVE_AVX512_ATTN
     if (regs_heads(D) >= hc) {
 #define VR(NV, HC) values_regs(NV, HC, e, ml, lo, p, bt, block_size, row, off, vpool, bf16, acc)
-        if (D == 64) {
-            switch (hc) {
-            case 1: VR(4, 1); return;
-            case 2: VR(4, 2); return;
-            case 3: VR(4, 3); return;
-            case 4: VR(4, 4); return;
-            default: VR(4, 5); return;
-            }
-        }
-        if (D == 128) {
-            if (hc == 1) VR(8, 1); else VR(8, 2);
-            return;
-        }
-        VR(16, 1);
-        return;
+        BY_HEADS(D, hc, VR);
 #undef VR
     }
 #endif
@@ -391,8 +359,7 @@ static void store_scaled(void *out, int64_t off, const float *acc, float inv, in
     for (; d + 16 <= D; d += 16) {
         const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(acc + d), iv);
         if (bf16)
-            _mm256_storeu_si256((__m256i *)((uint16_t *)out + off + d),
-                                _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round16(x)), 16)));
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + off + d), _mm512_cvtepi32_epi16(lowbit_bf16_bits16(x)));
         else
             _mm512_storeu_ps((float *)out + off + d, x);
     }

@@ -21,40 +21,20 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "lowbit_native.h"
+
 #define LANES 16
 /* Below this many elements a call runs on the calling thread: waking a team costs more. */
 #define PARALLEL_MIN_ELEMENTS (1 << 15)
 
-static inline float ld(const void *p, int64_t i, int bf16) {
-    if (!bf16) return ((const float *)p)[i];
-    uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+/* Short names for the shared element access (lowbit_native.h). */
+#define ld lowbit_load
+#define st lowbit_store
 
-static inline uint16_t to_bf16_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? (u >> 16) | 0x40u : rounded); /* NaN stays a quiet NaN */
-}
-
-static inline float round_to(float f, int bf16) {
-    if (!bf16) return f;
-    uint32_t u = (uint32_t)to_bf16_bits(f) << 16;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline void st(void *p, int64_t i, float f, int bf16) {
-    if (bf16) ((uint16_t *)p)[i] = to_bf16_bits(f);
-    else ((float *)p)[i] = f;
-}
+static inline float round_to(float f, int bf16) { return bf16 ? lowbit_bf16_round(f) : f; }
 
 /* Row functions take bf16 and unit_offset as arguments but are always inlined into callers that
    pass constants (see DISPATCH), so each combination compiles to its own vectorized loops. */
-#define INLINE static inline __attribute__((always_inline))
 #define DISPATCH(call, bf16, flag)                             \
     do {                                                       \
         if (bf16) {                                            \
@@ -115,22 +95,26 @@ static inline int threaded(int64_t elements, int threads) {
     return elements >= PARALLEL_MIN_ELEMENTS && threads > 1;
 }
 
+/* One call's arrays (strides in elements of es bytes): inputs x and r (act_mul: gate and up),
+   outputs s and out; `flag` is unit_offset for the norms, the activation for act_mul. */
 typedef struct {
-    const char *x, *w;
-    char *out;
-    int64_t x_stride, out_stride, heads, dim;
+    const char *x, *r, *r_w, *w;
+    char *s, *out;
+    int64_t x_stride, r_stride, s_stride, out_stride, heads, dim;
     float eps;
     size_t es;
-} NormArgs;
+    int bf16, flag;
+} Rows;
 
-static void norm_vectors(const NormArgs *a, int64_t lo, int64_t hi, int bf16, int unit_offset) {
+static void norm_vectors(const void *args, int64_t lo, int64_t hi) {
+    const Rows *a = args;
 #define NORM_VECTORS(B, U)                                                                              \
     for (int64_t v = lo; v < hi; v++) {                                                                 \
         const int64_t r = v / a->heads, hd = v % a->heads;                                              \
         norm_row(a->x + (size_t)(r * a->x_stride + hd * a->dim) * a->es, a->dim, a->w, a->eps, U, B,     \
                  a->out + (size_t)(r * a->out_stride + hd * a->dim) * a->es);                           \
     }
-    DISPATCH(NORM_VECTORS, bf16, unit_offset);
+    DISPATCH(NORM_VECTORS, a->bf16, a->flag);
 #undef NORM_VECTORS
 }
 
@@ -140,32 +124,21 @@ int lowbit_rmsnorm(const void *x, int64_t x_stride, int64_t rows, int64_t heads,
                    int unit_offset, int dtype, void *out, int64_t out_stride, int threads) {
     if (dim <= 0 || rows < 0 || heads <= 0) return 1;
     const int bf16 = dtype == 1;
-    const NormArgs a = {x, w, out, x_stride, out_stride, heads, dim, eps, bf16 ? 2 : 4};
+    const Rows a = {.x = x, .w = w, .out = out, .x_stride = x_stride, .out_stride = out_stride, .heads = heads, .dim = dim,
+                    .eps = eps, .es = bf16 ? 2 : 4, .bf16 = bf16, .flag = unit_offset};
     const int64_t total = rows * heads;
-    if (!threaded(total * dim, threads)) {
-        norm_vectors(&a, 0, total, bf16, unit_offset);
-        return 0;
-    }
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t v = 0; v < total; v++) norm_vectors(&a, v, v + 1, bf16, unit_offset);
+    lowbit_for_items(total, threaded(total * dim, threads), threads, norm_vectors, &a);
     return 0;
 }
 
-typedef struct {
-    const char *x, *r, *r_w, *w;
-    char *s, *out;
-    int64_t x_stride, r_stride, s_stride, out_stride, dim;
-    float eps;
-    size_t es;
-} AddNormArgs;
-
-static void add_norm_rows(const AddNormArgs *a, int64_t lo, int64_t hi, int bf16, int unit_offset) {
+static void add_norm_rows(const void *args, int64_t lo, int64_t hi) {
+    const Rows *a = args;
 #define ADD_NORM_ROWS(B, U)                                                                                   \
     for (int64_t row = lo; row < hi; row++)                                                                   \
         add_norm_row(a->x + (size_t)(row * a->x_stride) * a->es, a->r + (size_t)(row * a->r_stride) * a->es,   \
                      a->r_w, a->dim, a->w, a->eps, U, B, a->s + (size_t)(row * a->s_stride) * a->es,           \
                      a->out == NULL ? NULL : a->out + (size_t)(row * a->out_stride) * a->es);
-    DISPATCH(ADD_NORM_ROWS, bf16, unit_offset);
+    DISPATCH(ADD_NORM_ROWS, a->bf16, a->flag);
 #undef ADD_NORM_ROWS
 }
 
@@ -177,13 +150,10 @@ int lowbit_add_rmsnorm(const void *x, int64_t x_stride, const void *r, int64_t r
                        int64_t sum_stride, void *out, int64_t out_stride, int threads) {
     if (dim <= 0 || rows < 0 || (w != NULL && out == NULL)) return 1;
     const int bf16 = dtype == 1;
-    const AddNormArgs a = {x, r, r_w, w, sum_out, out, x_stride, r_stride, sum_stride, out_stride, dim, eps, bf16 ? 2 : 4};
-    if (!threaded(rows * dim, threads)) {
-        add_norm_rows(&a, 0, rows, bf16, unit_offset);
-        return 0;
-    }
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t row = 0; row < rows; row++) add_norm_rows(&a, row, row + 1, bf16, unit_offset);
+    const Rows a = {.x = x, .r = r, .r_w = r_w, .w = w, .s = sum_out, .out = out, .x_stride = x_stride, .r_stride = r_stride,
+                    .s_stride = sum_stride, .out_stride = out_stride, .dim = dim, .eps = eps, .es = bf16 ? 2 : 4,
+                    .bf16 = bf16, .flag = unit_offset};
+    lowbit_for_items(rows, threaded(rows * dim, threads), threads, add_norm_rows, &a);
     return 0;
 }
 
@@ -227,19 +197,13 @@ INLINE void act_row(const void *g, const void *u, int64_t n, int act, int bf16, 
     }
 }
 
-typedef struct {
-    const char *g, *u;
-    char *out;
-    int64_t g_stride, u_stride, out_stride, n;
-    size_t es;
-} ActArgs;
-
-static void act_rows(const ActArgs *a, int64_t lo, int64_t hi, int bf16, int act) {
+static void act_rows(const void *args, int64_t lo, int64_t hi) {
+    const Rows *a = args;
 #define ACT_ROWS(B, A)                                                                                      \
     for (int64_t r = lo; r < hi; r++)                                                                       \
-        act_row(a->g + (size_t)(r * a->g_stride) * a->es, a->u + (size_t)(r * a->u_stride) * a->es, a->n, A, B, \
+        act_row(a->x + (size_t)(r * a->x_stride) * a->es, a->r + (size_t)(r * a->r_stride) * a->es, a->dim, A, B, \
                 a->out + (size_t)(r * a->out_stride) * a->es);
-    DISPATCH(ACT_ROWS, bf16, act);
+    DISPATCH(ACT_ROWS, a->bf16, a->flag);
 #undef ACT_ROWS
 }
 
@@ -249,12 +213,8 @@ int lowbit_act_mul(const void *gate, int64_t gate_stride, const void *up, int64_
                    int act, int dtype, void *out, int64_t out_stride, int threads) {
     if (n <= 0 || rows < 0 || act < 0 || act > 1) return 1;
     const int bf16 = dtype == 1;
-    const ActArgs a = {gate, up, out, gate_stride, up_stride, out_stride, n, bf16 ? 2 : 4};
-    if (!threaded(rows * n, threads)) {
-        act_rows(&a, 0, rows, bf16, act);
-        return 0;
-    }
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = 0; r < rows; r++) act_rows(&a, r, r + 1, bf16, act);
+    const Rows a = {.x = gate, .r = up, .out = out, .x_stride = gate_stride, .r_stride = up_stride, .out_stride = out_stride,
+                    .dim = n, .es = bf16 ? 2 : 4, .bf16 = bf16, .flag = act};
+    lowbit_for_items(rows, threaded(rows * n, threads), threads, act_rows, &a);
     return 0;
 }

@@ -4,23 +4,18 @@ over the whole matrix per candidate. `available()` is False without the library.
 
 from __future__ import annotations
 
-import ctypes
-import functools
-
 import torch
 
-from lowbit.native.build import bound_library
+from lowbit.native import build
+from lowbit.native.build import F32, I64, INT, P
 
-_P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+SIGNATURES = {"lowbit_int_scale_errors": [P, I64, I64, P, I64, I64, P, P, F32, F32, P, INT]}
 
-
-@functools.cache
-def _lib():
-    return bound_library({"lowbit_int_scale_errors": [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _F, _F, _P, _INT]})
+library = build.binding("scale_search", SIGNATURES)
 
 
 def available() -> bool:
-    return _lib() is not None
+    return library() is not None
 
 
 def candidate_errors(x: torch.Tensor, weight: torch.Tensor | None, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -38,7 +33,7 @@ def candidate_errors(x: torch.Tensor, weight: torch.Tensor | None, scales: torch
             raise ValueError(f"scale search: weight {tuple(weight.shape)} is not [1, {groups}, {g}]")
         weight = weight.float().contiguous()
     errors = torch.empty(scales.shape, dtype=torch.float64)
-    rc = _lib().lowbit_int_scale_errors(
+    rc = library().lowbit_int_scale_errors(
         x.data_ptr(), r * groups, g, None if weight is None else weight.data_ptr(), groups, scales.shape[0],
         scales.data_ptr(), None if zeros is None else zeros.data_ptr(), mid, top, errors.data_ptr(),
         torch.get_num_threads())

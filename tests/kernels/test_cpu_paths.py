@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from lowbit.errors import LowbitError, UsageError
-from lowbit.kernels import choose_path, cpu_bf16, cpu_int4dot, cpu_lut, native, prepare, qmatmul
+from lowbit.kernels import choose_path, cpu_bf16, cpu_int4dot, cpu_lut, prepare, qmatmul
+from lowbit.native import bf16_gemv, int4_dot, int4_vnni, lut_gemv
 from tests.kernels.cases import BF16_TOL, FP32_TOL, ROWS, SHAPES, SPECS, oracle, quantized, rel_err
 
 # Paths that round activations (and scales) to bf16; the others compute in float32.
@@ -90,12 +91,11 @@ def test_lut_kernel_for_every_element_kind(label):
 @pytest.mark.parametrize("label", ["int4-asym-g64", "nf4", "nvfp4", "fp8-e5m2", "int8-g128"])
 def test_portable_build_without_avx512(label, monkeypatch):
     # The scalar C code is what runs on CPUs without AVX-512; build it here and check it too.
-    lib = native.load_library(portable=True)
-    if lib is None:
-        pytest.skip("no C compiler")
-    monkeypatch.setattr(cpu_lut, "load_library", lambda: lib)
-    monkeypatch.setattr(cpu_bf16, "load_library", lambda: lib)
-    monkeypatch.setattr(cpu_int4dot, "load_library", lambda: lib)
+    for binding in (lut_gemv, bf16_gemv, int4_dot, int4_vnni):
+        lib = binding.library(portable=True)
+        if lib is None:
+            pytest.skip("no C compiler")
+        monkeypatch.setattr(binding, "library", lambda portable=False, lib=lib: lib)
     assert not cpu_bf16.available() and not cpu_int4dot.available()  # the portable build has no bf16 kernel: cpu-lut runs 4-bit formats
     assert check(label, None) == "cpu-lut"
 

@@ -186,9 +186,9 @@ def test_usable_only_without_autograd_on_cpu_float_weights_of_the_same_dtype():
 def test_portable_build_computes_the_same_bits(monkeypatch):
     """No FMA contraction or reassociation: the AVX-512 build's vector lanes and the portable
     build's (x86-64-v2) compute every value identically."""
-    from lowbit.native import build as native
+    from lowbit.native import rowops
 
-    portable = cpu_rowops.configure(native.load_library(portable=True))
+    portable = rowops.library(portable=True)
     if portable is None:
         pytest.skip("no C compiler")
     results = []

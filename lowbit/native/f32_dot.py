@@ -1,0 +1,14 @@
+"""ctypes bindings of native/f32_dot.c: batch-invariant float32 matmul at a few rows
+(kernels/cpu_f32.py); `lowbit_f32dot_available()` is 0 in a build without AVX-512."""
+
+from __future__ import annotations
+
+from lowbit.native import build
+from lowbit.native.build import I64, INT, P
+
+SIGNATURES = {
+    "lowbit_f32dot_available": [],
+    "lowbit_f32_matmul": [P, I64, I64, I64, P, P, I64, I64, P, I64, INT],
+}
+
+library = build.binding("f32_dot", SIGNATURES)

@@ -1,0 +1,15 @@
+"""ctypes bindings of native/int4_vnni.c: integer 4-bit (and 8-bit) codes against int8
+activations, the cpu-int4dot path's int8 route and cpu-int8dot (kernels/cpu_int4dot.py);
+`lowbit_i4v_available()` is 0 in a build without AVX512-VNNI."""
+
+from __future__ import annotations
+
+from lowbit.native import build
+from lowbit.native.build import I64, INT, P
+
+SIGNATURES = {
+    "lowbit_i4v_available": [],
+    "lowbit_i4v_matmul": [P, P, INT, I64, I64, P, INT, I64, INT],
+}
+
+library = build.binding("int4_vnni", SIGNATURES)

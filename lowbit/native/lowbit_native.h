@@ -1,0 +1,175 @@
+/* What the C kernels of lowbit/native share: each .c file is its own library (native/build.py
+   compiles them one by one, and every file's cache key includes this header's bytes).
+
+   Only helpers that move bits or split work live here: bf16 conversions (integer operations, so
+   every caller's values are exactly what its own copy computed), lane masks, the OpenMP share of
+   a thread, the run-on-this-thread-or-fan-out loop and the int4 kernels' tile dispatch. No
+   floating-point arithmetic is reordered by using them. */
+
+#ifndef LOWBIT_NATIVE_H
+#define LOWBIT_NATIVE_H
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* Always inlined, so that callers passing constants get their own unrolled copies. */
+#define INLINE static inline __attribute__((always_inline))
+
+/* ---- bf16 (the upper half of a float32), scalar ------------------------------------------- */
+
+/* float32 -> bf16 bits: round to nearest even; NaN stays a quiet NaN (torch's rounding). A
+   select, not a branch, so loops calling it vectorize. */
+static inline uint16_t lowbit_bf16_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? (u >> 16) | 0x40u : rounded);
+}
+
+/* bf16 bits -> float32 (exact). */
+static inline float lowbit_bf16_float(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* f rounded to bf16, as float32 (torch's x.to(bfloat16).float()). */
+static inline float lowbit_bf16_round(float f) { return lowbit_bf16_float(lowbit_bf16_bits(f)); }
+
+/* Element i of a float32 (bf16 = 0) or bf16 (bf16 = 1) array, as float32. */
+static inline float lowbit_load(const void *p, int64_t i, int bf16) {
+    if (!bf16) return ((const float *)p)[i];
+    return lowbit_bf16_float(((const uint16_t *)p)[i]);
+}
+
+/* f stored as element i of a float32 or bf16 array (bf16: rounded to nearest even). */
+static inline void lowbit_store(void *p, int64_t i, float f, int bf16) {
+    if (bf16) ((uint16_t *)p)[i] = lowbit_bf16_bits(f);
+    else ((float *)p)[i] = f;
+}
+
+/* ---- vector lanes -------------------------------------------------------------------------- */
+
+/* The mask of the first n of 16 lanes (all 16 when n >= 16). */
+static inline uint16_t lowbit_lanes(int64_t n) { return n >= 16 ? (uint16_t)0xFFFF : (uint16_t)((1u << n) - 1u); }
+
+#if defined(__AVX512F__)
+/* 16 float32 -> their bf16 bits in the low half of each 32-bit lane (upper half zero): round to
+   nearest even, NaN kept a quiet NaN, exactly as lowbit_bf16_bits. Needs no AVX512-BF16 (whose
+   vcvtneps2bf16 also flushes subnormal inputs, which this does not). */
+static inline __m512i lowbit_bf16_bits16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                        _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x7F800000));
+    return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+}
+
+/* 16 bf16 values -> float32 (exact: a 16-bit shift). */
+static inline __m512 lowbit_bf16_widen16(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
+/* ---- threads ------------------------------------------------------------------------------- */
+
+/* Inside an OpenMP parallel region: this thread's contiguous share [*lo, *hi) of total items. */
+static inline void lowbit_thread_share(int64_t total, int64_t *lo, int64_t *hi) {
+#ifdef _OPENMP
+    const int64_t nth = omp_get_num_threads(), id = omp_get_thread_num();
+#else
+    const int64_t nth = 1, id = 0;
+#endif
+    *lo = total * id / nth;
+    *hi = total * (id + 1) / nth;
+}
+
+/* fn(args, lo, hi) computes items lo..hi-1, each alone (its result does not depend on the others). */
+typedef void (*lowbit_items_fn)(const void *args, int64_t lo, int64_t hi);
+
+/* Items 0..count-1: in one call on the calling thread unless `parallel` (waking a team costs more
+   than small calls), else one call per item, split statically over `threads` OpenMP threads. */
+static inline void lowbit_for_items(int64_t count, int parallel, int threads, lowbit_items_fn fn, const void *args) {
+    if (!parallel) {
+        fn(args, 0, count);
+        return;
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < count; i++) fn(args, i, i + 1);
+}
+
+/* ---- the int4 kernels' tiles (int4_dot.c, int4_vnni.c) -------------------------------------- */
+
+/* Both keep 16 output rows per tile (one per vector lane), four tiles interleaved, and run x rows
+   in passes of up to 16. */
+
+/* x rows (converted, row_bytes apart) regrouped chunk by chunk for the passes: the 8 bytes of chunk
+   c of row m go to xq + (c * M + m) * 8, so a pass reads one chunk of all its rows together. */
+static inline void lowbit_chunks_by_row(void *xq, const void *rows, int64_t M, int64_t C, int64_t row_bytes) {
+    for (int64_t c = 0; c < C; c++)
+        for (int64_t m = 0; m < M; m++) memcpy((char *)xq + (c * M + m) * 8, (const char *)rows + m * row_bytes + c * 8, 8);
+}
+
+#define LOWBIT_PASS_ROWS 16
+
+/* One thread's share of a call: the weight, x as this thread prepared it (xq, and per row and
+   group xs / xa: sums, or scales and integer sums), where y goes, and a pass's totals
+   tot[(tile * mb + row) * 16 + lane]. */
+typedef struct {
+    const void *w, *xq, *xs, *xa;
+    int64_t M, ldy;
+    void *y;
+    int y_bf16;
+    float tot[4 * LOWBIT_PASS_ROWS * 16];
+} LowbitTileCall;
+
+/* run(call, tt, mb, t, m0): tiles t..t+tt-1 against x rows m0..m0+mb-1, computed and stored. */
+typedef void (*lowbit_tile_run_fn)(LowbitTileCall *call, int tt, int mb, int64_t t, int64_t m0);
+
+/* A thread's tiles ta..tb-1 against x rows 0..M-1: passes of up to 16 rows, each over runs of up
+   to tt_max tiles side by side (enough independent accumulators to cover the dot product's
+   latency, at most 16 in all), a run staying within its group of four interleaved tiles. */
+static inline void lowbit_tile_runs(int64_t ta, int64_t tb, lowbit_tile_run_fn run, LowbitTileCall *call) {
+    const int64_t M = call->M;
+    for (int64_t m0 = 0; m0 < M; m0 += LOWBIT_PASS_ROWS) {
+        const int mb = M - m0 >= LOWBIT_PASS_ROWS ? LOWBIT_PASS_ROWS : (int)(M - m0);
+        const int tt_max = mb <= 4 ? 4 : mb <= 8 ? 2 : 1;
+        for (int64_t t = ta; t < tb;) {
+            int tt = tb - t < tt_max ? (int)(tb - t) : tt_max;
+            if (t % 4 + tt > 4) tt = 4 - (int)(t % 4);
+            run(call, tt, mb, t, m0);
+            t += tt;
+        }
+    }
+}
+
+/* switch over (tt, mb) to CASE(TT, MB) (each `case MB: ...; break;`) for the pairs
+   lowbit_tile_runs makes, so every pass compiles with constant TT and MB. */
+#define LOWBIT_MB_UPTO4(CASE, TT) CASE(TT, 1) CASE(TT, 2) CASE(TT, 3) CASE(TT, 4)
+#define LOWBIT_MB_5TO8(CASE, TT) CASE(TT, 5) CASE(TT, 6) CASE(TT, 7) CASE(TT, 8)
+#define LOWBIT_TILE_PASSES(tt, mb, CASE)                                            \
+    do {                                                                            \
+        if ((tt) == 4) {                                                            \
+            switch (mb) { LOWBIT_MB_UPTO4(CASE, 4) }                                \
+        } else if ((tt) == 3) {                                                     \
+            switch (mb) { LOWBIT_MB_UPTO4(CASE, 3) }                                \
+        } else if ((tt) == 2) {                                                     \
+            switch (mb) { LOWBIT_MB_UPTO4(CASE, 2) LOWBIT_MB_5TO8(CASE, 2) }        \
+        } else {                                                                    \
+            switch (mb) {                                                           \
+                LOWBIT_MB_UPTO4(CASE, 1) LOWBIT_MB_5TO8(CASE, 1)                    \
+                CASE(1, 9) CASE(1, 10) CASE(1, 11) CASE(1, 12)                      \
+                CASE(1, 13) CASE(1, 14) CASE(1, 15) CASE(1, 16)                     \
+            }                                                                       \
+        }                                                                           \
+    } while (0)
+
+#endif
