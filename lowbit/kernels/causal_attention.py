@@ -1,19 +1,19 @@
 """Causal self-attention over whole calibration windows, faster on CPU than SDPA's flash kernel.
 
 Calibration runs every window from position 0 with no cache, so attention is a plain causal
-(optionally sliding-window) product over [T, T]. On 2 CPU cores SDPA's bf16 flash kernel reaches
-~35 GFLOP/s on SmolLM2's shapes (16 windows of 512 tokens: 69 ms a layer); this module computes
-the scores block by block of 64 queries, each block only against the keys it can see (5/8 of the
-full product at T = 512), the query heads of a group stacked against their shared key head, the
-softmax in float32 and the products in bf16 (HF's eager arithmetic): 38 ms for the same work.
-At T = 2048 (4 windows) a call takes ~120 ms, half what it took with a float32 softmax output.
+(optionally sliding-window) product over [T, T]. On CPUs without AMX, SDPA's bf16 flash kernel
+is the slower of the two on SmolLM2's shapes; this module computes the scores block by block of
+64 queries, each block only against the keys it can see (5/8 of the full product at T = 512), the
+query heads of a group stacked against their shared key head, the softmax in float32 and the
+products in bf16 (HF's eager arithmetic). The softmax writes bf16 directly, not a float32 output
+plus a cast, which would move twice the bytes of the largest tensor.
 
 On cores with AMX (Intel's bf16 tile unit, Sapphire Rapids and later) torch's SDPA flash kernel
-runs its products on the tiles and wins for full causal attention: 69 against 153 ms for 4 windows
-of 2048 tokens of SmolLM2 (2 cores), 100 against 134 ms for Gemma-3's global layers. It still
-loses on sliding windows (135 against 75 ms at window 512: it visits the keys outside the window),
-which therefore keep the blocks. Without AMX the blocks win everywhere, so the choice is made from
-the CPU's flags, once per process: the same machine always takes the same path, which the
+runs its products on the tiles and wins for full causal attention (SmolLM2's windows and Gemma-3's
+global layers). It still loses on sliding windows (it visits the keys outside the window), which
+therefore keep the blocks; the timings behind both choices are in the git history of
+docs/benchmarks.md. Without AMX the blocks win everywhere, so the choice is made from the CPU's
+flags, once per process: the same machine always takes the same path, which the
 byte-identical resume relies on.
 
 `BlockCausalAttention` plugs into runtime.attention.attend through its hook for caches that run

@@ -24,17 +24,18 @@ class PreparedLinear(nn.Module):
         return qmatmul(x, self.prepared, self.bias)
 
 
-# A draft's lm_head is read in full at every draft step (28M weights on SmolLM2, 4 ms of an 8 ms
-# step in bf16), and its precision only moves the acceptance rate, never the output. int8 keeps
+# A draft's lm_head is read in full at every draft step (28M weights on SmolLM2, a large share of
+# a bf16 draft step), and its precision only moves the acceptance rate, never the output. int8 keeps
 # the acceptance: measured on SmolLM2 with a GPTQ int4 draft, mean accepted length 3.37 with a
 # bf16, int8 or float head, 2.0 with int4 (RTN g128) and 2.46 with int4 g32.
 DRAFT_HEAD_FORMAT = "int8"
 
 
 class RescoredHead(nn.Module):
-    """A draft's int8 lm_head read through the int8-activation kernel (cpu-int8dot: 1.0 ms on
-    SmolLM2's 49152 x 576 head, torch's int8 op 2.1 ms, cpu-lut's float32 kernel 1.65 ms), with
-    each row's TOP best candidates rescored in float32 from the int8 weight.
+    """A draft's int8 lm_head read through the int8-activation kernel (cpu-int8dot: faster than
+    torch's int8 op and cpu-lut's float32 kernel on a head as wide as SmolLM2's 49152 x 576;
+    figures in docs/benchmarks.md), with each row's TOP best candidates rescored in float32 from
+    the int8 weight.
 
     Why rescore: the int8 activations alone moved the draft's argmax often enough to cut the mean
     accepted length from 3.37 to 2.91; the true argmax is almost always among the approximate
