@@ -7,6 +7,7 @@ from typing import Optional
 import typer
 
 from lowbit.cli.common import console, print_json
+from lowbit.cli.doctor_cmd import INT4_ACTIVATIONS_HELP, KERNEL_HELP, kernel_line, kernel_settings, kernel_summary
 from lowbit.cli.main import app
 from lowbit.errors import UsageError
 
@@ -25,15 +26,21 @@ def bench(
     kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="Quantized KV cache: int8 or fp8."),
     kv_memory_mib: Optional[int] = typer.Option(None, "--kv-memory", help="KV cache size in MiB (default: a share of free memory)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's)."),
+    kernel: Optional[str] = typer.Option(None, "--kernel", metavar="PATH", help=KERNEL_HELP, show_default=False),
+    int4_activations: Optional[str] = typer.Option(None, "--int4-activations", metavar="int8|bf16",
+                                                   help=INT4_ACTIVATIONS_HELP, show_default=False),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Measure prefill tok/s, decode tok/s per batch size, TTFT, inter-token latency, weight
-    bandwidth against the measured streaming bandwidth, memory; with --draft, the speedup."""
+    bandwidth against the measured streaming bandwidth, memory; with --draft, the speedup. --json
+    also reports the kernel path of each quantized layer ("kernels")."""
     import torch
 
+    from lowbit.kernels.dispatch import use_settings
     from lowbit.runtime.engine.benchmark import run_bench
     from lowbit.runtime.engine.engine import Engine
 
+    settings = kernel_settings(kernel, int4_activations)
     if threads is not None:
         if threads < 1:
             raise UsageError(f"--threads must be >= 1, got {threads}")
@@ -46,11 +53,13 @@ def bench(
         raise UsageError("--batches needs positive batch sizes")
     kv_memory = kv_memory_mib << 20 if kv_memory_mib else None
     common = dict(dtype=dtype, kv_dtype=kv_dtype, kv_memory=kv_memory, max_num_seqs=max(sizes))
-    with console.status("loading"):
+    with console.status("loading"), use_settings(settings):
         engine = Engine(model, **common)
         spec_engine = Engine(model, draft=draft, num_speculative_tokens=num_speculative_tokens, **common) if draft else None
+        kernels = kernel_summary(engine.model)
     with console.status("measuring"):
         result = run_bench(engine, sizes, prompt_tokens, gen_tokens, prefill_tokens, spec_engine)
+    result["kernels"] = kernels
     if json_out:
         print_json(result)
         return
@@ -62,6 +71,9 @@ def print_report(r: dict) -> None:
     console.print(f"[bold]{r['model']}[/bold]  {r['dtype']} on {r['device']}, {r['threads']} threads")
     console.print(f"weights {r['weight_bytes'] / gib:.3f} GiB, KV cache {r['kv_cache_bytes'] / gib:.3f} GiB "
                   f"({r['kv_blocks']} blocks)")
+    line = kernel_line(r["kernels"]) if "kernels" in r else None
+    if line:
+        console.print(line)
     console.print(f"prefill  {r['prefill_tok_s']:.0f} tok/s over {r['prefill_tokens']} tokens")
     console.print(f"{'batch':>6} {'decode tok/s':>13} {'TTFT ms':>9} {'ITL ms':>8}")
     for d in r["decode"]:

@@ -7,6 +7,7 @@ from typing import Optional
 import typer
 
 from lowbit.cli.common import console, print_json, progress
+from lowbit.cli.doctor_cmd import INT4_ACTIVATIONS_HELP, KERNEL_HELP, kernel_line, kernel_settings, kernel_summary
 from lowbit.cli.main import app
 
 
@@ -23,13 +24,21 @@ def eval_command(
         None, "--base", help="Base model to compare against on the same chunks: adds KL divergence, same-top %, RMS Δp."
     ),
     dtype: str = typer.Option("f32", "--dtype", help="Compute dtype: f32 (default, needed for small KLDs) or bf16."),
+    kernel: Optional[str] = typer.Option(None, "--kernel", metavar="PATH", help=KERNEL_HELP, show_default=False),
+    int4_activations: Optional[str] = typer.Option(None, "--int4-activations", metavar="int8|bf16",
+                                                   help=INT4_ACTIVATIONS_HELP, show_default=False),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
-    """Perplexity of MODEL on a text, comparable with llama.cpp's llama-perplexity; KLD with --base."""
+    """Perplexity of MODEL on a text, comparable with llama.cpp's llama-perplexity; KLD with --base.
+    --kernel and --int4-activations apply to the quantized layers of MODEL and of --base."""
+    from lowbit.kernels.dispatch import use_settings
     from lowbit.runtime.evaluate import prepare, run
 
-    with console.status("loading model and text"):
-        job = prepare(model, data, ctx=ctx, chunks=chunks, stride=stride, base=base, dtype=dtype)
+    settings = kernel_settings(kernel, int4_activations)
+    with use_settings(settings):
+        with console.status("loading model and text"):
+            job = prepare(model, data, ctx=ctx, chunks=chunks, stride=stride, base=base, dtype=dtype)
+        kernels = kernel_summary(job.model)
     with progress() as bar:
         task = bar.add_task("eval", total=len(job.windows), info="")
 
@@ -39,9 +48,12 @@ def eval_command(
         report = run(job, on_window)
 
     if as_json:
-        print_json(_as_json(report))
+        print_json({**_as_json(report), "kernels": kernels})
     else:
         _print_summary(report)
+        line = kernel_line(kernels)
+        if line:
+            console.print(line)
 
 
 def _as_json(report) -> dict:

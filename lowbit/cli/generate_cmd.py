@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from lowbit.cli.common import console, print_json
+from lowbit.cli.doctor_cmd import INT4_ACTIVATIONS_HELP, KERNEL_HELP, kernel_settings
 from lowbit.cli.main import app
 from lowbit.errors import UsageError
 
@@ -41,14 +42,19 @@ def generate(
     dtype: str = typer.Option("float32", "--dtype", help="Activation/weight dtype: float32, bfloat16, float16."),
     kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="Quantized KV cache: int8 or fp8."),
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's)."),
+    kernel: Optional[str] = typer.Option(None, "--kernel", metavar="PATH", help=KERNEL_HELP, show_default=False),
+    int4_activations: Optional[str] = typer.Option(None, "--int4-activations", metavar="int8|bf16",
+                                                   help=INT4_ACTIVATIONS_HELP, show_default=False),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
     """Generate a completion, streaming the text to stdout as it is produced."""
     import torch
 
+    from lowbit.kernels.dispatch import use_settings
     from lowbit.runtime.engine.engine import Engine
     from lowbit.runtime.engine.sequence import SamplingParams
 
+    settings = kernel_settings(kernel, int4_activations)
     if threads is not None:
         if threads < 1:
             raise UsageError(f"--threads must be >= 1, got {threads}")
@@ -56,8 +62,9 @@ def generate(
     text = read_prompt(prompt)
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                             repetition_penalty=repetition_penalty, seed=seed, max_tokens=max_tokens, stop=tuple(stop))
-    engine = Engine(model, dtype=dtype, kv_dtype=kv_dtype, draft=draft, num_speculative_tokens=num_speculative_tokens,
-                    max_num_seqs=1, kv_memory=None)
+    with use_settings(settings):
+        engine = Engine(model, dtype=dtype, kv_dtype=kv_dtype, draft=draft, num_speculative_tokens=num_speculative_tokens,
+                        max_num_seqs=1, kv_memory=None)
     tok = engine.tokenizer
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]

@@ -43,6 +43,7 @@ COMMAND_MODULES = [
     "bench",
     "serve",
     "plan",
+    "doctor",
 ]
 
 

@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from lowbit.cli.common import console
+from lowbit.cli.doctor_cmd import INT4_ACTIVATIONS_HELP, KERNEL_HELP, kernel_settings
 from lowbit.cli.main import app
 from lowbit.errors import UsageError
 
@@ -35,6 +36,9 @@ def serve_command(
     dtype: str = typer.Option("f32", "--dtype", help="Compute dtype: f32 or bf16."),
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for the model (default: torch's, "
                                           "one per core; 1 is faster on a machine busy with other work)."),
+    kernel: Optional[str] = typer.Option(None, "--kernel", metavar="PATH", help=KERNEL_HELP, show_default=False),
+    int4_activations: Optional[str] = typer.Option(None, "--int4-activations", metavar="int8|bf16",
+                                                   help=INT4_ACTIVATIONS_HELP, show_default=False),
     max_body: int = typer.Option(4 * 1024 * 1024, "--max-body-bytes", help="Largest request body accepted (413 above)."),
     shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout", help="Seconds in-flight requests get to "
                                            "finish after SIGTERM before they are aborted."),
@@ -53,11 +57,12 @@ def serve_command(
         raise UsageError(f"--max-queue must be >= 0, got {max_queue}")
     if max_model_len is not None and max_model_len < 2:
         raise UsageError(f"--max-model-len must be >= 2, got {max_model_len}")
+    settings = kernel_settings(kernel, int4_activations)
     key = api_key if api_key is not None else os.environ.get("LOWBIT_API_KEY") or None
     path = resolve_model(model)
     build = engine_factory(path, dtype=dtype, kv_memory=parse_size(kv_memory) if kv_memory else None,
                            max_running=max_running, max_model_len=max_model_len, draft=draft,
-                           threads=threads)
+                           threads=threads, kernel_settings=settings)
     config = ServerConfig(model_name=served_model_name or model, host=host, port=port, api_key=key,
                           max_running=max_running, max_queue=max_queue, max_body_bytes=max_body,
                           shutdown_timeout=shutdown_timeout)

@@ -11,7 +11,7 @@ from lowbit.quant.qtensor import QTensor
 
 @dataclass(slots=True)
 class PreparedWeight:
-    path: str  # "reference", "cpu-int4", "cpu-int8", "cpu-lut" or "triton"
+    path: str  # the name of the dispatch path that prepared it (kernels/dispatch.py TABLE)
     shape: tuple[int, int]  # (out_features N, in_features K)
     label: str  # the FormatSpec label, for messages and benchmarks
     device: torch.device

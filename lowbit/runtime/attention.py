@@ -1,11 +1,24 @@
-"""Causal self-attention: the projection module, the KV cache, and `attend`, the one attention call.
+"""Causal self-attention: the projection module, the KV cache interface, and `attend`, the one attention call.
 
-`attend` is the only place that turns (q, k, v) into attention output, so a paged-cache engine can
-replace it (and `KVCache`) without touching the model files. Masks are built at most once per
-forward and per window size, and only when SDPA's own `is_causal` cannot express them.
+`attend` is the only place that turns (q, k, v) into attention output; with a cache it hands them
+to `cache.attend`, so a cache decides how attention over what it keeps is computed. The model
+asks nothing of a cache but `AttentionCache`'s members (no attribute probing):
+
+    attend(q, k, v, layer, scale, window)   store this layer's new k/v, attend over all kept
+    rotate_and_attend(q, k, v, cos, sin, ...)  RoPE + KV write + attention fused, or None
+    flat_rows                               the model runs steps as rows [T, hidden] of one sequence
+    length / check_room / advance           positions kept before this forward (CausalLM's bookkeeping)
+
+`KVCache` (here, contiguous, for `CausalLM.forward`) and the engine's `PagedKVCache`
+(runtime/engine/paged_cache.py) implement it. kernels/causal_attention.py's `BlockCausalAttention`
+(calibration; kernels cannot import runtime) provides `attend` with the same signature and is only
+passed to SelfAttention with [B, T, hidden] inputs. Masks are built at most once per forward and
+per window size, and only when SDPA's own `is_causal` cannot express them.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +31,36 @@ from lowbit.runtime.layers import RMSNorm, apply_rotary
 from lowbit.runtime.linear import make_linear
 
 
-class KVCache:
+class AttentionCache:
+    """The interface the model uses on the `cache` it is given (see the module docstring).
+
+    Subclasses implement `attend`; the rest has defaults for a cache that keeps no positions of
+    its own and has no fused path."""
+
+    flat_rows: ClassVar[bool] = False  # True: steps are one flattened sequence, layers get rows [T, hidden]
+    length: int = 0  # positions stored before the current forward (CausalLM reads it for positions)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
+               window: int | None) -> torch.Tensor:
+        """Store `layer`'s new k, v [B, kv_heads, T, D] and return causal attention of q [B, H, T, D]
+        (the queries at positions length .. length + T - 1) over everything kept: [B, H, T, D]."""
+        raise NotImplementedError
+
+    def rotate_and_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                          sin: torch.Tensor, layer: int, scale: float, window: int | None) -> torch.Tensor | None:
+        """Rows form only (flat_rows): q [T, H*D], k/v [T, kvh*D] before RoPE -> out [T, H*D] with
+        RoPE, the KV write and attention in one call; None when this cache or step has no such path
+        (the layer then rotates and calls `attend`)."""
+        return None
+
+    def check_room(self, new_tokens: int) -> None:
+        """Raise a LowbitError if `new_tokens` more positions do not fit."""
+
+    def advance(self, new_tokens: int) -> None:
+        """After every layer saw the new tokens: they now count as stored."""
+
+
+class KVCache(AttentionCache):
     """Contiguous per-layer key/value buffers [B, kv_heads, max_len, head_dim] for incremental decoding.
 
     Layers write at `length`; the model calls `advance` once after all layers saw the new tokens.
@@ -31,6 +73,7 @@ class KVCache:
         self.batch = batch
         self.max_len = max_len
         self.length = 0
+        self._ctx: AttentionContext | None = None  # this forward's masks, shared by its layers
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new keys/values of `layer` and return all of them so far."""
@@ -38,6 +81,14 @@ class KVCache:
         self.keys[layer][:, :, self.length : end] = k
         self.values[layer][:, :, self.length : end] = v
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def attend(self, q, k, v, layer, scale, window):
+        t = k.shape[2]
+        ctx = self._ctx
+        if ctx is None or ctx.past != self.length or ctx.length != t or ctx.device != q.device:
+            ctx = self._ctx = AttentionContext(self.length, t, q.device)
+        k, v = self.update(layer, k, v)
+        return causal_attention(q, k, v, ctx, scale, window)
 
     def check_room(self, new_tokens: int) -> None:
         if self.length + new_tokens > self.max_len:
@@ -47,9 +98,11 @@ class KVCache:
 
     def advance(self, new_tokens: int) -> None:
         self.length += new_tokens
+        self._ctx = None
 
     def reset(self) -> None:
         self.length = 0
+        self._ctx = None
 
 
 class AttentionContext:
@@ -82,16 +135,19 @@ def attend(
     v: torch.Tensor,
     layer: int,
     ctx: AttentionContext,
-    cache: KVCache | None,
+    cache: AttentionCache | None,
     scale: float,
     window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of q [B, H, T, D] over the cached and new k, v [B, kv_heads, T, D]."""
-    if getattr(cache, "paged", False):
-        # The engine's paged cache (runtime/engine/paged_cache.py) runs its own varlen attention.
-        return cache.attend(q, k, v, layer, scale, window)
     if cache is not None:
-        k, v = cache.update(layer, k, v)
+        return cache.attend(q, k, v, layer, scale, window)
+    return causal_attention(q, k, v, ctx, scale, window)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext, scale: float,
+                     window: int | None = None) -> torch.Tensor:
+    """SDPA of q [B, H, T, D] (positions ctx.past ..) over k, v [B, kv_heads, ctx.past + T, D]."""
     total = k.shape[2]
     mask = None
     is_causal = False
@@ -136,9 +192,9 @@ class SelfAttention(nn.Module):
             return cpu_rowops.rmsnorm(x, norm.weight, norm.eps, norm.unit_offset, heads=x.shape[-1] // self.head_dim)
         return norm(x.view(*x.shape[:-1], -1, self.head_dim)).view(x.shape)
 
-    def forward(self, x, cos, sin, ctx: AttentionContext, cache: KVCache | None) -> torch.Tensor:
-        """x [B, T, hidden], or rows [T, hidden] of one flattened sequence (the engine's steps, see
-        DecoderModel.forward): the output has x's shape."""
+    def forward(self, x, cos, sin, ctx: AttentionContext, cache: AttentionCache | None) -> torch.Tensor:
+        """x [B, T, hidden], or rows [T, hidden] of one flattened sequence (the engine's steps over a
+        `flat_rows` cache, see DecoderModel.forward): the output has x's shape."""
         rows = x.dim() == 2
         b, t = (1, x.shape[0]) if rows else x.shape[:2]
         d = self.head_dim
@@ -148,10 +204,9 @@ class SelfAttention(nn.Module):
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.q_norm is not None:
             q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
-        fused = getattr(cache, "rotate_and_attend", None) if rows else None
-        if fused is not None:
-            # the engine's CPU decode kernel: RoPE, KV write and attention in one call
-            out = fused(q, k, v, cos, sin, self.layer, self.scale, self.window)
+        if rows and cache is not None:
+            # the engine's CPU decode kernel: RoPE, KV write and attention in one call (None: not this step)
+            out = cache.rotate_and_attend(q, k, v, cos, sin, self.layer, self.scale, self.window)
             if out is not None:
                 return self.o_proj(out)
         q = apply_rotary(q.view(b, t, -1, d).transpose(1, 2), cos, sin)

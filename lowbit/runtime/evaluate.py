@@ -449,8 +449,8 @@ def prepare(
     tokenizer = load_tokenizer(model_path)
     lm = load_model(model_path, dtype=DTYPES[dtype])
     # No fuse_projections here: eval windows have ctx rows, which take the int4 kernel's prefill
-    # route part by part, so joined q/k/v and gate/up only add a concat (measured 4.16 s separate
-    # vs 4.45 s joined for a 512-token window, identical logits).
+    # route part by part, so joined q/k/v and gate/up only add a concat (slower, with identical
+    # logits).
     base_lm = None
     if base_path is not None:
         base_lm = load_model(base_path, dtype=DTYPES[dtype])

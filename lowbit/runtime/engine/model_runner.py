@@ -52,7 +52,7 @@ class ModelRunner:
             max_position = max(max_position, w.start + n - 1)
         cache = self.cache
         cache.meta = build_metadata(plan, cache.block_size, self.device, with_block_tables=self.device.type == "cuda",
-                                    fused_decode=getattr(cache, "_fused_ok", False))
+                                    fused_decode=cache.fused_decode)
         try:
             input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
             pos = torch.tensor(positions, dtype=torch.long, device=self.device)
@@ -64,7 +64,7 @@ class ModelRunner:
             return None
         if len(rows) != h.shape[0]:
             h = h[torch.tensor(rows, device=self.device)]
-        # float32 logits (exact for bf16 ones): torch's CPU argmax/softmax over bf16 is ~4x slower
+        # float32 logits (exact for bf16 ones): torch's CPU argmax/softmax over bf16 is much slower
         logits = self.model.lm_head(h).float()
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap

@@ -4,7 +4,8 @@ One pool per layer holds every sequence's keys (and one its values) as `num_bloc
 token slots of [kv_heads, head_dim]; token p of a sequence lives in slot
 `block_table[p // block_size] * block_size + p % block_size` (block_manager.py owns the tables).
 A step runs all scheduled sequences as ONE flattened batch [1, T] (model forward unchanged);
-`runtime.attention.attend` hands each layer's (q, k, v) to `PagedKVCache.attend`, which writes
+`runtime.attention.attend` hands each layer's (q, k, v) to `PagedKVCache.attend` (the
+`AttentionCache` interface, runtime/attention.py), which writes
 k, v into the pool at the step's slot mapping and attends per sequence:
 
 - short items (decodes, speculative verifies, draft catch-ups: <= SHORT_QUERY tokens) in one
@@ -23,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from lowbit.errors import UsageError
+from lowbit.runtime.attention import AttentionCache
 from lowbit.runtime.config import ModelConfig
 from lowbit.runtime.engine import paged_attention as pa
 
@@ -35,9 +37,12 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype, kv_dtype: str | 
     return 2 * config.num_hidden_layers * config.num_key_value_heads * per_head
 
 
-class PagedKVCache:
-    paged = True  # tells runtime.attention.attend to call self.attend
-    length = 0  # CausalLM.forward reads/advances these for its contiguous cache; unused here
+class PagedKVCache(AttentionCache):
+    """The engine's cache: steps are one flattened sequence (`flat_rows`), so the model hands it rows
+    and tries `rotate_and_attend` (the fused CPU decode kernel) before `attend`. `length` stays 0
+    and check_room/advance do nothing: positions come from the step's metadata (`meta`)."""
+
+    flat_rows = True
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str, kv_dtype: str | None = None):
@@ -67,7 +72,9 @@ class PagedKVCache:
         self.meta: pa.StepMetadata | None = None  # set by the runner before each forward
         from lowbit.kernels.cpu_attention import supported
 
-        self._fused_ok = self.device.type == "cpu" and kv_dtype is None and supported(dtype, self.head_dim)
+        # Whether kernels/cpu_attention.py can run this cache's decode steps (the runner then plans
+        # steps of short items for it, and `rotate_and_attend` takes them).
+        self.fused_decode: bool = self.device.type == "cpu" and kv_dtype is None and supported(dtype, self.head_dim)
 
     @property
     def nbytes(self) -> int:
@@ -76,12 +83,7 @@ class PagedKVCache:
             total += sum(t.numel() * t.element_size() for t in self.key_scales + self.value_scales)
         return total
 
-    # CausalLM.forward's contiguous-cache calls: nothing to do for a paged cache.
-    def check_room(self, new_tokens: int) -> None:
-        pass
-
-    def advance(self, new_tokens: int) -> None:
-        pass
+    # check_room / advance: AttentionCache's no-ops (the block manager owns the room).
 
     # -- writing and reading -----------------------------------------------------------------
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -114,7 +116,7 @@ class PagedKVCache:
         """The fused CPU path for steps of short items: q [T, H*D], k/v [T, kvh*D] before RoPE,
         cos/sin [.., T, D/2] -> out [T, H*D]; None when this step or cache cannot use it."""
         meta = self.meta
-        if meta is None or meta.decode is None or self.kv_dtype is not None or not self._fused_ok:
+        if meta is None or meta.decode is None or self.kv_dtype is not None or not self.fused_decode:
             return None
         if q.dtype != self.dtype or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
             return None

@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 
 from lowbit.kernels import cpu_rowops
-from lowbit.runtime.attention import AttentionContext, KVCache
+from lowbit.runtime.attention import AttentionCache, AttentionContext, KVCache
 from lowbit.runtime.config import ModelConfig
 from lowbit.runtime.layers import RMSNorm, Rotary, add_pending, rowops_norms
 from lowbit.runtime.linear import make_linear
@@ -36,10 +36,10 @@ class DecoderModel(nn.Module):
         self.rotaries = [Rotary(rope, config.head_dim) for rope in distinct]
         self.layer_rotary = [distinct.index(rope) for rope in ropes]
 
-    def forward(self, input_ids, positions, max_position: int, cache: KVCache | None) -> torch.Tensor:
-        # The engine's step is one flattened sequence over a cache that attends itself: the layers
-        # then work on rows [T, hidden], which spares a select/unsqueeze and two reshapes per matmul.
-        rows = input_ids.shape[0] == 1 and getattr(cache, "rotate_and_attend", None) is not None
+    def forward(self, input_ids, positions, max_position: int, cache: AttentionCache | None) -> torch.Tensor:
+        # The engine's step is one flattened sequence over a `flat_rows` cache: the layers then work
+        # on rows [T, hidden], which spares a select/unsqueeze and two reshapes per matmul.
+        rows = input_ids.shape[0] == 1 and cache is not None and cache.flat_rows
         h = self.embed_tokens(input_ids[0] if rows else input_ids)
         if self.scale_embeddings:
             # Gemma scales by sqrt(hidden) rounded to the model dtype, as its checkpoints were trained.
@@ -105,7 +105,7 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor | None = None,
-        cache: KVCache | None = None,
+        cache: AttentionCache | None = None,
         logits_start: int = 0,
     ) -> torch.Tensor:
         t = input_ids.shape[1]

@@ -25,21 +25,25 @@ def parse_size(text: str) -> int:
 
 def engine_factory(model_path: Path, *, dtype: str = "f32", kv_memory: int | None = None, max_running: int = 64,
                    max_model_len: int | None = None, draft: str | None = None,
-                   threads: int | None = None) -> Callable[[], Any]:
-    """A zero-argument builder the engine thread calls: loading happens off the event loop."""
+                   threads: int | None = None, kernel_settings=None) -> Callable[[], Any]:
+    """A zero-argument builder the engine thread calls: loading happens off the event loop.
+    kernel_settings: a kernels.dispatch.KernelSettings in effect while the model loads (--kernel,
+    --int4-activations), else the environment's."""
     if dtype not in DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype}")
 
     def build():
         import torch
 
+        from lowbit.kernels.dispatch import use_settings
         from lowbit.runtime.engine.engine import Engine
 
         if threads is not None:
             # The engine thread is the only one doing tensor work, so this is its intra-op pool.
             torch.set_num_threads(threads)
         torch_dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
-        return Engine(str(model_path), dtype=torch_dtype, kv_memory=kv_memory, max_num_seqs=max_running,
-                      max_model_len=max_model_len, draft=draft)
+        with use_settings(kernel_settings):  # None: KernelSettings(), the environment's choices
+            return Engine(str(model_path), dtype=torch_dtype, kv_memory=kv_memory, max_num_seqs=max_running,
+                          max_model_len=max_model_len, draft=draft)
 
     return build

@@ -1,0 +1,169 @@
+"""`lowbit doctor`: what this machine runs — each kernel path and why not, the C sources' build,
+torch, the CPU flags the kernels use, CUDA, and the environment switches in effect.
+
+Also home of the kernel options `eval`, `generate`, `bench` and `serve` share (`--kernel`,
+`--int4-activations`): their help text, their check (`kernel_settings`, a usage error, exit 2)
+and what a loaded model's quantized layers run on (`kernel_summary`, for --json)."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+import typer
+
+from lowbit.cli.common import console, print_json
+from lowbit.cli.main import app
+from lowbit.errors import LowbitError, UsageError
+
+KERNEL_HELP = (
+    "Kernel path for every quantized layer, instead of the best one per layer (default; $LOWBIT_KERNEL if set): "
+    "reference (dequantize to float32, then matmul: float32 numerics, slow), cpu (the best CPU path), cpu-int4dot, "
+    "cpu-int4, cpu-int8, cpu-bf16, cpu-lut, cpu-int8dot (8-bit codes with int8 activations, only when named), triton "
+    "(CUDA). The automatic CPU paths round activations to bf16 (cpu-int4, cpu-int8, cpu-bf16, and cpu-int4dot's bf16 "
+    "route) or to int8 (cpu-int4dot, see --int4-activations); cpu-lut and reference compute in float32. "
+    "LOWBIT_NO_NATIVE=1 turns the C kernels off (cpu-int4dot, cpu-bf16, cpu-lut): torch's int4/int8 ops or the "
+    "reference run instead. A path that cannot run a layer is an error. `lowbit doctor` lists what runs here."
+)
+INT4_ACTIVATIONS_HELP = (
+    "What the int4 decode kernel (cpu-int4dot, up to 16 rows per matmul) rounds activations to: int8 (the default "
+    "where the CPU has AVX512-VNNI: each row quantized per weight group to int8, max|x|/127, then exact integer sums; "
+    "about +0.005 KLD on 4-bit models, docs/benchmarks.md) or bf16 (the default without VNNI: x rounded to bf16, "
+    "float32 sums). Prefill (more rows) is the same either way. Default: $LOWBIT_INT4_ACTIVATIONS if set."
+)
+
+# The environment switches the kernels and the CLI read, and what setting them does.
+ENV_SWITCHES = (
+    ("LOWBIT_KERNEL", "forces one kernel path for every quantized layer (like --kernel)"),
+    ("LOWBIT_INT4_ACTIVATIONS", "int8 or bf16 activations for the int4 decode kernel (like --int4-activations)"),
+    ("LOWBIT_NO_NATIVE", "any value: no C kernels (torch's int4/int8 ops or the reference path instead)"),
+    ("TRITON_INTERPRET", "1: Triton kernels run interpreted on the CPU (tests only; --kernel triton is then allowed)"),
+    ("LOWBIT_HOME", "where demo assets and the compiled C kernels live (default ~/.cache/lowbit)"),
+    ("CC", "the C compiler that builds the kernels (default gcc, then cc)"),
+    ("LOWBIT_DEBUG", "1: print tracebacks (like --debug)"),
+)
+
+
+def kernel_settings(kernel: str | None, int4_activations: str | None):
+    """The KernelSettings for the --kernel / --int4-activations values; a bad value is a usage error."""
+    from lowbit.kernels.dispatch import INT4_ACTIVATIONS, PATHS, KernelSettings
+
+    if kernel is not None and kernel not in PATHS:
+        raise UsageError(f"--kernel must be one of {', '.join(PATHS)}, got '{kernel}'")
+    if int4_activations is not None and int4_activations not in INT4_ACTIVATIONS:
+        raise UsageError(f"--int4-activations must be {' or '.join(INT4_ACTIVATIONS)}, got '{int4_activations}'")
+    return KernelSettings(kernel=kernel, int4_activations=int4_activations)
+
+
+def kernel_summary(model) -> dict:
+    """{"requested", "paths": {path: quantized layers}, "int4_activations"} of a loaded model
+    (kernels.dispatch.summarize); call it inside the `use_settings` block the model loaded in."""
+    from lowbit.kernels.dispatch import summarize
+    from lowbit.runtime.quant_linear import QuantLinear
+
+    return summarize(m.prepared for m in model.modules() if isinstance(m, QuantLinear))
+
+
+def kernel_line(summary: dict) -> str | None:
+    """One human line for a kernel_summary, or None for a model without quantized layers."""
+    if not summary["paths"]:
+        return None
+    paths = ", ".join(f"{name} x{count}" for name, count in summary["paths"].items())
+    act = summary["int4_activations"]
+    return f"kernels: {paths}" + (f" ({act} activations in the int4 decode kernel)" if act else "")
+
+
+# -- doctor -----------------------------------------------------------------------------------
+def _native_report() -> dict:
+    """The C sources' build status from lowbit.native.build.report() (list of SourceStatus)."""
+    from lowbit.native import build
+
+    report = getattr(build, "report", None)
+    if report is None:
+        return {"sources": None, "note": "this lowbit.native.build has no report()"}
+    try:
+        statuses = report()
+    except Exception as exc:  # noqa: BLE001 - a diagnostic: say what failed, never fail
+        return {"sources": None, "note": f"report() failed: {type(exc).__name__}: {exc}"}
+    sources = [{"source": str(getattr(s, "source", "")), "built": bool(getattr(s, "built", False)),
+                "reason": getattr(s, "reason", None) or None, "library": getattr(s, "library", None) or None}
+               for s in statuses]
+    return {"sources": sources, "note": None}
+
+
+def _int4_activations() -> dict:
+    from lowbit.kernels import cpu_int4dot
+
+    if not cpu_int4dot.available():
+        return {"mode": None, "note": "no int4 decode kernel on this machine"}
+    try:
+        mode = cpu_int4dot.activations()
+    except LowbitError as exc:
+        return {"mode": None, "note": str(exc)}
+    source = (f"${cpu_int4dot.ACTIVATIONS_ENV}" if os.environ.get(cpu_int4dot.ACTIVATIONS_ENV, "").strip()
+              else "default: " + ("the CPU has AVX512-VNNI" if mode == "int8" else "no AVX512-VNNI"))
+    return {"mode": mode, "note": source}
+
+
+def doctor_report() -> dict:
+    import torch
+
+    from lowbit.kernels.dispatch import cpu_features, describe_paths
+
+    cuda = torch.cuda.is_available()
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {
+        "torch": {"version": torch.__version__, "threads": torch.get_num_threads(), "triton": triton_version},
+        "cuda": {"available": cuda,
+                 "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []},
+        "cpu": {"machine": platform.machine(), "flags": cpu_features()},
+        "kernel_paths": [s.to_dict() for s in describe_paths(device=None)],
+        "int4_activations": _int4_activations(),
+        "native": _native_report(),
+        "env": [{"name": name, "value": os.environ.get(name), "meaning": meaning} for name, meaning in ENV_SWITCHES],
+    }
+
+
+def _print(report: dict) -> None:
+    t, c = report["torch"], report["cuda"]
+    console.print(f"[bold]torch[/bold] {t['version']}, {t['threads']} threads; triton {t['triton'] or 'not installed'}; "
+                  f"CUDA: {', '.join(c['devices']) if c['available'] else 'not available'}")
+    flags = report["cpu"]["flags"]
+    shown = ", ".join(f"{name} {'yes' if on else 'no'}" for name, on in flags.items()) if flags else "unknown"
+    console.print(f"[bold]CPU[/bold] {report['cpu']['machine']}: {shown}")
+    console.print("[bold]kernel paths[/bold] (best first)")
+    for p in report["kernel_paths"]:
+        when = "" if p["automatic"] else " (only when named)"
+        state = "[green]runs here[/green]" if p["usable"] else f"[red]not here[/red]: {p['reason']}"
+        console.print(f"  {p['name']:<12} {p['device']:<4} {state}{when}", markup=True, highlight=False)
+    act = report["int4_activations"]
+    console.print(f"[bold]int4 decode activations[/bold] {act['mode'] or '-'} ({act['note']})")
+    native = report["native"]
+    console.print("[bold]C kernels[/bold]")
+    if native["sources"] is None:
+        console.print(f"  {native['note']}")
+    for s in native["sources"] or []:
+        state = "built" if s["built"] else f"not built: {s['reason']}"
+        console.print(f"  {s['source']:<18} {state}" + (f" ({Path(s['library']).name})" if s["built"] and s["library"] else ""))
+    console.print("[bold]environment[/bold]")
+    for e in report["env"]:
+        value = "unset" if e["value"] is None else repr(e["value"])
+        console.print(f"  {e['name']:<24} {value:<10} {e['meaning']}")
+
+
+@app.command("doctor")
+def doctor(as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout.")) -> None:
+    """What runs on this machine: each kernel path (best first) and why not, the C kernels' build,
+    torch and its threads, the CPU flags the kernels use, CUDA, and the environment switches in effect."""
+    report = doctor_report()
+    if as_json:
+        print_json(report)
+    else:
+        _print(report)
+
