@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One prepared check for a CUDA machine (one GPU, e.g. an H200), in under 8 minutes in all:
 #   setup  torch / lowbit present? (installs only what is missing: torch, then `pip install -e ".[test]"`)
-#   (a)    the Triton kernel tests compiled for the GPU (tests/bench/triton_cases.py, not the interpreter)
+#   (a)    the Triton kernel tests compiled for the GPU (tests/kernels/triton_cases.py, not the interpreter)
 #   (b)    bench/kernels.py, every format at 1-16 rows beside torch's bf16 matmul, as a share of HBM bandwidth
 #   (c)    `lowbit eval` of an RTN int4 SmolLM2 checkpoint, on the GPU against the CPU's PPL
 #   (d)    `lowbit bench` decode at batch 1-64, int4 checkpoint and bf16 model
@@ -111,7 +111,7 @@ do_triton() {
     local shards=1 i pids=() status=0
     (( DRY )) || shards=8
     for (( i = 0; i < shards; i++ )); do
-        LOWBIT_TRITON_SHARD="$i/$shards" "$PY" -m pytest -q -p no:cacheprovider tests/bench/triton_cases.py \
+        LOWBIT_TRITON_SHARD="$i/$shards" "$PY" -m pytest -q -p no:cacheprovider tests/kernels/triton_cases.py \
             > "$WORK/pytest-$i.log" 2>&1 &
         pids+=($!)
     done
@@ -119,7 +119,7 @@ do_triton() {
         wait "${pids[$i]}" || status=1
         cat "$WORK/pytest-$i.log" >&2
     done
-    echo "tests/bench/triton_cases.py on ${LOWBIT_TRITON_DEVICE}$( [[ ${TRITON_INTERPRET:-} == 1 ]] && echo ' under TRITON_INTERPRET=1, the quick subset')"
+    echo "tests/kernels/triton_cases.py on ${LOWBIT_TRITON_DEVICE}$( [[ ${TRITON_INTERPRET:-} == 1 ]] && echo ' under TRITON_INTERPRET=1, the quick subset')"
     echo
     "$PY" bench/gpu_check.py pytest "$WORK"/pytest-*.log || status=1
     exit "$status"

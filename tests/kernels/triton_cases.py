@@ -1,7 +1,7 @@
 """The Triton kernels (quantized matmul, paged decode attention) against their float64 oracles,
 on the device LOWBIT_TRITON_DEVICE names: `cuda` runs the compiled kernels on a GPU, `cpu` (the
-default) runs them under TRITON_INTERPRET=1 as tests/kernels/interpreted_triton.py and
-tests/runtime/engine/interpreted_paged.py do.
+default) runs them under TRITON_INTERPRET=1, which tests/kernels/test_triton_interpreter.py does in
+every CPU run (all formats and sizes).
 
 Not collected by the main run (the file name): the interpreter flag must be set before triton
 compiles a kernel. bench/gpu_check.sh runs it on the GPU; its --dry-run runs it under the
@@ -9,8 +9,8 @@ interpreter with LOWBIT_TRITON_QUICK=1 (a few formats, small sizes), which
 tests/bench/test_gpu_check.py checks on every CPU run. LOWBIT_TRITON_SHARD=i/n keeps every n-th
 format from the i-th (the paged cases in shard 0 only), so n processes can compile in parallel.
 
-    LOWBIT_TRITON_DEVICE=cuda python -m pytest -q tests/bench/triton_cases.py
-    TRITON_INTERPRET=1 LOWBIT_TRITON_QUICK=1 python -m pytest -q tests/bench/triton_cases.py
+    LOWBIT_TRITON_DEVICE=cuda python -m pytest -q tests/kernels/triton_cases.py
+    TRITON_INTERPRET=1 LOWBIT_TRITON_QUICK=1 python -m pytest -q tests/kernels/triton_cases.py
 """
 
 import os
