@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 
 from lowbit.cli.common import console, print_json
-from lowbit.cli.doctor_cmd import INT4_ACTIVATIONS_HELP, KERNEL_HELP, kernel_line, kernel_settings, kernel_summary
+from lowbit.cli.kernel_options import INT4_ACTIVATIONS_HELP, KERNEL_HELP, kernel_line, kernel_settings, kernel_summary
 from lowbit.cli.main import app
 from lowbit.errors import UsageError
 

@@ -1,9 +1,5 @@
 """`lowbit doctor`: what this machine runs — each kernel path and why not, the C sources' build,
-torch, the CPU flags the kernels use, CUDA, and the environment switches in effect.
-
-Also home of the kernel options `eval`, `generate`, `bench` and `serve` share (`--kernel`,
-`--int4-activations`): their help text, their check (`kernel_settings`, a usage error, exit 2)
-and what a loaded model's quantized layers run on (`kernel_summary`, for --json)."""
+torch, the CPU flags the kernels use, CUDA, and the environment switches in effect."""
 
 from __future__ import annotations
 
@@ -15,23 +11,7 @@ import typer
 
 from lowbit.cli.common import console, print_json
 from lowbit.cli.main import app
-from lowbit.errors import LowbitError, UsageError
-
-KERNEL_HELP = (
-    "Kernel path for every quantized layer, instead of the best one per layer (default; $LOWBIT_KERNEL if set): "
-    "reference (dequantize to float32, then matmul: float32 numerics, slow), cpu (the best CPU path), cpu-int4dot, "
-    "cpu-int4, cpu-int8, cpu-bf16, cpu-lut, cpu-int8dot (8-bit codes with int8 activations, only when named), triton "
-    "(CUDA). The automatic CPU paths round activations to bf16 (cpu-int4, cpu-int8, cpu-bf16, and cpu-int4dot's bf16 "
-    "route) or to int8 (cpu-int4dot, see --int4-activations); cpu-lut and reference compute in float32. "
-    "LOWBIT_NO_NATIVE=1 turns the C kernels off (cpu-int4dot, cpu-bf16, cpu-lut): torch's int4/int8 ops or the "
-    "reference run instead. A path that cannot run a layer is an error. `lowbit doctor` lists what runs here."
-)
-INT4_ACTIVATIONS_HELP = (
-    "What the int4 decode kernel (cpu-int4dot, up to 16 rows per matmul) rounds activations to: int8 (the default "
-    "where the CPU has AVX512-VNNI: each row quantized per weight group to int8, max|x|/127, then exact integer sums; "
-    "about +0.005 KLD on 4-bit models, docs/benchmarks.md) or bf16 (the default without VNNI: x rounded to bf16, "
-    "float32 sums). Prefill (more rows) is the same either way. Default: $LOWBIT_INT4_ACTIVATIONS if set."
-)
+from lowbit.errors import LowbitError
 
 # The environment switches the kernels and the CLI read, and what setting them does.
 ENV_SWITCHES = (
@@ -45,49 +25,16 @@ ENV_SWITCHES = (
 )
 
 
-def kernel_settings(kernel: str | None, int4_activations: str | None):
-    """The KernelSettings for the --kernel / --int4-activations values; a bad value is a usage error."""
-    from lowbit.kernels.dispatch import INT4_ACTIVATIONS, PATHS, KernelSettings
-
-    if kernel is not None and kernel not in PATHS:
-        raise UsageError(f"--kernel must be one of {', '.join(PATHS)}, got '{kernel}'")
-    if int4_activations is not None and int4_activations not in INT4_ACTIVATIONS:
-        raise UsageError(f"--int4-activations must be {' or '.join(INT4_ACTIVATIONS)}, got '{int4_activations}'")
-    return KernelSettings(kernel=kernel, int4_activations=int4_activations)
-
-
-def kernel_summary(model) -> dict:
-    """{"requested", "paths": {path: quantized layers}, "int4_activations"} of a loaded model
-    (kernels.dispatch.summarize); call it inside the `use_settings` block the model loaded in."""
-    from lowbit.kernels.dispatch import summarize
-    from lowbit.runtime.quant_linear import QuantLinear
-
-    return summarize(m.prepared for m in model.modules() if isinstance(m, QuantLinear))
-
-
-def kernel_line(summary: dict) -> str | None:
-    """One human line for a kernel_summary, or None for a model without quantized layers."""
-    if not summary["paths"]:
-        return None
-    paths = ", ".join(f"{name} x{count}" for name, count in summary["paths"].items())
-    act = summary["int4_activations"]
-    return f"kernels: {paths}" + (f" ({act} activations in the int4 decode kernel)" if act else "")
-
-
 # -- doctor -----------------------------------------------------------------------------------
 def _native_report() -> dict:
     """The C sources' build status from lowbit.native.build.report() (list of SourceStatus)."""
     from lowbit.native import build
 
-    report = getattr(build, "report", None)
-    if report is None:
-        return {"sources": None, "note": "this lowbit.native.build has no report()"}
     try:
-        statuses = report()
+        statuses = build.report()
     except Exception as exc:  # noqa: BLE001 - a diagnostic: say what failed, never fail
         return {"sources": None, "note": f"report() failed: {type(exc).__name__}: {exc}"}
-    sources = [{"source": str(getattr(s, "source", "")), "built": bool(getattr(s, "built", False)),
-                "reason": getattr(s, "reason", None) or None, "library": getattr(s, "library", None) or None}
+    sources = [{"source": s.source, "built": s.built, "reason": s.reason or None, "library": s.library or None}
                for s in statuses]
     return {"sources": sources, "note": None}
 

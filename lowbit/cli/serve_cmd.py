@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from lowbit.cli.common import console
-from lowbit.cli.doctor_cmd import INT4_ACTIVATIONS_HELP, KERNEL_HELP, kernel_settings
+from lowbit.cli.kernel_options import INT4_ACTIVATIONS_HELP, KERNEL_HELP, kernel_settings
 from lowbit.cli.main import app
 from lowbit.errors import UsageError
 

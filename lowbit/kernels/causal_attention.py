@@ -16,9 +16,9 @@ docs/benchmarks.md. Without AMX the blocks win everywhere, so the choice is made
 flags, once per process: the same machine always takes the same path, which the
 byte-identical resume relies on.
 
-`BlockCausalAttention` plugs into runtime.attention.attend through its hook for caches that run
-their own attention (`paged = True`, `attend(q, k, v, layer, scale, window)`); it keeps nothing
-between calls but the masks.
+`BlockCausalAttention` is an AttentionCache (kernels/attention_cache.py): runtime.attention.attend
+hands it (q, k, v) through `attend(q, k, v, layer, scale, window)`; it keeps nothing between calls
+but the masks.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ import functools
 
 import torch
 import torch.nn.functional as F
+
+from lowbit.kernels.attention_cache import AttentionCache
 
 QUERY_BLOCK = 64
 SAMPLE_CHUNK = 4  # windows per product: the scores of 4 x 512 keys stay in the caches
@@ -45,12 +47,10 @@ def cpu_has_amx() -> bool:
     return False
 
 
-class BlockCausalAttention:
+class BlockCausalAttention(AttentionCache):
     """Pass as the `cache` of SelfAttention.forward for windows that start at position 0.
 
     sdpa: run full causal attention through torch's SDPA (None: where the CPU has AMX)."""
-
-    paged = True  # runtime.attention.attend calls self.attend
 
     def __init__(self, sdpa: bool | None = None):
         self.sdpa = cpu_has_amx() if sdpa is None else sdpa

@@ -9,16 +9,14 @@ asks nothing of a cache but `AttentionCache`'s members (no attribute probing):
     flat_rows                               the model runs steps as rows [T, hidden] of one sequence
     length / check_room / advance           positions kept before this forward (CausalLM's bookkeeping)
 
+The interface lives in kernels/attention_cache.py, below runtime/, so that kernels/causal_attention.py's
+`BlockCausalAttention` (calibration, only passed with [B, T, hidden] inputs) implements it too;
 `KVCache` (here, contiguous, for `CausalLM.forward`) and the engine's `PagedKVCache`
-(runtime/engine/paged_cache.py) implement it. kernels/causal_attention.py's `BlockCausalAttention`
-(calibration; kernels cannot import runtime) provides `attend` with the same signature and is only
-passed to SelfAttention with [B, T, hidden] inputs. Masks are built at most once per forward and
+(runtime/engine/paged_cache.py) are the others. Masks are built at most once per forward and
 per window size, and only when SDPA's own `is_causal` cannot express them.
 """
 
 from __future__ import annotations
-
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -26,38 +24,10 @@ from torch import nn
 
 from lowbit.errors import LowbitError
 from lowbit.kernels import cpu_rowops
+from lowbit.kernels.attention_cache import AttentionCache
 from lowbit.runtime.config import ModelConfig
 from lowbit.runtime.layers import RMSNorm, apply_rotary
 from lowbit.runtime.linear import make_linear
-
-
-class AttentionCache:
-    """The interface the model uses on the `cache` it is given (see the module docstring).
-
-    Subclasses implement `attend`; the rest has defaults for a cache that keeps no positions of
-    its own and has no fused path."""
-
-    flat_rows: ClassVar[bool] = False  # True: steps are one flattened sequence, layers get rows [T, hidden]
-    length: int = 0  # positions stored before the current forward (CausalLM reads it for positions)
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
-               window: int | None) -> torch.Tensor:
-        """Store `layer`'s new k, v [B, kv_heads, T, D] and return causal attention of q [B, H, T, D]
-        (the queries at positions length .. length + T - 1) over everything kept: [B, H, T, D]."""
-        raise NotImplementedError
-
-    def rotate_and_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                          sin: torch.Tensor, layer: int, scale: float, window: int | None) -> torch.Tensor | None:
-        """Rows form only (flat_rows): q [T, H*D], k/v [T, kvh*D] before RoPE -> out [T, H*D] with
-        RoPE, the KV write and attention in one call; None when this cache or step has no such path
-        (the layer then rotates and calls `attend`)."""
-        return None
-
-    def check_room(self, new_tokens: int) -> None:
-        """Raise a LowbitError if `new_tokens` more positions do not fit."""
-
-    def advance(self, new_tokens: int) -> None:
-        """After every layer saw the new tokens: they now count as stored."""
 
 
 class KVCache(AttentionCache):

@@ -47,7 +47,7 @@ def test_help_explains_the_defaults_numerics(run_cli):
     for command in ("eval", "generate", "bench", "serve"):
         code, _, _ = run_cli([command, "--help"])
         assert code == 0
-    from lowbit.cli.doctor_cmd import INT4_ACTIVATIONS_HELP, KERNEL_HELP
+    from lowbit.cli.kernel_options import INT4_ACTIVATIONS_HELP, KERNEL_HELP
 
     assert "AVX512-VNNI" in INT4_ACTIVATIONS_HELP and "int8" in INT4_ACTIVATIONS_HELP
     assert "LOWBIT_NO_NATIVE" in KERNEL_HELP and "float32" in KERNEL_HELP and "bf16" in KERNEL_HELP

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from lowbit.kernels.causal_attention import BlockCausalAttention
 from lowbit.runtime.attention import AttentionCache, AttentionContext, KVCache, causal_attention
 from lowbit.runtime.engine.paged_cache import PagedKVCache
 from lowbit.runtime.loader import load_model
@@ -20,6 +21,7 @@ RUNTIME = Path(__file__).resolve().parents[2] / "lowbit" / "runtime"
 
 def test_both_caches_declare_the_interface():
     assert issubclass(KVCache, AttentionCache) and issubclass(PagedKVCache, AttentionCache)
+    assert issubclass(BlockCausalAttention, AttentionCache)
     assert KVCache.flat_rows is False and PagedKVCache.flat_rows is True
     for name in ("attend", "rotate_and_attend", "check_room", "advance"):
         assert callable(getattr(PagedKVCache, name)) and callable(getattr(KVCache, name))
