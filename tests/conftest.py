@@ -41,20 +41,23 @@ def wiki_eval_path():
     return _require(data_asset_path("wiki-eval"))
 
 
-def _byte_tokenizer(directory) -> None:
-    """tokenizer.json + tokenizer_config.json: byte-level, ids 0-255 the bytes, 256 <s>, 257 </s>."""
+def _byte_tokenizer(directory, add_bos: bool = True, chars: list[str] | None = None) -> None:
+    """tokenizer.json + tokenizer_config.json: byte-level BPE without merges, 256 <s>, 257 </s>; ids 0-255
+    are `chars` in order (default: the byte-level alphabet sorted; the byte → character map makes
+    id b byte b)."""
     import json
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    chars = sorted(pre_tokenizers.ByteLevel.alphabet()) if chars is None else chars
+    vocab = {ch: i for i, ch in enumerate(chars)}
     vocab.update({"<s>": 256, "</s>": 257})
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(["<s>", "</s>"])
     tokenizer.save(str(directory / "tokenizer.json"))
-    config = {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}
+    config = {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": add_bos}
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
 
 

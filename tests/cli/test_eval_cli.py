@@ -8,26 +8,13 @@ import math
 import pytest
 import torch
 
+from tests.conftest import _byte_tokenizer
+
 
 TEXT = (
     "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs! "
     "How vexingly quick daft zebras jump; sphinx of black quartz, judge my vow. "
 ) * 4
-
-
-def _byte_tokenizer_files(directory, add_bos: bool) -> None:
-    """A byte-level tokenizer: id b is byte b, 256 is <s>, 257 is </s>."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {ch: b for b, ch in enumerate(_gpt2_byte_chars())}
-    vocab.update({"<s>": 256, "</s>": 257})
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(["<s>", "</s>"])
-    tokenizer.save(str(directory / "tokenizer.json"))
-    config = {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": add_bos}
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 def _gpt2_byte_chars() -> list[str]:
@@ -56,7 +43,7 @@ def _save_tiny_llama(directory, seed: int, vocab: int = 258, add_bos: bool = Tru
         for name, p in model.named_parameters():
             p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
     model.save_pretrained(directory)
-    _byte_tokenizer_files(directory, add_bos)
+    _byte_tokenizer(directory, add_bos, _gpt2_byte_chars())
     return model
 
 
