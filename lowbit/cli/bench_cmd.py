@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 
 from lowbit.cli.common import console, print_json
-from lowbit.cli.kernel_options import INT4_ACTIVATIONS_HELP, KERNEL_HELP, kernel_line, kernel_settings, kernel_summary
+from lowbit.cli.kernel_options import INT4_ACTIVATIONS_OPTION, KERNEL_OPTION, kernel_line, kernel_settings, kernel_summary
 from lowbit.cli.main import app
 from lowbit.errors import UsageError
 
@@ -26,9 +26,8 @@ def bench(
     kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="Quantized KV cache: int8 or fp8."),
     kv_memory_mib: Optional[int] = typer.Option(None, "--kv-memory", help="KV cache size in MiB (default: a share of free memory)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's)."),
-    kernel: Optional[str] = typer.Option(None, "--kernel", metavar="PATH", help=KERNEL_HELP, show_default=False),
-    int4_activations: Optional[str] = typer.Option(None, "--int4-activations", metavar="int8|bf16",
-                                                   help=INT4_ACTIVATIONS_HELP, show_default=False),
+    kernel: Optional[str] = KERNEL_OPTION,
+    int4_activations: Optional[str] = INT4_ACTIVATIONS_OPTION,
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Measure prefill tok/s, decode tok/s per batch size, TTFT, inter-token latency, weight

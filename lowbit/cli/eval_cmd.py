@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 
 from lowbit.cli.common import console, print_json, progress
-from lowbit.cli.kernel_options import INT4_ACTIVATIONS_HELP, KERNEL_HELP, kernel_line, kernel_settings, kernel_summary
+from lowbit.cli.kernel_options import INT4_ACTIVATIONS_OPTION, KERNEL_OPTION, kernel_line, kernel_settings, kernel_summary
 from lowbit.cli.main import app
 
 
@@ -24,9 +24,8 @@ def eval_command(
         None, "--base", help="Base model to compare against on the same chunks: adds KL divergence, same-top %, RMS Δp."
     ),
     dtype: str = typer.Option("f32", "--dtype", help="Compute dtype: f32 (default, needed for small KLDs) or bf16."),
-    kernel: Optional[str] = typer.Option(None, "--kernel", metavar="PATH", help=KERNEL_HELP, show_default=False),
-    int4_activations: Optional[str] = typer.Option(None, "--int4-activations", metavar="int8|bf16",
-                                                   help=INT4_ACTIVATIONS_HELP, show_default=False),
+    kernel: Optional[str] = KERNEL_OPTION,
+    int4_activations: Optional[str] = INT4_ACTIVATIONS_OPTION,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
     """Perplexity of MODEL on a text, comparable with llama.cpp's llama-perplexity; KLD with --base.

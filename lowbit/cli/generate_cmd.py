@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from lowbit.cli.common import console, print_json
-from lowbit.cli.kernel_options import INT4_ACTIVATIONS_HELP, KERNEL_HELP, kernel_settings
+from lowbit.cli.kernel_options import INT4_ACTIVATIONS_OPTION, KERNEL_OPTION, kernel_settings
 from lowbit.cli.main import app
 from lowbit.errors import UsageError
 
@@ -42,9 +42,8 @@ def generate(
     dtype: str = typer.Option("float32", "--dtype", help="Activation/weight dtype: float32, bfloat16, float16."),
     kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="Quantized KV cache: int8 or fp8."),
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's)."),
-    kernel: Optional[str] = typer.Option(None, "--kernel", metavar="PATH", help=KERNEL_HELP, show_default=False),
-    int4_activations: Optional[str] = typer.Option(None, "--int4-activations", metavar="int8|bf16",
-                                                   help=INT4_ACTIVATIONS_HELP, show_default=False),
+    kernel: Optional[str] = KERNEL_OPTION,
+    int4_activations: Optional[str] = INT4_ACTIVATIONS_OPTION,
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
     """Generate a completion, streaming the text to stdout as it is produced."""

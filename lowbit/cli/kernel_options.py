@@ -4,6 +4,8 @@ quantized layers run on (`kernel_summary`, for --json)."""
 
 from __future__ import annotations
 
+import typer
+
 from lowbit.errors import UsageError
 
 KERNEL_HELP = (
@@ -21,6 +23,12 @@ INT4_ACTIVATIONS_HELP = (
     "about +0.005 KLD on 4-bit models, docs/benchmarks.md) or bf16 (the default without VNNI: x rounded to bf16, "
     "float32 sums). Prefill (more rows) is the same either way. Default: $LOWBIT_INT4_ACTIVATIONS if set."
 )
+
+# The two options as each command declares them (`kernel: Optional[str] = KERNEL_OPTION`).
+KERNEL_OPTION = typer.Option(None, "--kernel", metavar="PATH", help=KERNEL_HELP, show_default=False)
+INT4_ACTIVATIONS_OPTION = typer.Option(None, "--int4-activations", metavar="int8|bf16", help=INT4_ACTIVATIONS_HELP,
+                                       show_default=False)
+
 
 def kernel_settings(kernel: str | None, int4_activations: str | None):
     """The KernelSettings for the --kernel / --int4-activations values; a bad value is a usage error."""

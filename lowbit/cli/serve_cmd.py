@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from lowbit.cli.common import console
-from lowbit.cli.kernel_options import INT4_ACTIVATIONS_HELP, KERNEL_HELP, kernel_settings
+from lowbit.cli.kernel_options import INT4_ACTIVATIONS_OPTION, KERNEL_OPTION, kernel_settings
 from lowbit.cli.main import app
 from lowbit.errors import UsageError
 
@@ -36,9 +36,8 @@ def serve_command(
     dtype: str = typer.Option("f32", "--dtype", help="Compute dtype: f32 or bf16."),
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for the model (default: torch's, "
                                           "one per core; 1 is faster on a machine busy with other work)."),
-    kernel: Optional[str] = typer.Option(None, "--kernel", metavar="PATH", help=KERNEL_HELP, show_default=False),
-    int4_activations: Optional[str] = typer.Option(None, "--int4-activations", metavar="int8|bf16",
-                                                   help=INT4_ACTIVATIONS_HELP, show_default=False),
+    kernel: Optional[str] = KERNEL_OPTION,
+    int4_activations: Optional[str] = INT4_ACTIVATIONS_OPTION,
     max_body: int = typer.Option(4 * 1024 * 1024, "--max-body-bytes", help="Largest request body accepted (413 above)."),
     shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout", help="Seconds in-flight requests get to "
                                            "finish after SIGTERM before they are aborted."),
