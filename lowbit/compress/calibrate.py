@@ -181,7 +181,7 @@ _INIT_FILLS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xa
 @contextlib.contextmanager
 def _no_weight_init():
     """Skip nn.init's random fills while the module tree is built on the meta device: they fill
-    nothing there, but torch's meta normal_ imports torch._dynamo on first use (1.4 s)."""
+    nothing there, but torch's meta normal_ imports torch._dynamo on first use (a slow import)."""
     saved = {name: getattr(nn.init, name) for name in _INIT_FILLS}
     for name in _INIT_FILLS:
         setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)

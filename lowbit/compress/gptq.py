@@ -53,7 +53,7 @@ def prepare_hessian(
     hessian: torch.Tensor, *, damp: float = DEFAULT_DAMP, act_order: bool = True, max_damp: float = MAX_DAMP
 ) -> PreparedHessian | None:
     """Factor H for GPTQ; None when no dampening up to `max_damp` makes it positive definite."""
-    # float32 throughout: at K = 1536 the factorisation takes 51 ms instead of 87 ms, and with 1%
+    # float32 throughout: the factorisation runs faster than in float64, and with 1%
     # dampening U agrees with the float64 one to 2e-7 relative (SmolLM2); a failed factorisation
     # still raises the dampening.
     h = hessian.detach().float().clone()
@@ -408,8 +408,8 @@ def _integer_loop(work, values, upper, scale_t, zero_t, spec: FormatSpec, block_
     divisor taken once for the matrix and the codes formed once at the end. A block of columns is
     one C call where the library is built (native/gptq_columns.py), else `int_block_torch`: the same
     operations (bit for bit but for torch's unfused scalar tail, see native/gptq_columns.c) in a
-    Python iteration of 7 torch calls per column (SmolLM2 GPTQ with one refit round: this loop took
-    10.6 s of a run in torch, 5.0 s with the C blocks, 2.6 s of it in C). Which one runs is fixed
+    Python iteration of 7 torch calls per column (the C blocks save those calls' fixed cost, which
+    is much of the loop's time at SmolLM2's sizes; docs/benchmarks.md). Which one runs is fixed
     per machine, so a run's bytes are reproducible there.
     """
     top = float((1 << spec.bits) - 1)

@@ -117,10 +117,10 @@ class _Stream:
 
     def activation(self, s, e):  # site 4
         # GatedMLP's torch arithmetic, act(gate) * up (its reference path). The fused C row op
-        # (kernels/cpu_rowops.py) agrees to the last bits only and at 8192 rows takes 17 ms
-        # against torch's 5 ms, so calibration keeps torch.
+        # (kernels/cpu_rowops.py) agrees to the last bits only and at 8192 rows is slower than
+        # torch's, so calibration keeps torch.
         # silu in place and the product written straight into the scratch buffer: no fresh
-        # [tokens, mlp_dim] tensors to fault in, 76 → 62 ms per 8192 tokens of SmolLM2, same bits.
+        # [tokens, mlp_dim] tensors to fault in, same bits.
         mlp = self.fwd.mlp
         x = self.region(s, e, 0, self.dim)
         gate = mlp.gate_proj(x)

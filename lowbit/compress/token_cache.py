@@ -1,6 +1,6 @@
 """Token ids of a calibration text, cached on disk by the text's and the tokenizer's hashes.
 
-Tokenizing the 400 KB wiki-calib slice takes ~1.8 s on this machine, each time a calibrated
+Tokenizing the 400 KB wiki-calib slice is a noticeable part of start-up, each time a calibrated
 `quantize` or `calibrate` starts; the ids depend only on the text and tokenizer.json, so they are
 kept under $LOWBIT_HOME/cache/tokens/<sha256 of both>.npy. A cache that cannot be written (read-only
 home) is skipped; a damaged file is ignored and rewritten.
