@@ -3,8 +3,8 @@
    y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]).
 
    Why: torch's float32 Linear takes a matrix-vector route for one row and a GEMM route that
-   packs the weight for two or more (measured here: 1 row 0.38 ms, 2-5 rows 1.2-1.3 ms for the
-   same weights), so a verify of 1 + k rows cost twice a plain step, and its rounding need not
+   packs the weight for two or more (several times slower for the same weights), so a verify of
+   1 + k rows cost about twice a plain step, and its rounding need not
    match the plain step's. Here every (m, n) is one 16-lane accumulator over k in order (the last
    partial vector masked), then one fixed horizontal sum, whatever M is and however rows are
    tiled; the weight is read from memory once per call.
@@ -27,9 +27,8 @@ int lowbit_f32dot_available(void) { return HAVE_F32DOT; }
 #define NT 4 /* weight rows per tile */
 /* Each k step also prefetches, into L2, the same k of the next tile's rows: a tile's four rows
    are four short streams (2.3 KB each at K = 576) that the hardware prefetcher barely learns
-   before they end. SmolLM2's 30 layers of float32 Linears (426 MB) at 2 threads: 1 row
-   16.6 -> 12.0 ms, 4 rows 21.0 -> 10.7 ms; into L1 instead (_MM_HINT_T0): 16.0 and 18.5 ms;
-   two tiles ahead: no better. */
+   before they end. Into L2 beat no prefetch at 1 and 4 rows on SmolLM2's Linears; into L1
+   (_MM_HINT_T0) was slower at 4 rows, and two tiles ahead no better. */
 #define PREFETCH_TILE 1
 #define MT 6 /* x rows per pass: 24 accumulators, 6 x vectors, one weight vector (a verify of 1 + 4 or 1 + 5 rows is one pass) */
 

@@ -2,8 +2,8 @@
    lowbit_gptq_int_block) and for element grids (`_grid_loop`, lowbit_gptq_grid_block: minifloats
    and NF4, whose element quantizer is a table lookup; see the end of this file).
 
-   In Python the loop costs a few torch calls per column (~50 us each column of a 135M model,
-   ~10 s of a GPTQ run) for very little arithmetic; here a block of up to 128 columns is one call.
+   In Python the loop costs a few torch calls per column (their fixed cost dominates at a 135M
+   model's sizes) for very little arithmetic; here a block of up to 128 columns is one call.
 
    Layout: every [B, N] array is B visited columns of N stacked weight rows, row stride N (the
    column-major working copies of compress/gptq.py). For column i of the block and every row n:
