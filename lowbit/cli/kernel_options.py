@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import typer
 
-from lowbit.errors import UsageError
-
 KERNEL_HELP = (
     "Kernel path for every quantized layer, instead of the best one per layer (default; $LOWBIT_KERNEL if set): "
     "reference (dequantize to float32, then matmul: float32 numerics, slow), cpu (the best CPU path), cpu-int4dot, "
@@ -31,13 +29,10 @@ INT4_ACTIVATIONS_OPTION = typer.Option(None, "--int4-activations", metavar="int8
 
 
 def kernel_settings(kernel: str | None, int4_activations: str | None):
-    """The KernelSettings for the --kernel / --int4-activations values; a bad value is a usage error."""
-    from lowbit.kernels.dispatch import INT4_ACTIVATIONS, PATHS, KernelSettings
+    """The KernelSettings for the --kernel / --int4-activations values (which validate themselves:
+    a bad value is a usage error, exit 2)."""
+    from lowbit.kernels.dispatch import KernelSettings
 
-    if kernel is not None and kernel not in PATHS:
-        raise UsageError(f"--kernel must be one of {', '.join(PATHS)}, got '{kernel}'")
-    if int4_activations is not None and int4_activations not in INT4_ACTIVATIONS:
-        raise UsageError(f"--int4-activations must be {' or '.join(INT4_ACTIVATIONS)}, got '{int4_activations}'")
     return KernelSettings(kernel=kernel, int4_activations=int4_activations)
 
 

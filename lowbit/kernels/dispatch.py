@@ -69,9 +69,10 @@ class KernelSettings:
 
     def __post_init__(self):
         if self.kernel is not None and self.kernel not in PATHS:
-            raise UsageError(f"unknown kernel path '{self.kernel}' (choose from {', '.join(PATHS)})")
+            raise UsageError(f"unknown kernel path '{self.kernel}' for --kernel (choose from {', '.join(PATHS)})")
         if self.int4_activations is not None and self.int4_activations not in INT4_ACTIVATIONS:
-            raise UsageError(f"unknown int4 activations '{self.int4_activations}' (choose from {' or '.join(INT4_ACTIVATIONS)})")
+            raise UsageError(f"unknown int4 activations '{self.int4_activations}' for --int4-activations "
+                             f"(choose {' or '.join(INT4_ACTIVATIONS)})")
 
 
 _settings = KernelSettings()
