@@ -23,6 +23,7 @@ import torch
 
 from lowbit.errors import UsageError
 from lowbit.quant.groups import GroupScales, check_weight, grouped, num_groups, ungrouped
+from lowbit.quant.parts import layout_bytes
 from lowbit.quant.qtensor import QTensor
 from lowbit.quant.spec import FormatSpec
 
