@@ -92,8 +92,11 @@ def quantize_command(
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object on stdout."),
 ) -> None:
     """Quantize every decoder Linear of MODEL (layer by layer) and write lowbit's native checkpoint."""
+    from lowbit.compress.methods import get_method
+    from lowbit.compress.options import CalibrationSource, GptqOptions, MethodOptions, OutlierOptions
     from lowbit.compress.pipeline import quantize_model
     from lowbit.compress.recipe import Recipe, load_recipe, single_format
+    from lowbit.compress.workdir import work_dir_for
     from lowbit.quant.spec import parse_spec
 
     if fmt is None and recipe is None:
@@ -104,20 +107,15 @@ def quantize_command(
     if fmt is not None:
         rules = rules + single_format(parse_spec(fmt, group_size)).rules
     plan = Recipe(tuple(rules))
-    wants_outliers = _check_outlier_flags(keep_outliers, keep_channels, outlier_salience)
-    method_options = _method_options(method, calib, data, samples, seqlen, seed, output, wants_outliers, sink_weight)
-    if refit_rounds != 1:
-        if not 0 <= refit_rounds <= 100:
-            raise UsageError(f"--refit-rounds must be between 0 and 100, got {refit_rounds}")
-        if method not in ("gptq", "awq+gptq"):
-            raise UsageError(f"--refit-rounds goes with --method gptq or awq+gptq, not {method}")
-        method_options["refit"] = refit_rounds
-    if float_target:
-        if method != "gptq" or data is None:
-            raise UsageError("--float-target goes with --method gptq and --data (it runs the float model beside the quantized one)")
-        method_options["float_target"] = True
-    if wants_outliers:
-        method_options.update(keep_outliers=keep_outliers, keep_channels=keep_channels, outlier_salience=outlier_salience)
+    get_method(method)  # an unknown name is the error to report, before what goes with it
+    outliers = OutlierOptions(keep_outliers=keep_outliers, keep_channels=keep_channels, salience=outlier_salience)
+    source = None
+    if calib is not None or data is not None:
+        source = CalibrationSource(calib=None if calib is None else str(calib), data=data, samples=samples,
+                                   seqlen=seqlen, seed=seed, sink_weight=sink_weight)
+    # The work folder beside the output holds per-layer progress, so a killed run resumes.
+    options = MethodOptions(method=method, calibration=source, gptq=GptqOptions(refit=refit_rounds, float_target=float_target),
+                            outliers=outliers, work_dir=str(work_dir_for(output)))
 
     # transient: an input error raised before the first layer leaves only its one line; no bar in logs/pipes
     with progress(transient=True, disable=as_json or not console.is_terminal) as bar:
@@ -128,52 +126,11 @@ def quantize_command(
 
         summary = quantize_model(model, plan, out_dir=output, method=method, skip=skip,
                                  quantize_head=quantize_head, overwrite=overwrite, progress=on_part,
-                                 method_options=method_options)
+                                 method_options=options)
     if as_json:
         print_json(summary.to_dict())
         return
     _print_summary(summary)
-
-
-CALIBRATED_METHODS = ("gptq", "awq", "awq+gptq")
-
-
-def _check_outlier_flags(keep_outliers: float, keep_channels: float, salience: str) -> bool:
-    """Whether outliers were asked for, after checking the flags' values."""
-    for flag, value in (("--keep-outliers", keep_outliers), ("--keep-channels", keep_channels)):
-        if not 0 <= value < 100:
-            raise UsageError(f"{flag} is a percentage in [0, 100), got {value:g}")
-    from lowbit.compress.outliers import SALIENCES
-
-    if salience not in SALIENCES:
-        raise UsageError(f"--outlier-salience must be one of {', '.join(SALIENCES)}, got '{salience}'")
-    return bool(keep_outliers or keep_channels)
-
-
-def _method_options(method, calib, data, samples, seqlen, seed, output, wants_outliers=False, sink_weight=None) -> dict | None:
-    from lowbit.compress.methods import get_method
-
-    get_method(method)  # an unknown name is the error to report, before what goes with it
-    if method not in CALIBRATED_METHODS and not wants_outliers:
-        if calib is not None or data is not None:
-            raise UsageError(f"--calib / --data go with --method gptq, awq or awq+gptq (or rtn with --keep-outliers), not {method}")
-        return None
-    if (calib is None) == (data is None):
-        what = f"--method {method}" if method in CALIBRATED_METHODS else "--keep-outliers / --keep-channels (salience needs activation statistics)"
-        raise UsageError(f"{what} needs exactly one of --calib STATS or --data TEXT")
-    from lowbit.compress.workdir import work_dir_for
-
-    # The work folder beside the output holds per-layer progress, so a killed run resumes.
-    options: dict = {"work_dir": str(work_dir_for(output))}
-    if calib is not None:
-        if sink_weight is not None:
-            raise UsageError("--sink-weight goes with --data; a STATS file was measured with its own (lowbit calibrate --sink-weight)")
-        options["calib"] = str(calib)
-    else:
-        options.update(data=data, samples=samples, seqlen=seqlen, seed=seed)
-        if sink_weight is not None:
-            options["sink_weight"] = sink_weight
-    return options
 
 
 def _print_summary(summary) -> None:

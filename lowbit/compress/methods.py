@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from lowbit.compress.options import MethodOptions
 from lowbit.errors import UsageError
 from lowbit.quant.qtensor import QTensor
 from lowbit.quant.rtn import quantize_rtn
@@ -60,7 +61,7 @@ class MethodContext:
     model_dir: Path  # the float checkpoint being quantized
     config: dict  # its config.json
     num_layers: int
-    options: dict = field(default_factory=dict)  # method options from the caller (calib stats path, data, ...)
+    options: MethodOptions = field(default_factory=MethodOptions)  # the caller's typed options (compress/options.py)
 
 
 LayerMethod = Callable[[LayerWork], LayerResult]
@@ -84,14 +85,12 @@ def rtn_layer(work: LayerWork) -> LayerResult:
 
 
 def _make_rtn(context: MethodContext) -> LayerMethod:
-    if context.options.get("keep_outliers") or context.options.get("keep_channels"):
+    if context.options.outliers.active:
         # Choosing outliers needs input statistics: the calibrated layer loop, rounding to nearest.
-        from lowbit.compress.sequential import make_layer_method
+        from lowbit.compress.sequential import make_layer_method  # sequential builds on this module
 
         return make_layer_method(context)
-    if context.options:
-        raise UsageError(f"method rtn takes no calibration options (got {', '.join(sorted(context.options))})")
-    return rtn_layer
+    return rtn_layer  # MethodOptions refused calibration options without outliers
 
 
 def register_method(name: str, factory: MethodFactory) -> None:

@@ -29,6 +29,7 @@ from lowbit.formats.atomic import atomic_dir, check_output_path
 from lowbit.formats.checkpoint import copy_side_files, read_config, weight_files
 from lowbit.formats.native import NativeWriter
 from lowbit.compress.methods import LayerWork, MethodContext, get_method
+from lowbit.compress.options import MethodOptions
 from lowbit.compress.recipe import Recipe, match_rules, single_format
 from lowbit.quant.registry import get_format, part_layout
 from lowbit.quant.rtn import shared_global_scale
@@ -167,7 +168,7 @@ def quantize_model(
     skip: list[str] | tuple[str, ...] = (),
     quantize_head: bool = False,
     overwrite: bool = False,
-    method_options: dict | None = None,
+    method_options: MethodOptions | None = None,
     progress: ProgressFn | None = None,
 ) -> QuantizeSummary:
     """Quantize `model` (demo name, directory or hub id) into `out_dir`; see the module docstring.
@@ -188,6 +189,9 @@ def quantize_model(
     out = Path(out_dir).expanduser()
     _check_output(out, source_dir, overwrite)
     factory = get_method(method)
+    options = method_options if method_options is not None else MethodOptions(method=method)
+    if options.method != method:
+        raise UsageError(f"method_options are for method {options.method}, not {method}")
 
     source = SourceTensors(source_dir)
     linears = _linear_modules(source, quantize_head)
@@ -196,7 +200,7 @@ def quantize_model(
     specs = _assign(recipe, linears, source)
     parts = _parts(source.names)
     context = MethodContext(method=method, model_dir=source_dir, config=config,
-                            num_layers=sum(p.index is not None for p in parts), options=dict(method_options or {}))
+                            num_layers=sum(p.index is not None for p in parts), options=options)
     layer_method = factory(context)
 
     records: list[ModuleRecord] = []
@@ -244,7 +248,7 @@ def quantize_model(
                 progress(done, len(parts), part.name)
         copy_side_files(source_dir, tmp)
         writer.close({k: v for k, v in config.items() if k != "quantization_config"})
-        _add_provenance(tmp, method, recipe, source_dir, method_options)
+        _add_provenance(tmp, method, recipe, source_dir, options)
 
     return QuantizeSummary(
         model=str(model), output=str(out), method=method, modules=records, params=params,
@@ -402,11 +406,7 @@ def _outlier_bytes(side: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in side.values())
 
 
-# Method options that say where files were, not how the weights were made.
-_LOCAL_OPTIONS = ("work_dir", "snapshot_every_s")
-
-
-def _add_provenance(directory: Path, method: str, recipe: Recipe, source: Path, options: dict | None = None) -> None:
+def _add_provenance(directory: Path, method: str, recipe: Recipe, source: Path, options: MethodOptions) -> None:
     """Record how the checkpoint was made beside the per-module specs (informational only)."""
     import json
 
@@ -416,8 +416,7 @@ def _add_provenance(directory: Path, method: str, recipe: Recipe, source: Path, 
     qc["method"] = method
     qc["recipe"] = recipe.to_list()
     qc["source"] = source.name
-    recorded = {k: v if isinstance(v, (bool, int, float)) or v is None else str(v)
-                for k, v in sorted((options or {}).items()) if k not in _LOCAL_OPTIONS}
+    recorded = {k: v if isinstance(v, (bool, int, float)) or v is None else str(v) for k, v in sorted(options.record().items())}
     if recorded:  # calibration text, windows, GPTQ/outlier settings: `--data wiki-calib --samples 128 ...`
         qc["method_options"] = recorded
     path.write_text(json.dumps(config, indent=2) + "\n")

@@ -1,17 +1,18 @@
 """Calibrated methods (gptq, awq, awq+gptq) as compress/pipeline.py layer methods, sequentially.
 
 `make_layer_method(context)` is what `lowbit quantize --method gptq|awq|awq+gptq` reaches (via
-compress/gptq.py and compress/awq.py). Options (context.options):
-  calib     a STATS file from `lowbit calibrate` (statistics of the float model, reused as is), or
-  data      a text to calibrate on now, sequentially: layer i's statistics are measured on the
-            outputs of the already-quantized layers below it
-  samples, seqlen, seed           the calibration windows (128, 2048, 0)
-  sink_weight     what each window's first position counts for (quant/calibrate.first_token_weight)
-  work_dir  resume folder; each layer's result is saved there, and a rerun after a kill replays
-            the saved layers and continues, giving the same bytes
-  keep_outliers, keep_channels, outlier_salience   see compress/outliers.py; the side matrices go
-            into the checkpoint as `<module>.outliers.indices/values` (formats/native.py)
-  damp, act_order, block_size, refit, awq_grid, awq_clip
+compress/gptq.py and compress/awq.py). It reads the run's MethodOptions (compress/options.py):
+  calibration.calib  a STATS file from `lowbit calibrate` (statistics of the float model, reused as is), or
+  calibration.data   a text to calibrate on now, sequentially: layer i's statistics are measured on
+                     the outputs of the already-quantized layers below it (windows samples × seqlen,
+                     seed, sink_weight: compress/calibrate.first_token_weight)
+  work_dir           resume folder; each layer's result is saved there, and a rerun after a kill
+                     replays the saved layers and continues, giving the same bytes
+  outliers           see compress/outliers.py; the side matrices go into the checkpoint as
+                     `<module>.outliers.indices/values` (formats/native.py)
+  gptq               refit rounds, float_target
+and turns them into `QuantOptions`, the per-layer knobs (damp, act_order, block_size, awq_grid and
+awq_clip keep their defaults there).
 
 `quantize_layer` is the method itself for one decoder layer, on statistics alone.
 """
@@ -28,6 +29,7 @@ from lowbit.errors import LowbitError, UsageError
 from lowbit.compress import awq as awq_mod
 from lowbit.compress.calibrate import LayerStats, LayerwiseModel, collect_stats, prepare_calibration, propagate
 from lowbit.compress.gptq import DEFAULT_BLOCK, DEFAULT_DAMP, float_target, gptq_quantize, gptq_quantize_shared, prepare_hessian
+from lowbit.compress.options import MethodOptions
 from lowbit.compress.outliers import DEFAULT_SALIENCE, outlier_mask
 from lowbit.quant.outlier_matrix import pack_outliers, unpack_outliers
 from lowbit.quant.qtensor import PART_NAMES, QTensor
@@ -254,13 +256,11 @@ def _quantize_staged(lm, layer: nn.Module, index: int, hidden: torch.Tensor, spe
     return outcome
 
 
-def options_from(context_options: dict, method: str) -> QuantOptions:
-    known = {f for f in QuantOptions.__dataclass_fields__ if f != "method"}
-    return QuantOptions(method=method, **{k: v for k, v in context_options.items() if k in known})
-
-
-# Options the pipeline passes through that are not QuantOptions fields.
-RUN_OPTIONS = ("calib", "data", "samples", "seqlen", "seed", "sink_weight", "work_dir", "snapshot_every_s")
+def layer_options(options: MethodOptions) -> QuantOptions:
+    """The per-layer knobs of a run: the typed method options, the rest at their defaults."""
+    return QuantOptions(method=options.method, refit=options.gptq.refit, float_target=options.gptq.float_target,
+                        keep_outliers=options.outliers.keep_outliers, keep_channels=options.outliers.keep_channels,
+                        outlier_salience=options.outliers.salience)
 
 
 def make_layer_method(context):
@@ -268,29 +268,30 @@ def make_layer_method(context):
     from lowbit.compress.methods import LayerResult
     from lowbit.compress.workdir import WorkDir
 
-    opts = dict(context.options)
-    options = options_from(opts, context.method)
-    if ("calib" in opts) == ("data" in opts):
+    run = context.options
+    source = run.calibration
+    options = layer_options(run)
+    if source is None:
         raise UsageError(f"--method {context.method} needs calibration: --calib STATS (from `lowbit calibrate`) or --data TEXT")
     lm = LayerwiseModel(context.model_dir)
     identity = lm.identity()
     stats_file = hidden = None
     first_weight = 1.0
-    if "calib" in opts:
-        stats_file = StatsFile(opts["calib"])
+    if source.calib is not None:
+        stats_file = StatsFile(source.calib)
         stats_file.check(identity)
         fingerprint = {"calib": stats_file.identity["config_hash"], "stats": stats_file.header["calibration"]}
     else:
-        inputs = prepare_calibration(context.model_dir, opts["data"], opts.get("samples", 128), opts.get("seqlen", 2048),
-                                     opts.get("seed", 0), sink_weight=opts.get("sink_weight"))
+        inputs = prepare_calibration(context.model_dir, source.data, source.samples, source.seqlen, source.seed,
+                                     sink_weight=source.sink_weight)
         first_weight = inputs.first_weight
         fingerprint = {"data": inputs.data_hash, "samples": list(inputs.ids.shape), "seed": inputs.seed}
         if first_weight != 1.0:
             fingerprint["first_token_weight"] = first_weight
-    fingerprint.update({"job": "quantize", "model": identity["config_hash"], "options": {k: str(v) for k, v in sorted(opts.items()) if k != "work_dir"}})
-    work = WorkDir(opts["work_dir"], fingerprint) if opts.get("work_dir") else None
+    fingerprint.update({"job": "quantize", "model": identity["config_hash"], "options": {k: str(v) for k, v in sorted(run.record().items())}})
+    work = WorkDir(run.work_dir, fingerprint) if run.work_dir else None
     snapshot_at = 0
-    snapshot_every_s = float(opts.get("snapshot_every_s", 60.0))
+    snapshot_every_s = float(run.snapshot_every_s)
     last_snapshot = [time.monotonic()]
     reference = None  # the float model's hidden states, for --float-target
     if options.float_target and (stats_file is not None or options.method != "gptq"):

@@ -1,7 +1,6 @@
-"""Number formats and the quantization methods written against them.
-
-Every other part of lowbit (GPTQ/AWQ, kernels, exporters, `lowbit plan`) asks this package
-about a format; nothing re-derives a bit layout elsewhere.
+"""Number formats: what every other floor asks about a format (compress/'s GPTQ and AWQ, kernels,
+exporters, `lowbit plan`); nothing re-derives a bit layout elsewhere. The methods that quantize
+whole models are in lowbit/compress/ (its package docstring).
 
 One interface for all formats
 -----------------------------
@@ -31,30 +30,8 @@ exact stored scale tensors; `scale[:, k // group_size]` applies to input column 
 
 Registry (quant/registry.py): get_format, parse_spec, list_formats, part_layout,
 weight_bytes(spec, shape), bits_per_weight(spec, shape).
-Method: quant/rtn.py `quantize_rtn(w, spec, stats=None, global_scale=None)`,
+Round to nearest: quant/rtn.py `quantize_rtn(w, spec, stats=None, global_scale=None)`,
 `shared_global_scale(weights, spec)` for fused nvfp4 layers, `relative_error(w, qt)`.
-
-Quantizing a whole model (compress/pipeline.py, compress/methods.py, compress/recipe.py)
--------------------------------------------------------------------------------
-`quantize_model(model, spec_or_recipe, out_dir=, method="rtn", skip=[], quantize_head=False,
-overwrite=False, method_options=None, progress=None) -> QuantizeSummary` walks a float checkpoint
-part by part (embeddings, decoder layers in order, final norm + lm_head), reading tensors lazily,
-and streams lowbit's native checkpoint out with NativeWriter (atomic). Which module gets which
-format comes from a `Recipe` (ordered {pattern, format, group_size, options} rules, first match
-wins; `load_recipe(path)` reads YAML/JSON) or one format for all; `skip` patterns stay dense.
-
-The method hook: a method is registered by name (`methods.register_method(name, factory)`, or a
-module listed in `methods.METHOD_MODULES` that defines `make_layer_method(context)`). The factory
-gets a `MethodContext` (method name, model_dir, config, num_layers, options = `method_options`)
-once per run and returns `layer_method(work: LayerWork) -> LayerResult`, called for each part in
-order. `LayerWork` holds the part's stored tensors by HF name (`work.weight(module)` gives float32),
-`specs` (module -> FormatSpec to produce), `fused` (modules sharing an input: q/k/v, gate/up) and
-`global_scales` (nvfp4's shared scale per module, already computed — pass it on to quantize).
-`LayerResult` returns one QTensor per module in `specs`, optional replaced dense tensors of the
-part (AWQ's folded norms) and notes for the summary. `methods.rtn_layer` is the reference method;
-a calibrated method keeps its own state (activations, statistics) in the closure.
-
-`checkpoint_report.inspect_checkpoint(path, base=None)` is `lowbit inspect`.
 
 Shared conventions
 ------------------

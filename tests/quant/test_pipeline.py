@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from lowbit.errors import LowbitError, UsageError
 from lowbit.formats.native import NativeReader
 from lowbit.compress.methods import LayerResult, register_method, rtn_layer
+from lowbit.compress.options import MethodOptions
 from lowbit.compress.pipeline import quantize_model
 from lowbit.compress.recipe import load_recipe, parse_recipe
 from lowbit.quant.registry import weight_bytes
@@ -238,7 +239,7 @@ def test_a_method_plugs_in_per_layer(tiny_float_model, tmp_path):
     seen = []
 
     def make(context):
-        assert context.num_layers == 2 and context.options == {"alpha": 1}
+        assert context.num_layers == 2 and context.options.custom == {"alpha": 1}
 
         def method(work):
             seen.append((work.name, sorted(work.specs), work.fused))
@@ -252,7 +253,8 @@ def test_a_method_plugs_in_per_layer(tiny_float_model, tmp_path):
 
     register_method("test-double-norm", make)
     src = tiny_float_model("llama")
-    summary = quantize_model(src, "int8", out_dir=tmp_path / "q", method="test-double-norm", method_options={"alpha": 1})
+    summary = quantize_model(src, "int8", out_dir=tmp_path / "q", method="test-double-norm",
+                             method_options=MethodOptions(method="test-double-norm", custom={"alpha": 1}))
     assert [s[0] for s in seen] == ["embeddings", "model.layers.0", "model.layers.1", "head"]
     assert set(seen[1][2]) == {("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"),
                                ("model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj")}

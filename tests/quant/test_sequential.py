@@ -10,6 +10,7 @@ import torch
 
 from lowbit.errors import LowbitError
 from lowbit.compress.calibrate import CalibrationInputs, LayerwiseModel, calibrate
+from lowbit.compress.options import CalibrationSource, GptqOptions, MethodOptions, OutlierOptions
 from lowbit.compress.pipeline import quantize_model
 from lowbit.compress.workdir import work_dir_for
 
@@ -20,9 +21,16 @@ def _digest(directory) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir()) if p.is_file()}
 
 
-def _quantize(model, out, method="gptq", fmt="int4-g32", **extra):
-    opts = {"data": str(extra.pop("text")), "samples": 4, "seqlen": 32, "work_dir": str(work_dir_for(out)), **extra}
+def _quantize(model, out, method="gptq", fmt="int4-g32", text=None, float_target=False, snapshot_every_s=60.0):
+    opts = MethodOptions(method=method, calibration=CalibrationSource(data=str(text), samples=4, seqlen=32),
+                         gptq=GptqOptions(float_target=float_target), work_dir=str(work_dir_for(out)),
+                         snapshot_every_s=snapshot_every_s)
     return quantize_model(model, fmt, out_dir=out, method=method, method_options=opts)
+
+
+def _from_stats(method, stats, keep_outliers=0.0):
+    return MethodOptions(method=method, calibration=CalibrationSource(calib=str(stats)),
+                         outliers=OutlierOptions(keep_outliers=keep_outliers))
 
 
 @pytest.mark.demo
@@ -40,7 +48,7 @@ def test_deterministic_and_resumable(tiny_model, tmp_path, method, extra, monkey
     import json
 
     recorded = json.loads((a / "config.json").read_text())["quantization_config"]["method_options"]
-    assert recorded == {"data": str(text), "samples": 4, "seqlen": 32, **extra}
+    assert recorded == {"data": str(text), "samples": 4, "seqlen": 32, "seed": 0, **extra}
     _quantize(model, b, method, text=text, **extra)
     assert _digest(a) == _digest(b)
 
@@ -71,7 +79,7 @@ def test_calib_stats_of_another_model_are_refused(tiny_model, tmp_path):
     stats = tmp_path / "gemma.stats"
     calibrate(CalibrationInputs(model=LayerwiseModel(other), ids=ids, data="r", data_hash="0", seed=0), stats)
     with pytest.raises(LowbitError, match="calibrated on"):
-        quantize_model(tiny_model("llama"), "int4-g32", out_dir=tmp_path / "q", method="gptq", method_options={"calib": str(stats)})
+        quantize_model(tiny_model("llama"), "int4-g32", out_dir=tmp_path / "q", method="gptq", method_options=_from_stats("gptq", stats))
     assert not (tmp_path / "q").exists()
 
 
@@ -81,7 +89,7 @@ def test_calib_stats_quantize_every_format(tiny_model, tmp_path):
     stats = tmp_path / "llama.stats"
     calibrate(CalibrationInputs(model=LayerwiseModel(model), ids=ids, data="r", data_hash="0", seed=0), stats)
     for fmt in ("nvfp4", "int8"):  # int4 is covered above; these add a global scale and per-row scales
-        summary = quantize_model(model, fmt, out_dir=tmp_path / fmt, method="awq+gptq", method_options={"calib": str(stats)})
+        summary = quantize_model(model, fmt, out_dir=tmp_path / fmt, method="awq+gptq", method_options=_from_stats("awq+gptq", stats))
         assert summary.notes == []
 
 
@@ -149,7 +157,7 @@ def test_apply_outcome_puts_in_what_the_checkpoint_holds(tiny_model, tmp_path, m
     stats_path = tmp_path / "llama.stats"
     calibrate(CalibrationInputs(model=LayerwiseModel(path), ids=torch.randint(3, 256, (2, 16)), data="r", data_hash="0", seed=0), stats_path)
     out = tmp_path / "q"
-    quantize_model(path, "int4-asym-g32", out_dir=out, method=method, method_options={"calib": str(stats_path), "keep_outliers": 1.0})
+    quantize_model(path, "int4-asym-g32", out_dir=out, method=method, method_options=_from_stats(method, stats_path, keep_outliers=1.0))
     reader = NativeReader(out)
 
     model = load_model(path, dtype=torch.float32)
@@ -186,7 +194,7 @@ def test_awq_folds_into_a_dense_member_of_a_mixed_recipe(tiny_model, tmp_path, m
     recipe = parse_recipe({"rules": [{"pattern": "*.k_proj", "format": "dense"}, {"pattern": "*.gate_proj", "format": "dense"},
                                      {"pattern": "*", "format": "int4-asym-g32"}]})
     out = tmp_path / "q"
-    quantize_model(path, recipe, out_dir=out, method=method, method_options={"calib": str(stats_path)})
+    quantize_model(path, recipe, out_dir=out, method=method, method_options=_from_stats(method, stats_path))
     float_model, quant_model = load_model(path, dtype=torch.float32), load_model(out, dtype=torch.float32)
     h = torch.randn(5, float_model.config.hidden_size)
     changed = 0
