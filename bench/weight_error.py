@@ -23,7 +23,7 @@ def weight_errors(model: str, formats: list[str]) -> list[dict]:
 
     from lowbit.formats.resolve import resolve_model
     from lowbit.quant.registry import as_spec, get_format
-    from lowbit.runtime.loader import weight_files
+    from lowbit.formats.hf_files import weight_files
 
     files = weight_files(resolve_model(model))
     sums = {f: [0.0, 0.0] for f in formats}

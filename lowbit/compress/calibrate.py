@@ -32,7 +32,7 @@ from lowbit.compress.stats import InputStats, StatsAccumulator, model_identity
 from lowbit.compress.workdir import WorkDir
 from lowbit.runtime.attention import AttentionContext
 from lowbit.runtime.config import ModelConfig
-from lowbit.runtime.loader import model_dir, read_json, weight_files
+from lowbit.formats.hf_files import model_dir, read_json, weight_files
 from lowbit.runtime.models import build_model
 
 DEFAULT_BATCH_TOKENS = 8192

@@ -26,7 +26,8 @@ from safetensors import safe_open
 
 from lowbit.errors import LowbitError, UsageError
 from lowbit.formats.atomic import atomic_dir, check_output_path
-from lowbit.formats.checkpoint import copy_side_files, read_config, weight_files
+from lowbit.formats.checkpoint import copy_side_files
+from lowbit.formats.hf_files import read_config, weight_files
 from lowbit.formats.native import NativeWriter
 from lowbit.compress.methods import LayerWork, MethodContext, get_method
 from lowbit.compress.options import MethodOptions

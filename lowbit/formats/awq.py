@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from lowbit.errors import LowbitError
-from lowbit.formats.checkpoint import Checkpoint, read_config, read_safetensors
+from lowbit.formats.checkpoint import Checkpoint, read_safetensors
+from lowbit.formats.hf_files import read_config
 from lowbit.formats.gptq import codes_of, fits_float16, zeros_of
 from lowbit.formats.int32pack import AWQ_ORDER, pack_last, unpack_last
 from lowbit.quant.packing import pack_bits

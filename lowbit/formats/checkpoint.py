@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from lowbit.errors import LowbitError
+from lowbit.formats.hf_files import read_config, weight_files
 from lowbit.quant.qtensor import QTensor
 
 # Files a model directory carries besides its weights; copied verbatim between directory formats.
@@ -72,34 +73,6 @@ def _is_projection(name: str) -> bool:
 
 def _natural_key(name: str) -> list:
     return [int(p) if p.isdigit() else p for p in name.split(".")]
-
-
-def read_config(directory: Path) -> dict:
-    path = directory / "config.json"
-    if not path.is_file():
-        raise LowbitError(f"{directory} has no config.json")
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise LowbitError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
-    if not isinstance(config, dict):
-        raise LowbitError(f"{path} does not hold a JSON object")
-    return config
-
-
-def weight_files(directory: Path) -> list[Path]:
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [directory / n for n in names]
-        for f in files:
-            if not f.is_file():
-                raise LowbitError(f"{directory}: shard {f.name} is missing")
-        return files
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise LowbitError(f"{directory} has no *.safetensors weights")
-    return files
 
 
 def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:

@@ -26,7 +26,8 @@ from lowbit.errors import UsageError
 from lowbit.formats.atomic import atomic_dir, atomic_file, check_output_path
 from lowbit.formats.checkpoint import Checkpoint, copy_side_files, write_config
 from lowbit.formats.foreign import detect_checkpoint_kind, read_checkpoint
-from lowbit.formats.requant import LayerChange, dequantized, refuse_unless_allowed, relative_error, source_label
+from lowbit.formats.requant import LayerChange, dequantized, refuse_unless_allowed, source_label
+from lowbit.quant.rtn import tensor_relative_error
 from lowbit.quant.qtensor import QTensor
 from lowbit.quant.rtn import quantize_rtn
 from lowbit.quant.spec import FormatSpec
@@ -147,7 +148,7 @@ def _fold_outliers(ckpt: Checkpoint, target: str, allow: bool, result: ConvertRe
         folded = quantize_rtn(w, qt.spec)
         ckpt.qtensors[module] = folded
         result.changes.append(LayerChange(module, f"{qt.spec.label} + {side['indices'].numel()} outliers", qt.spec.label,
-                                          "outliers folded into the weight", relative_error(w, folded.dequantize())))
+                                          "outliers folded into the weight", tensor_relative_error(w, folded.dequantize())))
     if target == "hf":
         result.notes.append(f"added the outlier side matrices of {len(ckpt.outliers)} layers into their weights")
     ckpt.outliers = {}
@@ -164,7 +165,7 @@ def _requantize(module: str, value, spec: FormatSpec, reason: str, result: Conve
     qt = quantize_rtn(w, spec)
     if fix is not None:
         qt = fix(qt)
-    result.changes.append(LayerChange(module, source_label(value), spec.label, reason, relative_error(w, qt.dequantize())))
+    result.changes.append(LayerChange(module, source_label(value), spec.label, reason, tensor_relative_error(w, qt.dequantize())))
     return qt
 
 

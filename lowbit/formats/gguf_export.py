@@ -24,7 +24,9 @@ from lowbit.formats.checkpoint import Checkpoint
 from lowbit.formats.gguf_arch import _GLOBAL, _LLAMA_BLOCK, llama3_rope_divisors, permute_qk
 from lowbit.formats.gguf_blocks import exact_gguf_type, gguf_spec, permute_rows, to_gguf_bytes
 from lowbit.formats.gguf_q4k import QK_K, quantize_q4_k
-from lowbit.formats.requant import LayerChange, dequantized, refuse_unless_allowed, relative_error, source_label
+from lowbit.formats.hf_files import read_json
+from lowbit.formats.requant import LayerChange, dequantized, refuse_unless_allowed, source_label
+from lowbit.quant.rtn import tensor_relative_error
 from lowbit.quant.qtensor import QTensor
 from lowbit.quant.rtn import quantize_rtn
 
@@ -149,7 +151,7 @@ def write_gguf(
             gtype, reason = plan[module]
             raw, decoded = _encode(value, gtype, reason is None)
             if reason:
-                changes.append(LayerChange(module, source_label(value), gtype, reason, relative_error(dequantized(value), decoded)))
+                changes.append(LayerChange(module, source_label(value), gtype, reason, tensor_relative_error(dequantized(value), decoded)))
             if permute:
                 order = permute_qk(torch.arange(value.shape[0]), n_rows)
                 raw = raw[order.numpy()]
@@ -318,8 +320,8 @@ def _write_tokenizer(writer, ckpt: Checkpoint, vocab_size: int) -> list[str]:
     writer.add_token_list(token_list)
     writer.add_token_types(type_list)
     writer.add_token_merges(merges)
-    tconf = _read_json(src / "tokenizer_config.json")
-    gen = _read_json(src / "generation_config.json")
+    tconf = read_json(src / "tokenizer_config.json", missing={})
+    gen = read_json(src / "generation_config.json", missing={})
     ids = {t: i for i, t in tokens.items()}
     for key, adder in (("bos_token", writer.add_bos_token_id), ("eos_token", writer.add_eos_token_id),
                        ("unk_token", writer.add_unk_token_id), ("pad_token", writer.add_pad_token_id)):
@@ -349,13 +351,3 @@ def _write_tokenizer(writer, ckpt: Checkpoint, vocab_size: int) -> list[str]:
 def _flat_pre(tok: dict) -> list[dict]:
     pre = tok.get("pre_tokenizer") or {}
     return pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
-
-
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return data if isinstance(data, dict) else {}

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from lowbit.errors import LowbitError
-from lowbit.formats.checkpoint import Checkpoint, read_config, read_safetensors
+from lowbit.formats.checkpoint import Checkpoint, read_safetensors
+from lowbit.formats.hf_files import read_config
 from lowbit.formats.int32pack import pack_last, unpack_last
 from lowbit.quant.packing import pack_bits
 from lowbit.quant.qtensor import QTensor

@@ -39,13 +39,6 @@ def refuse_unless_allowed(target: str, problems: list[tuple[str, str]], allow: b
         )
 
 
-def relative_error(reference: torch.Tensor, approx: torch.Tensor) -> float:
-    ref = reference.double()
-    diff = (approx.double() - ref).norm()
-    norm = ref.norm()
-    return float(diff / norm) if norm > 0 else float(diff)
-
-
 def source_label(value: torch.Tensor | QTensor) -> str:
     if isinstance(value, QTensor):
         return value.spec.label

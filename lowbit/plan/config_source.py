@@ -8,7 +8,6 @@ is downloaded.
 
 from __future__ import annotations
 
-import json
 import re
 import socket
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from lowbit.errors import LowbitError
+from lowbit.formats.hf_files import read_json
 from lowbit.paths import MODEL_NAMES
 
 BUNDLED_DIR = Path(__file__).parent / "bundled"
@@ -35,20 +35,20 @@ def load_config(arg: str) -> tuple[dict[str, Any], str]:
     if key in MODEL_NAMES:
         installed = _installed_demo(key)
         if installed is not None:
-            return _read_json(installed), str(installed)
+            return read_json(installed), str(installed)
     bundled = BUNDLED_DIR / f"{key}.json"
     if bundled.exists():
-        return _read_json(bundled), f"bundled:{key}"
+        return read_json(bundled), f"bundled:{key}"
     path = Path(text).expanduser()
     if path.is_dir():
         config = path / "config.json"
         if not config.exists():
             raise LowbitError(f"{path} has no config.json")
-        return _read_json(config), str(config)
+        return read_json(config), str(config)
     if path.is_file():
-        return _read_json(path), str(path)
+        return read_json(path), str(path)
     if _HUB_ID.match(text):
-        return _read_json(_download_config(text)), f"hub:{text}"
+        return read_json(_download_config(text)), f"hub:{text}"
     raise LowbitError(
         f"model not found: {text} (not a bundled name [{', '.join(bundled_names())}], a directory with config.json, or a hub id)"
     )
@@ -88,13 +88,3 @@ def _reachable(endpoint: str, timeout: float = 3.0) -> bool:
             return True
     except OSError:
         return False
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise LowbitError(f"cannot read {path}: {exc}") from None
-    if not isinstance(data, dict):
-        raise LowbitError(f"{path} is not a JSON object")
-    return data

@@ -40,9 +40,14 @@ def shared_global_scale(weights: list[torch.Tensor], spec: FormatSpec | str) -> 
     return fmt.global_scale_for(*weights)
 
 
-def relative_error(w: torch.Tensor, qt: QTensor) -> float:
-    """‖W − Ŵ‖ / ‖W‖ in float64 (0 for an all-zero W that dequantizes to zeros)."""
-    w = check_weight(w).double()
-    diff = (qt.dequantize(torch.float64) - w).norm()
-    norm = w.norm()
+def tensor_relative_error(reference: torch.Tensor, approx: torch.Tensor) -> float:
+    """‖approx − reference‖ / ‖reference‖ in float64 (the plain difference norm for an all-zero reference)."""
+    ref = reference.double()
+    diff = (approx.double() - ref).norm()
+    norm = ref.norm()
     return float(diff / norm) if norm > 0 else float(diff)
+
+
+def relative_error(w: torch.Tensor, qt: QTensor) -> float:
+    """‖W − Ŵ‖ / ‖W‖ of a quantized weight, in float64 (0 for an all-zero W that dequantizes to zeros)."""
+    return tensor_relative_error(check_weight(w), qt.dequantize(torch.float64))

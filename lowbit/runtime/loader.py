@@ -7,7 +7,6 @@ every parameter must come from the checkpoint and every checkpoint tensor must b
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,56 +17,10 @@ from lowbit.errors import LowbitError
 from lowbit.runtime.config import ModelConfig
 from lowbit.runtime.models import CausalLM, build_model
 from lowbit.runtime.quant_linear import attach_native
+from lowbit.formats.hf_files import model_dir, one_line, read_config, weight_files
 
 # Tensors some exporters save that carry no learned state.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise LowbitError(f"cannot read {path}: {_one_line(exc)}") from None
-    if not isinstance(data, dict):
-        raise LowbitError(f"{path} does not hold a JSON object")
-    return data
-
-
-def model_dir(path: str | Path) -> Path:
-    """The path as a model directory, or a clear error saying why it is not one."""
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise LowbitError(f"model not found: {path}")
-    if not path.is_dir():
-        raise LowbitError(f"{path} is not a model directory (expected a folder with config.json and *.safetensors)")
-    if not (path / "config.json").is_file():
-        raise LowbitError(f"{path} is not a model directory: it has no config.json")
-    return path
-
-
-def read_config(path: str | Path) -> ModelConfig:
-    return ModelConfig.from_dict(read_json(model_dir(path) / "config.json"))
-
-
-def weight_files(path: Path) -> list[Path]:
-    """model.safetensors, or the shards named by model.safetensors.index.json."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise LowbitError(f"{index} has no weight_map")
-        files = [path / name for name in sorted(set(weight_map.values()))]
-        for file in files:
-            if not file.is_file():
-                raise LowbitError(f"shard {file.name} named by {index.name} is missing from {path}")
-        return files
-    single = path / "model.safetensors"
-    if single.is_file():
-        return [single]
-    shards = sorted(path.glob("*.safetensors"))
-    if shards:
-        return shards
-    raise LowbitError(f"{path} has no *.safetensors weights")
 
 
 def iter_tensors(files: list[Path], skip: set[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
@@ -82,14 +35,14 @@ def iter_tensors(files: list[Path], skip: set[str] = frozenset()) -> Iterator[tu
         except LowbitError:
             raise
         except Exception as exc:  # noqa: BLE001 - safetensors raises several unrelated types for bad files
-            raise LowbitError(f"corrupt or unreadable safetensors file {file}: {_one_line(exc)}") from None
+            raise LowbitError(f"corrupt or unreadable safetensors file {file}: {one_line(exc)}") from None
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> CausalLM:
     if _foreign_kind(path) is not None:
         return _load_foreign(path, dtype, device)
     path = model_dir(path)
-    config = read_config(path)
+    config = ModelConfig.from_dict(read_config(path))
     files = weight_files(path)
     with torch.device("meta"):
         model = build_model(config)
@@ -179,8 +132,3 @@ def _load_foreign(path: str | Path, dtype: torch.dtype, device: str | torch.devi
         model.tie_weights()
     model.requires_grad_(False)
     return model.eval()
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")

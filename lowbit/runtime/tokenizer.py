@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from lowbit.errors import LowbitError
+from lowbit.formats.hf_files import read_json
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -93,16 +94,6 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise LowbitError(f"cannot read {path}: {type(exc).__name__}: {exc}") from None
-    return data if isinstance(data, dict) else {}
-
-
 def _chat_template(path: Path, config: dict[str, Any]) -> str | None:
     jinja_file = path / "chat_template.jinja"
     if jinja_file.is_file():
@@ -112,7 +103,7 @@ def _chat_template(path: Path, config: dict[str, Any]) -> str | None:
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
     if template is None:
-        template = _read_json(path / "chat_template.json").get("chat_template")
+        template = read_json(path / "chat_template.json", missing={}).get("chat_template")
     return template if isinstance(template, str) else None
 
 
@@ -127,10 +118,10 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         backend = Backend.from_file(str(file))
     except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for bad files
         raise LowbitError(f"cannot read {file}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
-    config = _read_json(path / "tokenizer_config.json")
+    config = read_json(path / "tokenizer_config.json", missing={})
     # special_tokens_map.json is the older home of bos/eos; tokenizer_config.json wins where both say.
-    for key, value in _read_json(path / "special_tokens_map.json").items():
+    for key, value in read_json(path / "special_tokens_map.json", missing={}).items():
         config.setdefault(key, value)
-    eos = _read_json(path / "generation_config.json").get("eos_token_id")
+    eos = read_json(path / "generation_config.json", missing={}).get("eos_token_id")
     extra_eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
     return Tokenizer(backend, config, _chat_template(path, config), [int(i) for i in extra_eos])
