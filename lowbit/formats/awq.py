@@ -15,14 +15,13 @@ A symmetric lowbit int4 layer is an AWQ layer whose zero points are all 8.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 
 import torch
 
 from lowbit.errors import LowbitError
-from lowbit.formats.checkpoint import Checkpoint, read_safetensors
+from lowbit.formats.checkpoint import Checkpoint, keep_the_rest_dense, packed_modules, packed_settings, read_safetensors
 from lowbit.formats.hf_files import read_config
 from lowbit.formats.gptq import codes_of, fits_float16, zeros_of
 from lowbit.formats.int32pack import AWQ_ORDER, pack_last, unpack_last
@@ -74,15 +73,7 @@ def quantization_config(group: int) -> dict:
 
 
 def awq_settings(directory: Path) -> dict | None:
-    qc = read_config(directory).get("quantization_config")
-    if isinstance(qc, dict) and qc.get("quant_method") == "awq":
-        return qc
-    path = directory / "quant_config.json"
-    if path.is_file():
-        qc = json.loads(path.read_text())
-        if isinstance(qc, dict) and ("w_bit" in qc or "q_group_size" in qc):
-            return qc
-    return None
+    return packed_settings(directory, "awq", "quant_config.json", ("w_bit", "q_group_size"))
 
 
 def read_awq(directory: Path) -> Checkpoint:
@@ -100,17 +91,10 @@ def read_awq(directory: Path) -> Checkpoint:
         raise LowbitError(f"{directory}: lowbit imports 4-bit AWQ, not {bits}-bit")
     tensors = read_safetensors(directory)
     ckpt = Checkpoint(config=config, source_dir=directory, kind="awq")
-    used = set()
-    for m in sorted(n[: -len(".qweight")] for n in tensors if n.endswith(".qweight")):
-        parts = {p: tensors.get(f"{m}.{p}") for p in ("qweight", "qzeros", "scales")}
-        if parts["qzeros"] is None or parts["scales"] is None:
-            raise LowbitError(f"{directory}: {m} has a qweight but no qzeros/scales")
-        used.update(f"{m}.{p}" for p in parts)
+    used: set[str] = set()
+    for m, parts in packed_modules(directory, tensors, ("qweight", "qzeros", "scales"), used):
         ckpt.qtensors[m] = import_module(m, parts, group)
-    for name, t in tensors.items():
-        if name not in used:
-            ckpt.dense[name] = t
-    return ckpt
+    return keep_the_rest_dense(ckpt, tensors, used)
 
 
 def import_module(module: str, parts: dict, group: int) -> QTensor:

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from lowbit.errors import LowbitError
-from lowbit.formats.hf_files import read_config, weight_files
+from lowbit.formats.hf_files import read_config, read_json, weight_files
 from lowbit.quant.qtensor import QTensor
 
 # Files a model directory carries besides its weights; copied verbatim between directory formats.
@@ -120,3 +120,35 @@ def write_config(out: Path, config: dict, quantization_config: dict | None) -> N
     if quantization_config is not None:
         full["quantization_config"] = quantization_config
     (out / "config.json").write_text(json.dumps(full, indent=2) + "\n")
+
+
+def packed_settings(directory: Path, method: str, side_file: str, marker_keys: tuple[str, ...]) -> dict | None:
+    """An int32-packed checkpoint's settings: config.json's quantization_config when its quant_method
+    is `method`, else the tool's own side file (quantize_config.json, quant_config.json) when it
+    holds one of `marker_keys`; None when neither says so."""
+    qc = read_config(directory).get("quantization_config")
+    if isinstance(qc, dict) and qc.get("quant_method") == method:
+        return qc
+    qc = read_json(directory / side_file, missing=None)
+    if isinstance(qc, dict) and any(key in qc for key in marker_keys):
+        return qc
+    return None
+
+
+def packed_modules(directory: Path, tensors: dict[str, torch.Tensor], parts: tuple[str, ...], used: set[str]):
+    """(module, {part: tensor}) for every module with a `.qweight`, sorted; qzeros and scales must be
+    there (other parts may be None). The names taken are added to `used`."""
+    for module in sorted(n[: -len(".qweight")] for n in tensors if n.endswith(".qweight")):
+        found = {p: tensors.get(f"{module}.{p}") for p in parts}
+        if found["qzeros"] is None or found["scales"] is None:
+            raise LowbitError(f"{directory}: {module} has a qweight but no qzeros/scales")
+        used.update(f"{module}.{p}" for p in parts)
+        yield module, found
+
+
+def keep_the_rest_dense(ckpt: Checkpoint, tensors: dict[str, torch.Tensor], used: set[str]) -> Checkpoint:
+    """Every tensor no module took goes into the checkpoint as it is."""
+    for name, t in tensors.items():
+        if name not in used:
+            ckpt.dense[name] = t
+    return ckpt

@@ -13,6 +13,7 @@ requantizes that in the layer's own format before the target's usual checks.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable
@@ -23,14 +24,25 @@ import torch
 from safetensors.torch import save_file
 
 from lowbit.errors import UsageError
+from lowbit.formats import awq, gptq
+from lowbit.formats import compressed_tensors as ct
 from lowbit.formats.atomic import atomic_dir, atomic_file, check_output_path
 from lowbit.formats.checkpoint import Checkpoint, copy_side_files, write_config
 from lowbit.formats.foreign import detect_checkpoint_kind, read_checkpoint
-from lowbit.formats.requant import LayerChange, dequantized, refuse_unless_allowed, source_label
-from lowbit.quant.rtn import tensor_relative_error
+from lowbit.formats.gguf_export import write_gguf
+from lowbit.formats.gguf_import import convert_gguf, parse_dtype
+from lowbit.formats.gguf_tokenizer import write_tokenizer_files
+from lowbit.formats.native import NativeWriter
+from lowbit.formats.requant import (
+    LayerChange,
+    dequantized,
+    refuse_unless_allowed,
+    source_label,
+)
+from lowbit.quant.outlier_matrix import unpack_outliers
 from lowbit.quant.qtensor import QTensor
-from lowbit.quant.rtn import quantize_rtn
-from lowbit.quant.spec import FormatSpec
+from lowbit.quant.rtn import quantize_rtn, tensor_relative_error
+from lowbit.quant.spec import FormatSpec, parse_spec
 
 TARGETS = ("native", "compressed-tensors", "gptq", "awq", "gguf", "hf")
 _ALIASES = {"ct": "compressed-tensors", "compressed_tensors": "compressed-tensors", "lowbit": "native"}
@@ -90,15 +102,11 @@ def convert(
     started = time.perf_counter()
     result = ConvertResult(input=source, input_format=kind, output=output, target=target)
     if kind == "gguf" and target == "hf":
-        from lowbit.formats.gguf_import import convert_gguf
-
         convert_gguf(source, output, dtype=dtype, overwrite=overwrite, progress=progress)
     else:
         ckpt = read_checkpoint(source, kind)
         _fold_outliers(ckpt, target, allow_requant, result)
         if target == "gguf":
-            from lowbit.formats.gguf_export import write_gguf
-
             with atomic_file(output, overwrite=overwrite) as tmp:
                 changes, notes = write_gguf(ckpt, tmp, gguf_type, allow_requant, progress)
                 result.changes.extend(changes)
@@ -111,8 +119,6 @@ def convert(
                 if ckpt.source_dir is not None:
                     copy_side_files(ckpt.source_dir, tmp)
                 elif ckpt.gguf is not None and ckpt.gguf.has("tokenizer.ggml.tokens"):
-                    from lowbit.formats.gguf_tokenizer import write_tokenizer_files
-
                     write_tokenizer_files(ckpt.gguf, tmp)
                 else:
                     result.notes.append("the input has no tokenizer; none was written")
@@ -128,7 +134,6 @@ _TARGET_NAMES = {"compressed-tensors": "compressed-tensors", "gptq": "GPTQ", "aw
 
 def _fold_outliers(ckpt: Checkpoint, target: str, allow: bool, result: ConvertResult) -> None:
     """Put each outlier side matrix where the target can hold it (see the module docstring)."""
-    from lowbit.quant.outlier_matrix import unpack_outliers
 
     if not ckpt.outliers or target == "native":
         return
@@ -195,8 +200,6 @@ def _save(tmp: Path, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def _write_native(ckpt: Checkpoint, tmp: Path, allow: bool, result: ConvertResult, dtype: str) -> None:
-    from lowbit.formats.native import NativeWriter
-    from lowbit.quant.spec import parse_spec
 
     values = _projection_values(ckpt)
     reasons = _plan(values, lambda qt: None, allow, "a lowbit native checkpoint", ckpt)
@@ -231,7 +234,6 @@ def _nominal_spec(label: str, parse_spec) -> FormatSpec:
 
 
 def _write_ct(ckpt: Checkpoint, tmp: Path, allow: bool, result: ConvertResult, dtype: str) -> None:
-    from lowbit.formats import compressed_tensors as ct
 
     values = _projection_values(ckpt)
     reasons = _plan(values, ct.why_not_exact, allow, "compressed-tensors", ckpt)
@@ -255,50 +257,39 @@ def _write_ct(ckpt: Checkpoint, tmp: Path, allow: bool, result: ConvertResult, d
     write_config(tmp, ckpt.config, ct.quantization_config(schemes, dense_linears) if schemes else None)
 
 
-def _write_gptq(ckpt: Checkpoint, tmp: Path, allow: bool, result: ConvertResult, dtype: str) -> None:
-    import json
-
-    from lowbit.formats import gptq
-
+def _write_packed(ckpt: Checkpoint, tmp: Path, allow: bool, result: ConvertResult, fmt, scheme_of, label: str, fix=None):
+    """The int32-packed layouts (GPTQ, AWQ): one scheme for the whole model, each projection written
+    exactly or (with --allow-requant) requantized, the other tensors dense. Returns the scheme for the config.
+    `fmt` is formats/gptq.py or formats/awq.py: why_not_exact, requant_spec and module_tensors."""
     values = _projection_values(ckpt)
-    scheme = gptq.model_scheme([v.spec for v in values.values() if isinstance(v, QTensor)])
-    reasons = _plan(values, lambda qt: gptq.why_not_exact(qt, scheme), allow, "GPTQ", ckpt, keep_dense=False)
+    scheme = scheme_of([v.spec for v in values.values() if isinstance(v, QTensor)])
+    reasons = _plan(values, lambda qt: fmt.why_not_exact(qt, scheme), allow, label, ckpt, keep_dense=False)
     out: dict[str, torch.Tensor] = {}
     for module, value in values.items():
         qt = value
         if reasons.get(module):
-            qt = _requantize(module, value, gptq.requant_spec(scheme), reasons[module], result, fix=gptq.fit_v1_zeros)
-        out.update(gptq.module_tensors(module, qt))
+            qt = _requantize(module, value, fmt.requant_spec(scheme), reasons[module], result, fix=fix)
+        out.update(fmt.module_tensors(module, qt))
     out.update(_dense_rest(ckpt, set(values)))
     _save(tmp, out)
+    return scheme
+
+
+def _write_gptq(ckpt: Checkpoint, tmp: Path, allow: bool, result: ConvertResult, dtype: str) -> None:
+    scheme = _write_packed(ckpt, tmp, allow, result, gptq, gptq.model_scheme, "GPTQ", fix=gptq.fit_v1_zeros)
     qconfig = gptq.quantize_config(scheme)
     write_config(tmp, ckpt.config, qconfig)
     (tmp / "quantize_config.json").write_text(json.dumps(qconfig, indent=2) + "\n")
 
 
 def _write_awq(ckpt: Checkpoint, tmp: Path, allow: bool, result: ConvertResult, dtype: str) -> None:
-    import json
-
-    from lowbit.formats import awq
-
-    values = _projection_values(ckpt)
-    group = awq.model_group([v.spec for v in values.values() if isinstance(v, QTensor)])
-    reasons = _plan(values, lambda qt: awq.why_not_exact(qt, group), allow, "AWQ", ckpt, keep_dense=False)
-    out: dict[str, torch.Tensor] = {}
-    for module, value in values.items():
-        qt = value
-        if reasons.get(module):
-            qt = _requantize(module, value, awq.requant_spec(group), reasons[module], result)
-        out.update(awq.module_tensors(module, qt))
-    out.update(_dense_rest(ckpt, set(values)))
-    _save(tmp, out)
+    group = _write_packed(ckpt, tmp, allow, result, awq, awq.model_group, "AWQ")
     qconfig = awq.quantization_config(group)
     write_config(tmp, ckpt.config, qconfig)
     (tmp / "quant_config.json").write_text(json.dumps({k: qconfig[k] for k in ("zero_point", "q_group_size", "w_bit", "version")}, indent=2) + "\n")
 
 
 def _write_hf(ckpt: Checkpoint, tmp: Path, allow: bool, result: ConvertResult, dtype: str) -> None:
-    from lowbit.formats.gguf_import import parse_dtype
 
     torch_dtype = parse_dtype(dtype)
     out = {}

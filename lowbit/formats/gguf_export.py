@@ -22,7 +22,7 @@ import torch
 from lowbit.errors import LowbitError, UsageError
 from lowbit.formats.checkpoint import Checkpoint
 from lowbit.formats.gguf_arch import _GLOBAL, _LLAMA_BLOCK, llama3_rope_divisors, permute_qk
-from lowbit.formats.gguf_blocks import exact_gguf_type, gguf_spec, permute_rows, to_gguf_bytes
+from lowbit.formats.gguf_blocks import exact_gguf_type, gguf_spec, to_gguf_bytes
 from lowbit.formats.gguf_q4k import QK_K, quantize_q4_k
 from lowbit.formats.hf_files import read_json
 from lowbit.formats.requant import LayerChange, dequantized, refuse_unless_allowed, source_label

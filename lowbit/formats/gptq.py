@@ -17,14 +17,13 @@ channel), desc_act, sym, checkpoint_format.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 
 import torch
 
 from lowbit.errors import LowbitError
-from lowbit.formats.checkpoint import Checkpoint, read_safetensors
+from lowbit.formats.checkpoint import Checkpoint, keep_the_rest_dense, packed_modules, packed_settings, read_safetensors
 from lowbit.formats.hf_files import read_config
 from lowbit.formats.int32pack import pack_last, unpack_last
 from lowbit.quant.packing import pack_bits
@@ -132,15 +131,7 @@ def quantize_config(scheme: tuple[int, int, bool]) -> dict:
 
 
 def gptq_settings(directory: Path) -> dict | None:
-    qc = read_config(directory).get("quantization_config")
-    if isinstance(qc, dict) and qc.get("quant_method") == "gptq":
-        return qc
-    path = directory / "quantize_config.json"
-    if path.is_file():
-        qc = json.loads(path.read_text())
-        if isinstance(qc, dict) and "bits" in qc:
-            return qc
-    return None
+    return packed_settings(directory, "gptq", "quantize_config.json", ("bits",))
 
 
 def read_gptq(directory: Path) -> Checkpoint:
@@ -156,23 +147,15 @@ def read_gptq(directory: Path) -> Checkpoint:
         raise LowbitError(f"{directory}: lowbit imports GPTQ with {', '.join(map(str, BITS))} bits, not {bits}")
     tensors = read_safetensors(directory)
     ckpt = Checkpoint(config=config, source_dir=directory, kind="gptq")
-    modules = sorted(n[: -len(".qweight")] for n in tensors if n.endswith(".qweight"))
-    used = set()
-    for m in modules:
-        parts = {p: tensors.get(f"{m}.{p}") for p in ("qweight", "qzeros", "scales", "g_idx")}
-        if parts["qzeros"] is None or parts["scales"] is None:
-            raise LowbitError(f"{directory}: {m} has a qweight but no qzeros/scales")
-        used.update(f"{m}.{p}" for p in parts)
+    used: set[str] = set()
+    for m, parts in packed_modules(directory, tensors, ("qweight", "qzeros", "scales", "g_idx"), used):
         value = import_module(m, parts, bits, group, v2)
         if isinstance(value, QTensor):
             ckpt.qtensors[m] = value
         else:
             ckpt.dense[f"{m}.weight"], label, reason = value
             ckpt.unexpressed[m] = (label, reason)
-    for name, t in tensors.items():
-        if name not in used:
-            ckpt.dense[name] = t
-    return ckpt
+    return keep_the_rest_dense(ckpt, tensors, used)
 
 
 def import_module(module: str, parts: dict, bits: int, group: int, v2: bool = False):
