@@ -210,10 +210,3 @@ def fold_scale(layer: nn.Module, group: ScaleGroup, s: torch.Tensor) -> None:
     for name in group.linears:
         lin = layer.get_submodule(name)
         lin.weight.data = (lin.weight.data.double() * s[None, :]).to(lin.weight.dtype)
-
-
-def make_layer_method(context):
-    """compress/pipeline.py's entry for --method awq / awq+gptq: sequential calibration (compress/sequential.py)."""
-    from lowbit.compress.sequential import make_layer_method as sequential_method
-
-    return sequential_method(context)

@@ -15,6 +15,7 @@ already-processed layers below it. A killed run resumes from the work folder.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import copy
 import ctypes
 import time
@@ -27,13 +28,18 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from lowbit.compress.stats import InputStats, StatsAccumulator, model_identity, save_stats
+from lowbit.compress.token_cache import encode_cached
+from lowbit.compress.workdir import WorkDir, work_dir_for
+from lowbit.data.text import load_text
 from lowbit.errors import LowbitError, UsageError
-from lowbit.compress.stats import InputStats, StatsAccumulator, model_identity
-from lowbit.compress.workdir import WorkDir
+from lowbit.formats.atomic import atomic_file, check_output_path
+from lowbit.formats.hf_files import model_dir, read_json, weight_files
+from lowbit.formats.resolve import resolve_model
 from lowbit.runtime.attention import AttentionContext
 from lowbit.runtime.config import ModelConfig
-from lowbit.formats.hf_files import model_dir, read_json, weight_files
 from lowbit.runtime.models import build_model
+from lowbit.runtime.tokenizer import load_tokenizer
 
 DEFAULT_BATCH_TOKENS = 8192
 # A window's first position weighs seqlen / SINK_DIVISOR tokens in the statistics (at least 1),
@@ -398,13 +404,7 @@ def prepare_calibration(model: str | Path, data: str, samples: int = 128, seqlen
                         sink_weight: float | None = None) -> CalibrationInputs:
     """Open the model and draw the calibration windows (all input checks happen here, before any output).
     sink_weight: what each window's first position counts for (None: `first_token_weight`'s rule)."""
-    import hashlib
-
     first_weight = first_token_weight(seqlen, sink_weight)
-    from lowbit.data.text import load_text
-    from lowbit.formats.resolve import resolve_model
-    from lowbit.compress.token_cache import encode_cached
-    from lowbit.runtime.tokenizer import load_tokenizer
 
     path = resolve_model(model)
     lm = LayerwiseModel(path)
@@ -437,10 +437,6 @@ def calibrate(
 
     Progress is kept per layer beside the output; rerunning after a kill resumes. Returns a summary.
     """
-    from lowbit.formats.atomic import atomic_file, check_output_path
-    from lowbit.compress.stats import save_stats
-    from lowbit.compress.workdir import work_dir_for
-
     output = Path(output)
     check_output_path(output, overwrite)
     lm = inputs.model

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import torch
 
+from lowbit.compress.pipeline import SourceTensors
 from lowbit.errors import LowbitError
+from lowbit.formats.resolve import resolve_model
 from lowbit.formats.native import NativeReader, is_native
 from lowbit.quant.outlier_matrix import outlier_bits, unpack_outliers
 
@@ -127,9 +129,6 @@ def inspect_checkpoint(path: str | os.PathLike, base: str | os.PathLike | None =
 
 
 def _base_tensors(base):
-    from lowbit.formats.resolve import resolve_model
-    from lowbit.compress.pipeline import SourceTensors
-
     directory = resolve_model(base)
     if not directory.is_dir() or not (directory / "config.json").is_file():
         raise LowbitError(f"base model {base} is not a model directory with config.json")

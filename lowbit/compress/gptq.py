@@ -507,10 +507,3 @@ def output_error(w: torch.Tensor, w_hat: torch.Tensor, hessian: torch.Tensor) ->
     """tr(E H Eᵀ) for E = Ŵ − W: the mean squared output error over the calibration tokens, summed over outputs."""
     e = (w_hat.double() - w.double())
     return float(((e @ hessian.double()) * e).sum())
-
-
-def make_layer_method(context):
-    """compress/pipeline.py's entry for --method gptq: sequential calibration (compress/sequential.py)."""
-    from lowbit.compress.sequential import make_layer_method as sequential_method
-
-    return sequential_method(context)

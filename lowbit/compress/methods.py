@@ -69,10 +69,11 @@ MethodFactory = Callable[[MethodContext], LayerMethod]
 
 _REGISTERED: dict[str, MethodFactory] = {}
 # name -> module defining `make_layer_method(context) -> LayerMethod` (imported on demand)
+# (compress/sequential.py runs all three; it imports this module, so it is imported by name, late)
 METHOD_MODULES = {
-    "gptq": "lowbit.compress.gptq",
-    "awq": "lowbit.compress.awq",
-    "awq+gptq": "lowbit.compress.awq",
+    "gptq": "lowbit.compress.sequential",
+    "awq": "lowbit.compress.sequential",
+    "awq+gptq": "lowbit.compress.sequential",
 }
 
 

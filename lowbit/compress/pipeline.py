@@ -29,6 +29,7 @@ from lowbit.formats.atomic import atomic_dir, check_output_path
 from lowbit.formats.checkpoint import copy_side_files
 from lowbit.formats.hf_files import read_config, weight_files
 from lowbit.formats.native import NativeWriter
+from lowbit.formats.resolve import resolve_model
 from lowbit.compress.methods import LayerWork, MethodContext, get_method
 from lowbit.compress.options import MethodOptions
 from lowbit.compress.recipe import Recipe, match_rules, single_format
@@ -180,8 +181,6 @@ def quantize_model(
     with the inputs is checked before the output directory is created; the output appears only
     when complete.
     """
-    from lowbit.formats.resolve import resolve_model
-
     started = time.perf_counter()
     recipe = _as_recipe(spec_or_recipe).with_skips(list(skip))
     source_dir = _source_dir(resolve_model(model))

@@ -29,7 +29,9 @@ from lowbit.errors import LowbitError, UsageError
 from lowbit.compress import awq as awq_mod
 from lowbit.compress.calibrate import LayerStats, LayerwiseModel, collect_stats, prepare_calibration, propagate
 from lowbit.compress.gptq import DEFAULT_BLOCK, DEFAULT_DAMP, float_target, gptq_quantize, gptq_quantize_shared, prepare_hessian
+from lowbit.compress.methods import LayerResult
 from lowbit.compress.options import MethodOptions
+from lowbit.compress.workdir import WorkDir
 from lowbit.compress.outliers import DEFAULT_SALIENCE, outlier_mask
 from lowbit.quant.outlier_matrix import pack_outliers, unpack_outliers
 from lowbit.quant.qtensor import PART_NAMES, QTensor
@@ -265,9 +267,6 @@ def layer_options(options: MethodOptions) -> QuantOptions:
 
 def make_layer_method(context):
     """The pipeline's factory for gptq / awq / awq+gptq (see the module docstring)."""
-    from lowbit.compress.methods import LayerResult
-    from lowbit.compress.workdir import WorkDir
-
     run = context.options
     source = run.calibration
     options = layer_options(run)

@@ -16,7 +16,14 @@ from pathlib import Path
 import torch
 
 from lowbit.errors import LowbitError
+from lowbit.formats.awq import read_awq
 from lowbit.formats.checkpoint import Checkpoint, read_hf, read_native
+from lowbit.formats.compressed_tensors import read_compressed_tensors
+from lowbit.formats.gguf_arch import arch_spec, unpermute_qk
+from lowbit.formats.gguf_blocks import BLOCK, from_gguf_bytes, permute_rows
+from lowbit.formats.gguf_import import _embeddings_tied, _hf_tensor, _plan_tensors
+from lowbit.formats.gguf_reader import open_gguf
+from lowbit.formats.gptq import read_gptq
 from lowbit.quant.qtensor import QTensor
 
 KINDS = ("native", "gptq", "awq", "compressed-tensors", "gguf", "hf")
@@ -58,24 +65,9 @@ def read_checkpoint(path: str | os.PathLike, kind: str | None = None) -> Checkpo
     """Any supported checkpoint as a `Checkpoint` (config, QTensors, dense tensors)."""
     path = Path(path).expanduser()
     kind = kind or detect_checkpoint_kind(path)
-    if kind == "native":
-        return read_native(path)
-    if kind == "hf":
-        return read_hf(path)
-    if kind == "compressed-tensors":
-        from lowbit.formats.compressed_tensors import read_compressed_tensors
-
-        return read_compressed_tensors(path)
-    if kind == "gptq":
-        from lowbit.formats.gptq import read_gptq
-
-        return read_gptq(path)
-    if kind == "awq":
-        from lowbit.formats.awq import read_awq
-
-        return read_awq(path)
-    if kind == "gguf":
-        return read_gguf(path)
+    reader = _READERS.get(kind)
+    if reader is not None:
+        return reader(path)
     raise LowbitError(f"unknown checkpoint kind '{kind}' (known: {', '.join(KINDS)})")
 
 
@@ -87,11 +79,6 @@ def load_foreign(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor 
 
 def read_gguf(path: Path) -> Checkpoint:
     """A GGUF file: Q4_0 / Q8_0 / MXFP4 projections become QTensors, everything else float32."""
-    from lowbit.formats.gguf_arch import arch_spec, unpermute_qk
-    from lowbit.formats.gguf_blocks import BLOCK, from_gguf_bytes, permute_rows
-    from lowbit.formats.gguf_import import _embeddings_tied, _hf_tensor, _plan_tensors
-    from lowbit.formats.gguf_reader import open_gguf
-
     gguf = open_gguf(path)
     spec = arch_spec(gguf)
     config = spec.build_config(gguf)
@@ -114,3 +101,7 @@ def read_gguf(path: Path) -> Checkpoint:
         if is_projection and info.type_name not in ("F32", "F16", "BF16", "F64"):
             ckpt.unexpressed[hf_name[: -len(".weight")]] = (info.type_name, f"GGUF {info.type_name} blocks have no lowbit format")
     return ckpt
+
+
+_READERS = {"native": read_native, "hf": read_hf, "compressed-tensors": read_compressed_tensors, "gptq": read_gptq,
+            "awq": read_awq, "gguf": read_gguf}
