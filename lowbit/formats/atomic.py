@@ -33,29 +33,23 @@ def _temp_sibling(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
-@contextlib.contextmanager
-def atomic_dir(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+def atomic_dir(path: str | os.PathLike, overwrite: bool = False) -> contextlib.AbstractContextManager[Path]:
     """Yield an empty temporary directory that becomes `path` when the block succeeds."""
-    path = Path(path)
-    check_output_path(path, overwrite)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temp_sibling(path)
-    tmp.mkdir()
-    try:
-        yield tmp
-    except BaseException:
-        _remove(tmp)
-        raise
-    _replace(tmp, path)
+    return _atomic(Path(path), overwrite, directory=True)
+
+
+def atomic_file(path: str | os.PathLike, overwrite: bool = False) -> contextlib.AbstractContextManager[Path]:
+    """Yield a temporary file path that becomes `path` when the block succeeds."""
+    return _atomic(Path(path), overwrite, directory=False)
 
 
 @contextlib.contextmanager
-def atomic_file(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary file path that becomes `path` when the block succeeds."""
-    path = Path(path)
+def _atomic(path: Path, overwrite: bool, directory: bool) -> Iterator[Path]:
     check_output_path(path, overwrite)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _temp_sibling(path)
+    if directory:
+        tmp.mkdir()
     try:
         yield tmp
     except BaseException:
