@@ -3,12 +3,19 @@
 Errors: a LowbitError prints `lowbit: error: MESSAGE` (one line) and exits with its code;
 click's usage errors exit 2 the same way; anything else is a bug and prints one line too,
 unless `--debug` (or LOWBIT_DEBUG=1) asks for the traceback.
+
+Signals, for shell pipelines (`lowbit quantize … && lowbit eval …`): Ctrl-C (SIGINT) exits 130 and
+SIGTERM 143, each with one line. Outputs are written to a temporary sibling and renamed only when
+complete (formats/atomic.py), so an interrupted command has written nothing; calibrated quantize
+and calibrate runs resume from their work folder when rerun. `lowbit serve` replaces the SIGTERM
+handler with its own graceful shutdown (exit 0) once the server runs.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
 
 import click
@@ -69,6 +76,20 @@ def _fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
+INTERRUPTED = ("interrupted (SIGINT): no output was written; a calibrated quantize or calibrate run resumes "
+               "when rerun")
+TERMINATED = ("terminated (SIGTERM): no output was written; a calibrated quantize or calibrate run resumes "
+              "when rerun")
+
+
+class Terminated(BaseException):
+    """Raised by the SIGTERM handler; a BaseException so that no `except Exception` swallows it."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = os.environ.get("LOWBIT_DEBUG") == "1"
@@ -77,13 +98,20 @@ def main(argv: list[str] | None = None) -> None:
         debug = True
     _register_commands()
     command = typer.main.get_command(app)
+    signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        command.main(args=args, prog_name="lowbit", standalone_mode=False)
+        # Under standalone_mode=False click returns the exit code of an abort (130 for Ctrl-C)
+        # instead of raising it: it must not be dropped.
+        code = command.main(args=args, prog_name="lowbit", standalone_mode=False)
     except _EXIT as exc:
         sys.exit(exc.exit_code)
     except _ABORT:
-        _fail("interrupted", 130)
+        _fail(INTERRUPTED, 130)
+    except Terminated:
+        _fail(TERMINATED, 143)
     except _USAGE as exc:
+        if not args:  # `lowbit` alone: the help was the answer; no error line after it
+            sys.exit(2)
         _fail(exc.format_message(), 2)
     except _CLICK as exc:
         _fail(exc.format_message(), exc.exit_code)
@@ -92,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
             raise
         _fail(str(exc), exc.exit_code)
     except KeyboardInterrupt:
-        _fail("interrupted", 130)
+        _fail(INTERRUPTED, 130)
     except BrokenPipeError:
         # `lowbit ... | head` closing the pipe is not a failure of ours.
         sys.exit(0)
@@ -100,6 +128,10 @@ def main(argv: list[str] | None = None) -> None:
         if debug:
             raise
         _fail(f"{type(exc).__name__}: {exc} (run with --debug for the traceback)", 1)
+    if code == 130:
+        _fail(INTERRUPTED, 130)
+    if isinstance(code, int) and code != 0:
+        sys.exit(code)
 
 
 if __name__ == "__main__":
