@@ -22,7 +22,7 @@ from lowbit.formats.compressed_tensors import read_compressed_tensors
 from lowbit.formats.gguf_arch import arch_spec, unpermute_qk
 from lowbit.formats.gguf_blocks import BLOCK, from_gguf_bytes, permute_rows
 from lowbit.formats.gguf_import import _embeddings_tied, _hf_tensor, _plan_tensors
-from lowbit.formats.gguf_reader import open_gguf
+from lowbit.formats.gguf_reader import check_finite_tensor, open_gguf
 from lowbit.formats.gptq import read_gptq
 from lowbit.quant.qtensor import QTensor
 
@@ -92,6 +92,9 @@ def read_gguf(path: Path) -> Checkpoint:
         is_projection = hf_name.endswith("_proj.weight") and len(info.shape) == 2
         if is_projection and info.type_name in ("Q4_0", "Q8_0", "MXFP4") and info.shape[1] % BLOCK == 0:
             qt = from_gguf_bytes(gguf.raw_bytes(name), info.type_name, info.shape)
+            for part_name, part_tensor in qt.to_tensors().items():
+                if part_tensor.is_floating_point():  # the blocks' scales: NaN/inf only in a damaged file
+                    check_finite_tensor(part_tensor, f"{name} ({part_name})", gguf.path.name)
             if spec.permute_qk and part in ("attn_q", "attn_k"):
                 heads = config["num_attention_heads"] if part == "attn_q" else config["num_key_value_heads"]
                 qt = permute_rows(qt, unpermute_qk(torch.arange(info.shape[0]), heads))

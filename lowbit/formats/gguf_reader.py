@@ -99,7 +99,7 @@ class GGUFFile:
 
     def tensor(self, name: str) -> torch.Tensor:
         """Dequantize one tensor to float32, shaped as Hugging Face expects (outermost dim first)."""
-        import gguf.quants
+        import gguf.quants  # late: the gguf package is slow to import and only GGUF work needs it
 
         t = self._tensor(name)
         type_name = t.tensor_type.name
@@ -109,8 +109,11 @@ class GGUFFile:
                 f"(supported: {', '.join(sorted(SUPPORTED_TYPES))})"
             )
         shape = tuple(reversed([int(d) for d in t.shape]))
-        values = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
-        return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)  # a copy: the file is mapped read-only
+        with np.errstate(all="ignore"):  # a damaged block overflows; said below, once, naming the tensor
+            values = np.array(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32)
+        out = torch.from_numpy(values).reshape(shape)  # a copy: the file is mapped read-only
+        check_finite_tensor(out, name, self.path.name)
+        return out
 
     def _tensor(self, name: str) -> Any:
         try:
@@ -121,7 +124,7 @@ class GGUFFile:
 
 def open_gguf(path: str | os.PathLike) -> GGUFFile:
     """Open and validate a GGUF file; every failure is a one-line LowbitError naming the problem."""
-    from gguf import GGUFReader
+    from gguf import GGUFReader  # late: the gguf package is slow to import and only GGUF work needs it
 
     path = Path(path).expanduser()
     if not path.exists():
@@ -147,3 +150,11 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
                 f"{path} is truncated: tensor {t.name} ends at byte {end} but the file has {size} bytes"
             )
     return GGUFFile(path, reader)
+
+
+def check_finite_tensor(values: torch.Tensor, name: str, file: str) -> None:
+    """Weights that are NaN or inf are never accepted: a LowbitError naming the tensor and how many."""
+    bad = ~torch.isfinite(values)
+    if bad.any():
+        raise LowbitError(f"tensor {name} in {file} holds {int(bad.sum())} NaN/inf values: the file is damaged "
+                          "(refusing to import it)")

@@ -250,6 +250,9 @@ def ppl_and_error(nll: torch.Tensor) -> tuple[float, float, float]:
     """(ppl, its standard error, mean NLL) from per-token NLLs, as llama-perplexity computes them."""
     nll = nll.to(torch.float64)
     n = nll.numel()
+    if not torch.isfinite(nll).all():
+        raise LowbitError(f"the model's log-probabilities are NaN or inf at {int((~torch.isfinite(nll)).sum())} of {n} "
+                          "scored tokens: its weights or activations overflow (no perplexity to report)")
     mean = float(nll.mean())
     ppl = math.exp(mean)
     variance = float((nll * nll).mean()) - mean * mean

@@ -425,3 +425,38 @@ def test_cli_rejects_bad_dtype_and_non_gguf_input(tmp_path, capsys, tiny_llama):
     assert code == 2 and "dtype" in err
     code, _, err = _run_cli(["convert", str(tmp_path), "-o", str(tmp_path / "o")], capsys)
     assert code == 2 and "GGUF" in err
+
+
+def _write_one_projection(path: Path, ffn_up: np.ndarray, qtype: T) -> None:
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_embedding_length(256)
+    w.add_feed_forward_length(256)
+    w.add_head_count(1)
+    _add_gpt2_vocab(w)
+    w.add_tensor("token_embd.weight", np.zeros((260, 256), np.float32))
+    w.add_tensor("blk.0.ffn_up.weight", ffn_up, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_nan_weights_are_refused_naming_the_tensor(tmp_path):
+    weights = np.ones((256, 256), np.float32)
+    weights[3, 5] = np.nan
+    _write_one_projection(tmp_path / "nan.gguf", weights, T.F32)
+    with pytest.raises(LowbitError, match=r"tensor blk\.0\.ffn_up\.weight in nan\.gguf holds 1 NaN/inf values"):
+        convert_gguf(tmp_path / "nan.gguf", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_inf_block_scale_in_a_quantized_projection_is_refused(tmp_path):
+    from lowbit.formats.foreign import read_checkpoint
+
+    packed = quantize(np.ones((256, 256), np.float32), T.Q8_0)
+    raw = packed.view(np.uint8).reshape(-1)
+    raw[0:2] = np.frombuffer(np.float16(np.inf).tobytes(), np.uint8)  # the first block's f16 scale
+    _write_one_projection(tmp_path / "inf.gguf", packed, T.Q8_0)
+    with pytest.raises(LowbitError, match=r"blk\.0\.ffn_up\.weight \(scales\) in inf\.gguf holds 1 NaN/inf"):
+        read_checkpoint(tmp_path / "inf.gguf", "gguf")

@@ -271,3 +271,11 @@ def test_smollm2_wiki_eval_ppl_matches_transformers(smollm2_dir, wiki_eval_path)
     assert result.tokens_scored == n_chunks * (ctx // 2 - 1)
     assert 5 < expected < 60  # a real language model on English text
     assert result.ppl == pytest.approx(expected, rel=5e-3)
+
+
+def test_non_finite_log_probabilities_are_an_error_not_a_nan_perplexity():
+    from lowbit.runtime.evaluate import ppl_and_error
+
+    with pytest.raises(LowbitError, match="NaN or inf at 1 of 3 scored tokens"):
+        ppl_and_error(torch.tensor([1.0, float("nan"), 2.0]))
+    assert ppl_and_error(torch.tensor([1.0, 1.0]))[0] == pytest.approx(math.e)
