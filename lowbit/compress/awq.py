@@ -21,6 +21,7 @@ group keeps the r whose quantized group gives the least output error e_g H_gg e_
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -150,8 +151,6 @@ _PLAIN_RULE = {"mxfp4": "floor"}
 
 def fast_spec(spec: FormatSpec) -> FormatSpec:
     """The spec with its format's plain (unsearched) scale rule."""
-    import dataclasses
-
     return dataclasses.replace(spec, scale_rule=_PLAIN_RULE.get(spec.family, "absmax"))
 
 

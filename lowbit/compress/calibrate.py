@@ -358,31 +358,29 @@ def run_layers(
         hidden = lm.embed(ids)
         _check_finite(hidden, "from the embedding", 0)
         start = 0
-    for i in range(start, finished if finished < lm.num_layers else start):
-        # Replay finished layers from their saved results, exactly as the first run moved through them.
-        layer = lm.load_layer(i)
+
+    def finish(i: int, layer: nn.Module, replayed: bool) -> None:
+        # The saved result is re-read (not reused) so a first run and a resumed one apply exactly the
+        # same tensors; without `apply` a fresh layer's outputs came from the statistics pass itself.
         if apply is not None:
             tensors, meta = work.load_layer(i)
             apply(i, layer, tensors, meta)
-        propagate(lm, layer, i, hidden, batch_tokens)
+        if replayed or apply is not None:
+            propagate(lm, layer, i, hidden, batch_tokens)
         lm.release_layer(i)
         if on_layer:
-            on_layer(i + 1, lm.num_layers, True)
+            on_layer(i + 1, lm.num_layers, replayed)
+
+    for i in range(start, finished if finished < lm.num_layers else start):
+        # Replay finished layers from their saved results, exactly as the first run moved through them.
+        finish(i, lm.load_layer(i), replayed=True)
     last_snapshot = time.monotonic()
     for i in range(finished, lm.num_layers):
         layer = lm.load_layer(i)
         stats = collect_stats(lm, layer, i, hidden, write_outputs=apply is None, batch_tokens=batch_tokens,
                               first_weight=first_weight)
-        tensors, meta = process(i, layer, stats)
-        work.save_layer(i, tensors, meta)
-        if apply is not None:
-            # Re-read what was saved so a resumed run applies exactly the same tensors.
-            tensors, meta = work.load_layer(i)
-            apply(i, layer, tensors, meta)
-            propagate(lm, layer, i, hidden, batch_tokens)
-        lm.release_layer(i)
-        if on_layer:
-            on_layer(i + 1, lm.num_layers, False)
+        work.save_layer(i, *process(i, layer, stats))
+        finish(i, layer, replayed=False)
         if i + 1 < lm.num_layers and time.monotonic() - last_snapshot >= snapshot_every_s:
             work.save_hidden(hidden, i + 1)
             last_snapshot = time.monotonic()

@@ -20,6 +20,7 @@ from lowbit.errors import LowbitError
 from lowbit.formats.resolve import resolve_model
 from lowbit.formats.native import NativeReader, is_native
 from lowbit.quant.outlier_matrix import outlier_bits, unpack_outliers
+from lowbit.quant.rtn import tensor_relative_error
 
 
 @dataclass(slots=True)
@@ -148,6 +149,4 @@ def _error_against(source, module: str, qt, side=None) -> float:
     approx = qt.dequantize(torch.float64)
     if side is not None:
         approx = approx + unpack_outliers(side, tuple(qt.shape)).double()
-    norm = w.norm()
-    diff = (approx - w).norm()
-    return float(diff / norm) if norm > 0 else float(diff)
+    return tensor_relative_error(w, approx)

@@ -8,6 +8,7 @@ pipeline, the method factories and the layer loop read their fields (no options 
   OutlierOptions      `keep_outliers` / `keep_channels` percentages and the `salience` ranking
   MethodOptions       the method name, the three above, the resume folder, and `custom` options
                       of a method registered by an API user (compress/methods.register_method)
+  SpecOptions         a recipe rule's `options`: parse_spec's keywords (compress/recipe.py)
 
 `MethodOptions.record()` is the flat form written into config.json (`method_options`) and into the
 resume fingerprint; it lists what was asked for, as the flags spell it.
@@ -91,6 +92,36 @@ class OutlierOptions:
         if not self.active:
             return {}
         return {"keep_outliers": self.keep_outliers, "keep_channels": self.keep_channels, "outlier_salience": self.salience}
+
+
+@dataclass(frozen=True, slots=True)
+class SpecOptions:
+    """A recipe rule's `options` (parse_spec's keywords), read when the recipe loads."""
+
+    scale_rule: str | None = None  # e.g. absmax, mse (quant/spec.py)
+    scale_dtype: str | None = None  # e.g. float16, bfloat16
+    double_quant: bool | None = None
+
+    def __post_init__(self):
+        for name, kind, value in (("scale_rule", str, self.scale_rule), ("scale_dtype", str, self.scale_dtype),
+                                  ("double_quant", bool, self.double_quant)):
+            if value is not None and not isinstance(value, kind):
+                raise UsageError(f"option {name} must be a {'string' if kind is str else 'boolean'}, got {value!r}")
+
+    @classmethod
+    def from_mapping(cls, options: object, where: str) -> SpecOptions:
+        """The `options` of a recipe rule (`where` names it in every error)."""
+        keys = cls.__dataclass_fields__
+        if not isinstance(options, dict) or set(options) - set(keys):
+            raise UsageError(f"{where}: options must be a mapping with keys among {', '.join(sorted(keys))}")
+        try:
+            return cls(**options)
+        except UsageError as exc:
+            raise UsageError(f"{where}: {exc}") from None
+
+    def keywords(self) -> dict[str, Any]:
+        """The options that were given, as parse_spec keywords."""
+        return {name: getattr(self, name) for name in self.__dataclass_fields__ if getattr(self, name) is not None}
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ per-tensor global scale (nvfp4) share one, computed from all of them.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -408,8 +409,6 @@ def _outlier_bytes(side: dict[str, torch.Tensor]) -> int:
 
 def _add_provenance(directory: Path, method: str, recipe: Recipe, source: Path, options: MethodOptions) -> None:
     """Record how the checkpoint was made beside the per-module specs (informational only)."""
-    import json
-
     path = directory / "config.json"
     config = json.loads(path.read_text())
     qc = config["quantization_config"]

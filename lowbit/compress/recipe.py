@@ -31,12 +31,14 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
+from lowbit.compress.options import SpecOptions
 from lowbit.errors import UsageError
 from lowbit.quant.spec import FormatSpec, parse_spec
 
 DENSE = "dense"
 _RULE_KEYS = {"pattern", "format", "group_size", "options"}
-_OPTION_KEYS = {"scale_rule", "scale_dtype", "double_quant"}
 
 
 @dataclass(slots=True, frozen=True)
@@ -94,18 +96,17 @@ def parse_rule(entry: object, where: str) -> RecipeRule:
     if "pattern" not in entry or "format" not in entry:
         raise UsageError(f"{where}: a rule needs both 'pattern' and 'format'")
     fmt = str(entry["format"]).strip().lower()
-    options = entry.get("options") or {}
-    if not isinstance(options, dict) or set(options) - _OPTION_KEYS:
-        raise UsageError(f"{where}: options must be a mapping with keys among {', '.join(sorted(_OPTION_KEYS))}")
+    given = entry.get("options") or {}
+    options = SpecOptions.from_mapping(given, where)
     group = entry.get("group_size")
     if fmt == DENSE:
-        if group is not None or options:
+        if group is not None or given:
             raise UsageError(f"{where}: format 'dense' takes no group_size or options")
         return make_rule(entry["pattern"], None, source=where)
     if group is not None and not isinstance(group, int):
         raise UsageError(f"{where}: group_size must be an integer, got {group!r}")
     try:
-        spec = parse_spec(fmt, group, **options)
+        spec = parse_spec(fmt, group, **options.keywords())
     except UsageError as exc:
         raise UsageError(f"{where}: {exc}") from None
     return make_rule(entry["pattern"], spec, source=where)
@@ -129,8 +130,6 @@ def load_recipe(path: str | os.PathLike) -> Recipe:
     text = path.read_text(encoding="utf-8")
     try:
         if path.suffix.lower() in (".yaml", ".yml"):
-            import yaml
-
             data = yaml.safe_load(text)
         else:
             data = json.loads(text)

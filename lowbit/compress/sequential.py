@@ -1,7 +1,7 @@
 """Calibrated methods (gptq, awq, awq+gptq) as compress/pipeline.py layer methods, sequentially.
 
-`make_layer_method(context)` is what `lowbit quantize --method gptq|awq|awq+gptq` reaches (via
-compress/gptq.py and compress/awq.py). It reads the run's MethodOptions (compress/options.py):
+`make_layer_method(context)` is what `lowbit quantize --method gptq|awq|awq+gptq` reaches (and rtn
+with --keep-outliers; compress/methods.py routes them here). It reads the run's MethodOptions (compress/options.py):
   calibration.calib  a STATS file from `lowbit calibrate` (statistics of the float model, reused as is), or
   calibration.data   a text to calibrate on now, sequentially: layer i's statistics are measured on
                      the outputs of the already-quantized layers below it (windows samples × seqlen,
@@ -269,9 +269,7 @@ def make_layer_method(context):
     """The pipeline's factory for gptq / awq / awq+gptq (see the module docstring)."""
     run = context.options
     source = run.calibration
-    options = layer_options(run)
-    if source is None:
-        raise UsageError(f"--method {context.method} needs calibration: --calib STATS (from `lowbit calibrate`) or --data TEXT")
+    options = layer_options(run)  # MethodOptions checked the method's calibration and float target
     lm = LayerwiseModel(context.model_dir)
     identity = lm.identity()
     stats_file = hidden = None
@@ -293,8 +291,6 @@ def make_layer_method(context):
     snapshot_every_s = float(run.snapshot_every_s)
     last_snapshot = [time.monotonic()]
     reference = None  # the float model's hidden states, for --float-target
-    if options.float_target and (stats_file is not None or options.method != "gptq"):
-        raise UsageError("--float-target goes with --method gptq and --data (it runs the float model beside the quantized one)")
     if stats_file is None:
         snap = work.load_hidden() if work is not None and work.resumed else None
         if snap is not None and options.float_target:

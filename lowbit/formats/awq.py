@@ -21,8 +21,7 @@ from pathlib import Path
 import torch
 
 from lowbit.errors import LowbitError
-from lowbit.formats.checkpoint import Checkpoint, keep_the_rest_dense, packed_modules, packed_settings, read_safetensors
-from lowbit.formats.hf_files import read_config
+from lowbit.formats.checkpoint import Checkpoint, keep_the_rest_dense, packed_config, packed_modules, read_safetensors
 from lowbit.formats.gptq import codes_of, fits_float16, zeros_of
 from lowbit.formats.int32pack import AWQ_ORDER, pack_last, unpack_last
 from lowbit.quant.packing import pack_bits
@@ -72,16 +71,8 @@ def quantization_config(group: int) -> dict:
 # ---------------------------------------------------------------- import
 
 
-def awq_settings(directory: Path) -> dict | None:
-    return packed_settings(directory, "awq", "quant_config.json", ("w_bit", "q_group_size"))
-
-
 def read_awq(directory: Path) -> Checkpoint:
-    config = read_config(directory)
-    settings = awq_settings(directory)
-    if settings is None:
-        raise LowbitError(f"{directory}: no AWQ quantization_config or quant_config.json")
-    config.pop("quantization_config", None)
+    config, settings = packed_config(directory, "awq", "quant_config.json", ("w_bit", "q_group_size"), "AWQ")
     version = str(settings.get("version", "gemm")).lower()
     if version != "gemm":
         raise LowbitError(f"{directory}: lowbit imports AWQ version 'gemm', not '{version}'")

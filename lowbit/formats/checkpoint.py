@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 from lowbit.errors import LowbitError
 from lowbit.formats.hf_files import read_config, read_json, weight_files
+from lowbit.formats.native import load_native
 from lowbit.quant.qtensor import QTensor
 
 # Files a model directory carries besides its weights; copied verbatim between directory formats.
@@ -94,8 +95,6 @@ def read_hf(directory: Path) -> Checkpoint:
 
 
 def read_native(directory: Path) -> Checkpoint:
-    from lowbit.formats.native import load_native
-
     ckpt = load_native(directory)
     config = dict(ckpt.config)
     config.pop("quantization_config", None)
@@ -133,6 +132,17 @@ def packed_settings(directory: Path, method: str, side_file: str, marker_keys: t
     if isinstance(qc, dict) and any(key in qc for key in marker_keys):
         return qc
     return None
+
+
+def packed_config(directory: Path, method: str, side_file: str, marker_keys: tuple[str, ...], name: str) -> tuple[dict, dict]:
+    """(config.json without its quantization_config, the settings `packed_settings` finds) of an
+    int32-packed checkpoint; one LowbitError line when neither file says it is `name` (GPTQ, AWQ)."""
+    config = read_config(directory)
+    settings = packed_settings(directory, method, side_file, marker_keys)
+    if settings is None:
+        raise LowbitError(f"{directory}: no {name} quantization_config or {side_file}")
+    config.pop("quantization_config", None)
+    return config, settings
 
 
 def packed_modules(directory: Path, tensors: dict[str, torch.Tensor], parts: tuple[str, ...], used: set[str]):

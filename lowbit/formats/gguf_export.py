@@ -23,12 +23,12 @@ from lowbit.errors import LowbitError, UsageError
 from lowbit.formats.checkpoint import Checkpoint
 from lowbit.formats.gguf_arch import _GLOBAL, _LLAMA_BLOCK, llama3_rope_divisors, permute_qk
 from lowbit.formats.gguf_blocks import exact_gguf_type, gguf_spec, to_gguf_bytes
-from lowbit.formats.gguf_q4k import QK_K, quantize_q4_k
+from lowbit.formats.gguf_tokenizer import _PRE_TOKENIZERS
+from lowbit.formats.gguf_q4k import QK_K, dequantize_q4_k, quantize_q4_k
 from lowbit.formats.hf_files import read_json
 from lowbit.formats.requant import LayerChange, dequantized, refuse_unless_allowed, source_label
-from lowbit.quant.rtn import tensor_relative_error
 from lowbit.quant.qtensor import QTensor
-from lowbit.quant.rtn import quantize_rtn
+from lowbit.quant.rtn import quantize_rtn, tensor_relative_error
 
 GGUF_TYPES = ("bf16", "q8_0", "q4_0", "q4_k", "mxfp4")
 _ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -95,8 +95,6 @@ def _encode(value: torch.Tensor | QTensor, gtype: str, exact: bool) -> tuple[np.
         w = dequantized(value).bfloat16()
         return w.view(torch.uint8).numpy(), w.float()
     if gtype == "Q4_K":
-        from lowbit.formats.gguf_q4k import dequantize_q4_k
-
         raw = quantize_q4_k(dequantized(value))
         return raw, dequantize_q4_k(raw, tuple(value.shape))
     qt = value if exact else quantize_rtn(dequantized(value), gguf_spec(gtype))
@@ -111,7 +109,7 @@ def write_gguf(
     progress=None,
 ) -> tuple[list[LayerChange], list[str]]:
     """Write `ckpt` as a GGUF file at `out_path` (a temporary path: the caller renames it)."""
-    import gguf
+    import gguf  # late: the gguf package is slow to import and only --to gguf needs it
 
     config = ckpt.config
     model_type = config.get("model_type")
@@ -243,7 +241,7 @@ def _write_metadata(writer, ckpt: Checkpoint, arch: str, plan: dict) -> list[str
         writer.add_value_length(head_dim)
     scaling = _rope_scaling(config)
     if scaling and (scaling.get("rope_type") or scaling.get("type")) == "linear":
-        import gguf
+        import gguf  # late: the gguf package is slow to import and only --to gguf needs it
 
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(scaling["factor"]))
@@ -276,8 +274,6 @@ _PRE_ORDER = ("smollm", "gpt2", "llama-bpe", "qwen2", "default")
 
 
 def _detect_pre(tokenizer: dict) -> tuple[str, str | None]:
-    from lowbit.formats.gguf_tokenizer import _PRE_TOKENIZERS
-
     pre = tokenizer.get("pre_tokenizer") or {}
     items = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
     regexes = [p["pattern"]["Regex"] for p in items if p.get("type") == "Split" and "Regex" in p.get("pattern", {})]
@@ -292,7 +288,7 @@ def _detect_pre(tokenizer: dict) -> tuple[str, str | None]:
 
 
 def _write_tokenizer(writer, ckpt: Checkpoint, vocab_size: int) -> list[str]:
-    import gguf
+    import gguf  # late: the gguf package is slow to import and only --to gguf needs it
 
     notes: list[str] = []
     src = ckpt.source_dir

@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 
 from lowbit.errors import LowbitError
-from lowbit.formats.checkpoint import Checkpoint, keep_the_rest_dense, packed_modules, packed_settings, read_safetensors
-from lowbit.formats.hf_files import read_config
+from lowbit.formats.checkpoint import Checkpoint, keep_the_rest_dense, packed_config, packed_modules, read_safetensors
 from lowbit.formats.int32pack import pack_last, unpack_last
 from lowbit.quant.packing import pack_bits
 from lowbit.quant.qtensor import QTensor
+from lowbit.quant.registry import get_format
 from lowbit.quant.spec import FormatSpec, parse_spec
 
 BITS = (2, 4, 8)
@@ -79,8 +79,6 @@ def fit_v1_zeros(qt: QTensor) -> QTensor:
     """Move a requantized asymmetric group with zero 0 to zero 1 (codes shift up, 15 clips)."""
     if qt.spec.symmetric or not bool((qt.zeros == 0).any()):
         return qt
-    from lowbit.quant.registry import get_format
-
     fmt = get_format(qt.spec)
     n, k = qt.shape
     codes = fmt.unpack(qt.qweight, qt.spec, k).to(torch.int16)
@@ -93,8 +91,6 @@ def fit_v1_zeros(qt: QTensor) -> QTensor:
 
 
 def codes_of(qt: QTensor) -> torch.Tensor:
-    from lowbit.quant.registry import get_format
-
     return get_format(qt.spec).unpack(qt.qweight, qt.spec, qt.shape[1])
 
 
@@ -130,16 +126,8 @@ def quantize_config(scheme: tuple[int, int, bool]) -> dict:
 # ---------------------------------------------------------------- import
 
 
-def gptq_settings(directory: Path) -> dict | None:
-    return packed_settings(directory, "gptq", "quantize_config.json", ("bits",))
-
-
 def read_gptq(directory: Path) -> Checkpoint:
-    config = read_config(directory)
-    settings = gptq_settings(directory)
-    if settings is None:
-        raise LowbitError(f"{directory}: no GPTQ quantization_config or quantize_config.json")
-    config.pop("quantization_config", None)
+    config, settings = packed_config(directory, "gptq", "quantize_config.json", ("bits",), "GPTQ")
     bits = int(settings.get("bits", 4))
     group = int(settings.get("group_size", 128))
     v2 = str(settings.get("checkpoint_format", "gptq")).lower() == "gptq_v2"

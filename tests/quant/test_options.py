@@ -48,3 +48,27 @@ def test_record_lists_what_was_asked_for():
 def test_options_are_frozen():
     with pytest.raises(AttributeError):
         GptqOptions().refit = 3
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"scale_rule": 3}, "mixed.yaml rule 1: option scale_rule must be a string, got 3"),
+    ({"double_quant": "yes"}, "mixed.yaml rule 1: option double_quant must be a boolean, got 'yes'"),
+    ({"scale": "absmax"}, "mixed.yaml rule 1: options must be a mapping with keys among double_quant, scale_dtype, scale_rule"),
+    (["absmax"], "mixed.yaml rule 1: options must be a mapping"),
+])
+def test_a_bad_recipe_option_names_the_rule(options, message):
+    from lowbit.compress.recipe import parse_recipe
+
+    with pytest.raises(UsageError, match=re.escape(message)) as info:
+        parse_recipe([{"pattern": "*", "format": "int4", "options": options}], "mixed.yaml")
+    assert "\n" not in str(info.value)
+
+
+def test_recipe_options_become_spec_keywords():
+    from lowbit.compress.options import SpecOptions
+    from lowbit.compress.recipe import parse_recipe
+    from lowbit.quant.spec import parse_spec
+
+    rule = parse_recipe([{"pattern": "*", "format": "int4", "group_size": 64, "options": {"scale_rule": "absmax"}}]).rules[0]
+    assert rule.spec == parse_spec("int4", 64, scale_rule="absmax")
+    assert SpecOptions(scale_dtype="bfloat16", double_quant=False).keywords() == {"scale_dtype": "bfloat16", "double_quant": False}
