@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from lowbit.cli.common import console, print_json
+from lowbit.cli.common import console, print_json, status
 from lowbit.cli.kernel_options import INT4_ACTIVATIONS_OPTION, KERNEL_OPTION, kernel_line, kernel_settings, kernel_summary
 from lowbit.cli.main import app
 from lowbit.errors import UsageError
@@ -24,7 +24,9 @@ def bench(
     prefill_tokens: int = typer.Option(512, "--prefill-tokens", help="Prompt length of the prefill run."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
     kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="Quantized KV cache: int8 or fp8."),
-    kv_memory_mib: Optional[int] = typer.Option(None, "--kv-memory", help="KV cache size in MiB (default: a share of free memory)."),
+    kv_memory_size: Optional[str] = typer.Option(
+        None, "--kv-memory", help="KV cache size, e.g. 512MiB, 2GiB or 1.5GB (no unit: bytes; at least 1MiB, at most "
+        "the memory free; default: a share of free memory)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's)."),
     kernel: Optional[str] = KERNEL_OPTION,
     int4_activations: Optional[str] = INT4_ACTIVATIONS_OPTION,
@@ -50,13 +52,30 @@ def bench(
         raise UsageError(f"--batches must be comma-separated integers, got '{batches}'") from None
     if not sizes or min(sizes) < 1:
         raise UsageError("--batches needs positive batch sizes")
-    kv_memory = kv_memory_mib << 20 if kv_memory_mib else None
+    from lowbit.cli.sizes import MIB, check_memory, check_positions, model_positions, parse_size
+
+    for name, value in (("--prompt-tokens", prompt_tokens), ("--gen-tokens", gen_tokens), ("--prefill-tokens", prefill_tokens)):
+        if value < 1:
+            raise UsageError(f"{name} must be >= 1, got {value}")
+    # the shared size syntax (lowbit/cli/sizes.py): a bare number is bytes now, and 1MiB the least, so an
+    # old `--kv-memory 512` (MiB) is an error rather than a 512-byte cache
+    kv_memory = parse_size(kv_memory_size, "--kv-memory", minimum=MIB) if kv_memory_size else None
+    # every length against the model before it loads (the engine would clamp the prefill silently)
+    limit = model_positions(model)
+    check_positions("--gen-tokens", prompt_tokens + gen_tokens, limit,
+                    spelled=f"--prompt-tokens {prompt_tokens} + --gen-tokens {gen_tokens}")
+    check_positions("--prefill-tokens", prefill_tokens + 2, limit,
+                    spelled=f"--prefill-tokens {prefill_tokens} (+ 2 generated tokens)")
+    if kv_memory is not None:
+        # with --draft a second engine holds a cache of the same size
+        check_memory("--kv-memory", kv_memory_size if not draft else f"{kv_memory_size} (twice, with --draft)",
+                     kv_memory * (2 if draft else 1))
     common = dict(dtype=dtype, kv_dtype=kv_dtype, kv_memory=kv_memory, max_num_seqs=max(sizes))
-    with console.status("loading"), use_settings(settings):
+    with status("loading"), use_settings(settings):
         engine = Engine(model, **common)
         spec_engine = Engine(model, draft=draft, num_speculative_tokens=num_speculative_tokens, **common) if draft else None
         kernels = kernel_summary(engine.model)
-    with console.status("measuring"):
+    with status("measuring"):
         result = run_bench(engine, sizes, prompt_tokens, gen_tokens, prefill_tokens, spec_engine)
     result["kernels"] = kernels
     if json_out:

@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from lowbit.cli.common import console, print_json, progress
+from lowbit.cli.common import console, print_json, progress, status
 from lowbit.cli.main import app
 
 
@@ -18,7 +18,8 @@ def calibrate_command(
     model: str = typer.Argument(..., help="Float model: demo name (smollm2-135m), local directory, or hub id."),
     data: str = typer.Option(..., "--data", help="Calibration text: demo name (wiki-calib, shakespeare) or a UTF-8 file."),
     samples: int = typer.Option(128, "--samples", help="Number of token windows drawn from the text (without overlap)."),
-    seqlen: int = typer.Option(2048, "--seqlen", help="Tokens per window (BOS included when the tokenizer adds one)."),
+    seqlen: int = typer.Option(2048, "--seqlen", help="Tokens per window (BOS included when the tokenizer adds one; at "
+                               "most the model's max_position_embeddings; --samples x --seqlen must fit in memory)."),
     seed: int = typer.Option(0, "--seed", help="Seed that picks the windows; same seed and inputs give the same bytes."),
     sink_weight: Optional[float] = typer.Option(
         None, "--sink-weight", metavar="W",
@@ -40,8 +41,14 @@ def calibrate_command(
         torch.set_num_threads(threads)
     from pathlib import Path
 
-    check_output_path(Path(output), overwrite)
-    with console.status("loading model and text"):
+    check_output_path(Path(output), overwrite, directory=False)
+    from lowbit.compress.pipeline import check_calibration_windows
+    from lowbit.formats.hf_files import model_dir, read_config
+    from lowbit.formats.resolve import resolve_model
+
+    # from config.json alone, before the text is read or any activation allocated
+    check_calibration_windows(read_config(model_dir(resolve_model(model))), samples, seqlen, sink_weight=sink_weight)
+    with status("loading model and text"):
         inputs = prepare_calibration(model, data, samples=samples, seqlen=seqlen, seed=seed, sink_weight=sink_weight)
     with progress() as bar:
         task = bar.add_task("calibrate", total=inputs.model.num_layers, info="")

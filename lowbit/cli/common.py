@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
+import time
+from dataclasses import dataclass
 from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-# Human-facing output goes to stderr so stdout stays clean for --json and pipelines.
-console = Console(stderr=True, highlight=False)
-
+# Human-facing output goes to stderr so stdout stays clean for --json and pipelines. Lines are never
+# wrapped at 80 columns when stderr is a log file: a wrapped path or number cannot be grepped.
+console = Console(stderr=True, highlight=False, soft_wrap=True)
+if not console.is_terminal:
+    console.width = 1000  # tables in a log take the width their cells need, not 80 columns
 
 def print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, default=_jsonable) + "\n")
@@ -26,8 +32,12 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
-def progress(transient: bool = False, disable: bool = False) -> Progress:
-    """A rich progress bar on stderr: description, bar, n/m, elapsed, remaining, and a free-text field."""
+def progress(transient: bool = False, disable: bool = False) -> Progress | LineProgress:
+    """Progress on stderr: on a terminal a rich bar (description, bar, n/m, elapsed, remaining, and a
+    free-text field); in a log or pipe plain lines instead (LineProgress), since a bar there prints
+    nothing. `disable` turns off the terminal bar only: a log still gets its lines."""
+    if not console.is_terminal:
+        return LineProgress()
     return Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -39,3 +49,69 @@ def progress(transient: bool = False, disable: bool = False) -> Progress:
         transient=transient,
         disable=disable,
     )
+
+
+def status(text: str) -> contextlib.AbstractContextManager:
+    """A spinner on a terminal; nothing in a log, so that a failed start leaves just its one error line."""
+    return console.status(text) if console.is_terminal else contextlib.nullcontext()
+
+
+def _line(text: str) -> None:
+    sys.stderr.write(f"lowbit: {text}\n")
+    sys.stderr.flush()
+
+
+@dataclass(slots=True)
+class _Task:
+    description: str
+    total: float | None
+    completed: float = 0
+    info: str = ""
+    printed: tuple = ()
+
+
+class LineProgress:
+    """The plain-line stand-in for rich's Progress (the part of its API the commands use): a line
+    `lowbit: DESCRIPTION DONE/TOTAL INFO (ELAPSED s)` when a task starts, at most every
+    LOWBIT_PROGRESS_EVERY seconds (default 10) while it runs, and its last state at the end."""
+
+    def __init__(self, every_s: float | None = None):
+        self.every_s = float(os.environ.get("LOWBIT_PROGRESS_EVERY", "10")) if every_s is None else every_s
+        self.tasks: list[_Task] = []
+        self.started = self.last = time.monotonic()
+
+    def __enter__(self) -> LineProgress:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            for task in self.tasks:
+                self._print(task)
+
+    def add_task(self, description: str, total: float | None = None, info: str = "", **_) -> int:
+        self.tasks.append(_Task(description, total, info=info))
+        return len(self.tasks) - 1
+
+    def update(self, task_id: int, *, completed: float | None = None, total: float | None = None,
+               advance: float | None = None, info: str | None = None, **_) -> None:
+        task = self.tasks[task_id]
+        if total is not None:
+            task.total = total
+        if completed is not None:
+            task.completed = completed
+        if advance is not None:
+            task.completed += advance
+        if info is not None:
+            task.info = info
+        if not task.printed or time.monotonic() - self.last >= self.every_s or (task.total is not None and task.completed >= task.total):
+            self._print(task)
+
+    def _print(self, task: _Task) -> None:
+        state = (task.completed, task.total, task.info)
+        if state == task.printed:
+            return  # the end state was already the last line
+        task.printed = state
+        self.last = time.monotonic()
+        count = f"{task.completed:g}" + ("" if task.total is None else f"/{task.total:g}")
+        info = f" {task.info}" if task.info else ""
+        _line(f"{task.description} {count}{info} ({self.last - self.started:.0f} s)")

@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from lowbit.cli.common import console, print_json, progress
+from lowbit.cli.common import console, print_json, progress, status
 from lowbit.cli.kernel_options import INT4_ACTIVATIONS_OPTION, KERNEL_OPTION, kernel_line, kernel_settings, kernel_summary
 from lowbit.cli.main import app
 
@@ -35,7 +35,7 @@ def eval_command(
 
     settings = kernel_settings(kernel, int4_activations)
     with use_settings(settings):
-        with console.status("loading model and text"):
+        with status("loading model and text"):
             job = prepare(model, data, ctx=ctx, chunks=chunks, stride=stride, base=base, dtype=dtype)
         kernels = kernel_summary(job.model)
     with progress() as bar:

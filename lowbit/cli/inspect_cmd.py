@@ -8,13 +8,13 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from lowbit.cli.common import console, print_json
+from lowbit.cli.common import console, print_json, status
 from lowbit.cli.main import app
 
 
 @app.command("inspect")
 def inspect_command(
-    checkpoint: Path = typer.Argument(..., metavar="CKPT", help="A lowbit quantized checkpoint directory."),
+    checkpoint: Path = typer.Argument(..., metavar="CKPT", help="A lowbit quantized checkpoint: directory, demo name or hub id."),
     base: Optional[str] = typer.Option(
         None, "--base",
         help="The float model CKPT was made from (demo name, directory or hub id): adds each layer's relative "
@@ -26,7 +26,7 @@ def inspect_command(
     """Per-layer format, shape, group, bits/weight (scales included) and bytes; totals against bf16."""
     from lowbit.compress.checkpoint_report import inspect_checkpoint
 
-    with console.status("reading checkpoint"):
+    with status("reading checkpoint"):
         report = inspect_checkpoint(checkpoint, base)
     if as_json:
         print_json(report.to_dict())

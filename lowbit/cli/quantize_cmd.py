@@ -27,7 +27,8 @@ def quantize_command(
     ),
     group_size: Optional[int] = typer.Option(
         None, "--group-size", "-g",
-        help="Columns per scale group for --format (e.g. 32, 64, 128; -1 = one scale per output channel). "
+        help="Columns per scale group for --format (e.g. 32, 64, 128; -1 = one scale per output channel; a group "
+        "need not divide the columns, the last one is narrower). "
         "Default: the format's own (int4 128, nf4 64, mxfp4 32, nvfp4 16, int8/fp8 per channel).",
     ),
     method: str = typer.Option(
@@ -44,7 +45,8 @@ def quantize_command(
         "of the already-quantized layers below it.",
     ),
     samples: int = typer.Option(128, "--samples", help="With --data: calibration sequences."),
-    seqlen: int = typer.Option(2048, "--seqlen", help="With --data: tokens per calibration sequence."),
+    seqlen: int = typer.Option(2048, "--seqlen", help="With --data: tokens per calibration sequence (at most the "
+                               "model's max_position_embeddings; --samples x --seqlen must fit in memory)."),
     seed: int = typer.Option(0, "--seed", help="With --data: seed that picks the calibration sequences."),
     sink_weight: Optional[float] = typer.Option(
         None, "--sink-weight", metavar="W",
@@ -97,12 +99,17 @@ def quantize_command(
     from lowbit.compress.pipeline import quantize_model
     from lowbit.compress.recipe import Recipe, load_recipe, single_format
     from lowbit.compress.workdir import work_dir_for
+    from lowbit.formats.atomic import check_output_path
     from lowbit.quant.spec import parse_spec
 
     if fmt is None and recipe is None:
         raise UsageError("give --format F (or a --recipe FILE)")
+    check_output_path(output, overwrite)  # before the work folder is named after it, and before any loading
     if group_size is not None and fmt is None:
         raise UsageError("--group-size applies to --format; put group_size in the recipe's rules instead")
+    if group_size is not None and (group_size == 0 or group_size < -1):
+        # 0 and the other negatives used to mean per-channel silently; only -1 is documented to
+        raise UsageError(f"--group-size must be -1 (one scale per output channel) or a positive group size, got {group_size}")
     rules = load_recipe(recipe).rules if recipe is not None else ()
     if fmt is not None:
         rules = rules + single_format(parse_spec(fmt, group_size)).rules

@@ -436,7 +436,7 @@ def calibrate(
     Progress is kept per layer beside the output; rerunning after a kill resumes. Returns a summary.
     """
     output = Path(output)
-    check_output_path(output, overwrite)
+    check_output_path(output, overwrite, directory=False)
     lm = inputs.model
     identity = lm.identity()
     settings = calibration_settings(inputs)

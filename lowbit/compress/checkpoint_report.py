@@ -97,11 +97,13 @@ def group_label(spec) -> str:
 
 
 def inspect_checkpoint(path: str | os.PathLike, base: str | os.PathLike | None = None) -> InspectReport:
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise LowbitError(f"checkpoint not found: {path}")
+    name = str(path)
+    path = resolve_model(path)  # demo names and hub ids too, like every other command's model argument
     if not is_native(path):
-        raise LowbitError(f"{path} is not a lowbit quantized checkpoint (convert other formats with `lowbit convert --to native`)")
+        if path.is_dir() and (path / "config.json").is_file() and list(path.glob("*.safetensors")):
+            raise LowbitError(f"{name} is a float checkpoint: no quantized layers to inspect "
+                              f"(make one with `lowbit quantize {name} --format int4 -o OUT`)")
+        raise LowbitError(f"{name} is not a lowbit quantized checkpoint (convert other formats with `lowbit convert --to native`)")
     reader = NativeReader(path)
     source = _base_tensors(base) if base is not None else None
     rows = []

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import os
 import shutil
 from pathlib import Path
@@ -46,6 +47,10 @@ class WorkDir:
         self.path.mkdir(parents=True, exist_ok=True)
         if not self.resumed:
             _write_text(manifest, json.dumps(self.fingerprint, sort_keys=True, indent=1))
+        elif self.finished_layers():
+            # Said at the start, so a log shows why this run is quicker than the last (and from where).
+            print(f"lowbit: resuming from {self.path}: {self.finished_layers()} layer(s) already done",
+                  file=sys.stderr, flush=True)
 
     def _layer_path(self, index: int) -> Path:
         return self.path / f"layer-{index:05d}.safetensors"

@@ -97,7 +97,7 @@ def convert(
     target = parse_target(to)
     if gguf_type is not None and target != "gguf":
         raise UsageError("--gguf-type applies only to --to gguf")
-    check_output_path(output, overwrite)
+    check_output_path(output, overwrite, directory=target != "gguf")
     kind = detect_checkpoint_kind(source)
     started = time.perf_counter()
     result = ConvertResult(input=source, input_format=kind, output=output, target=target)

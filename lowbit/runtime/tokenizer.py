@@ -111,6 +111,8 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     from tokenizers import Tokenizer as Backend
 
     path = Path(path).expanduser()
+    if path.is_file() and _is_gguf(path):
+        return _gguf_tokenizer(path)
     file = path / "tokenizer.json"
     if not file.is_file():
         raise LowbitError(f"no tokenizer.json in {path}")
@@ -125,3 +127,24 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     eos = read_json(path / "generation_config.json", missing={}).get("eos_token_id")
     extra_eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
     return Tokenizer(backend, config, _chat_template(path, config), [int(i) for i in extra_eos])
+
+
+def _is_gguf(path: Path) -> bool:
+    with path.open("rb") as fh:
+        return fh.read(4) == b"GGUF"
+
+
+def _gguf_tokenizer(path: Path) -> Tokenizer:
+    """The tokenizer a GGUF file carries in its metadata, built the way `lowbit convert` writes it, so
+    `eval`/`generate`/`serve` take a .gguf directly and tokenize exactly as its converted directory."""
+    import tempfile
+
+    from lowbit.formats.gguf_reader import open_gguf
+    from lowbit.formats.gguf_tokenizer import end_of_generation_ids, write_tokenizer_files
+
+    gguf = open_gguf(path)
+    with tempfile.TemporaryDirectory(prefix="lowbit-gguf-tokenizer-") as tmp:
+        write_tokenizer_files(gguf, Path(tmp))
+        eos = end_of_generation_ids(gguf)
+        (Path(tmp) / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+        return load_tokenizer(tmp)

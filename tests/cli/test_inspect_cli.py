@@ -59,7 +59,7 @@ def test_inspect_table_without_base(mixed, run_cli):
 def test_inspect_errors(mixed, tmp_path, run_cli):
     src, ckpt = mixed
     code, _, err = run_cli(["inspect", str(src)])
-    assert code == 1 and "not a lowbit quantized checkpoint" in err and err.count("\n") == 1
+    assert code == 1 and "is a float checkpoint: no quantized layers" in err and err.count("\n") == 1
     code, _, err = run_cli(["inspect", str(tmp_path / "nothing")])
     assert code == 1 and "not found" in err
     code, _, err = run_cli(["inspect", str(ckpt), "--base", str(ckpt)])

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from lowbit.errors import UsageError
+from lowbit.errors import LowbitError, UsageError
 from lowbit.kernels.cpu_f32 import use_invariant_linears
 from lowbit.runtime.engine.block_manager import BlockManager
 from lowbit.runtime.engine.detokenizer import IncrementalDetokenizer
@@ -117,13 +117,13 @@ class Engine:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         path = resolve_model(model)
         self.model_path = path
+        self.tokenizer = load_tokenizer(path)  # first: a missing or bad tokenizer fails before seconds of loading
         self.model = load_model(path, self.dtype, self.device)
         fuse_projections(self.model)  # q/k/v and gate/up as one matmul where exact (int4dot weights)
         if self.device.type == "cpu" and self.dtype is torch.float32:
             # batch-invariant float32 Linears: a verify of 1 + k rows computes each row as a plain step does
             use_invariant_linears(self.model)
         self.config = self.model.config
-        self.tokenizer = load_tokenizer(path)
         if num_speculative_tokens < 1:
             raise UsageError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         self.num_speculative_tokens = num_speculative_tokens
@@ -310,6 +310,10 @@ class Engine:
             tokens = seq.token_ids[item.start : item.start + item.num_new_tokens - len(d)] + d
             works.append(Work(seq.block_table, item.start, tokens, (1 + len(d)) if item.samples else 0))
         logits = self.runner.run(works)
+        if logits is not None and not bool(torch.isfinite(logits).all()):
+            # argmax over NaN is token 0 and sampling is undefined: never emit text from such logits
+            raise LowbitError(f"{self.model_path}: the model's logits hold NaN or inf (corrupt weights, or "
+                              f"activations that overflow {str(self.dtype).removeprefix('torch.')})")
 
         result: list[list[int]] = [[] for _ in items]
         logprobs: list[list] = [[] for _ in items]
