@@ -176,9 +176,9 @@ do_bench() {
     [[ -d "$WORK/int4" ]] || lowbit quantize "$MODEL" --format int4 -o "$WORK/int4" --overwrite --json > /dev/null
     # lowbit bench has no --device option: its engine takes CUDA when torch sees a GPU, else the CPU
     if (( DRY )); then
-        local args=(--batches 1,2,4 --gen-tokens 4 --prompt-tokens 8 --prefill-tokens 32 --kv-memory 16)
+        local args=(--batches 1,2,4 --gen-tokens 4 --prompt-tokens 8 --prefill-tokens 32 --kv-memory 16MiB)
     else
-        local args=(--batches 1,2,4,8,16,32,64 --gen-tokens 32 --prompt-tokens 32 --prefill-tokens 512 --kv-memory 4096)
+        local args=(--batches 1,2,4,8,16,32,64 --gen-tokens 32 --prompt-tokens 32 --prefill-tokens 512 --kv-memory 4096MiB)
     fi
     lowbit bench "$WORK/int4" "${args[@]}" --dtype bfloat16 --json > "$WORK/bench_int4.json" || true
     lowbit bench "$MODEL" "${args[@]}" --dtype bfloat16 --json > "$WORK/bench_bf16.json" || true

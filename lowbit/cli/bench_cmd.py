@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from lowbit.cli.common import console, print_json, status
+from lowbit.cli.common import THREADS_OPTION, apply_threads, console, print_json, status
 from lowbit.cli.kernel_options import INT4_ACTIVATIONS_OPTION, KERNEL_OPTION, kernel_line, kernel_settings, kernel_summary
 from lowbit.cli.main import app
 from lowbit.errors import UsageError
@@ -22,12 +22,12 @@ def bench(
     prompt_tokens: int = typer.Option(32, "--prompt-tokens", help="Prompt length of the decode runs."),
     gen_tokens: int = typer.Option(64, "--gen-tokens", help="Tokens generated per request."),
     prefill_tokens: int = typer.Option(512, "--prefill-tokens", help="Prompt length of the prefill run."),
-    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    dtype: str = typer.Option("f32", "--dtype", help="Compute dtype: f32 (default), bf16 or f16 (float32, bfloat16, float16 mean the same)."),
     kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="Quantized KV cache: int8 or fp8."),
     kv_memory_size: Optional[str] = typer.Option(
         None, "--kv-memory", help="KV cache size, e.g. 512MiB, 2GiB or 1.5GB (no unit: bytes; at least 1MiB, at most "
         "the memory free; default: a share of free memory)."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's)."),
+    threads: Optional[int] = THREADS_OPTION,
     kernel: Optional[str] = KERNEL_OPTION,
     int4_activations: Optional[str] = INT4_ACTIVATIONS_OPTION,
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
@@ -35,17 +35,13 @@ def bench(
     """Measure prefill tok/s, decode tok/s per batch size, TTFT, inter-token latency, weight
     bandwidth against the measured streaming bandwidth, memory; with --draft, the speedup. --json
     also reports the kernel path of each quantized layer ("kernels")."""
-    import torch
 
     from lowbit.kernels.dispatch import use_settings
     from lowbit.runtime.engine.benchmark import run_bench
     from lowbit.runtime.engine.engine import Engine
 
     settings = kernel_settings(kernel, int4_activations)
-    if threads is not None:
-        if threads < 1:
-            raise UsageError(f"--threads must be >= 1, got {threads}")
-        torch.set_num_threads(threads)
+    apply_threads(threads)
     try:
         sizes = tuple(int(b) for b in batches.split(","))
     except ValueError:

@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from lowbit.cli.common import console, print_json, progress, status
+from lowbit.cli.common import THREADS_OPTION, apply_threads, console, print_json, progress, status
 from lowbit.cli.main import app
 
 
@@ -27,18 +27,16 @@ def calibrate_command(
     ),
     output: str = typer.Option(..., "-o", "--output", help="STATS file to write (safetensors); reusable by any `lowbit quantize`."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output file."),
-    threads: int = typer.Option(0, "--threads", help="CPU threads for torch (0: torch's default)."),
+    threads: Optional[int] = THREADS_OPTION,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON summary object on stdout."),
 ) -> None:
     """Run MODEL one decoder layer at a time over calibration text and record, for every Linear
     input, the Hessian Σxxᵀ/n and the per-channel mean |x|, mean x² and max |x|. A killed run resumes when rerun."""
-    import torch
 
     from lowbit.formats.atomic import check_output_path
     from lowbit.compress.calibrate import calibrate, prepare_calibration
 
-    if threads > 0:
-        torch.set_num_threads(threads)
+    apply_threads(threads)
     from pathlib import Path
 
     check_output_path(Path(output), overwrite, directory=False)
@@ -47,7 +45,8 @@ def calibrate_command(
     from lowbit.formats.resolve import resolve_model
 
     # from config.json alone, before the text is read or any activation allocated
-    check_calibration_windows(read_config(model_dir(resolve_model(model))), samples, seqlen, sink_weight=sink_weight)
+    source = model_dir(resolve_model(model))
+    check_calibration_windows(read_config(source), samples, seqlen, sink_weight=sink_weight, name=source.name)
     with status("loading model and text"):
         inputs = prepare_calibration(model, data, samples=samples, seqlen=seqlen, seed=seed, sink_weight=sink_weight)
     with progress() as bar:

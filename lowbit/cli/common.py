@@ -10,7 +10,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import typer
 from rich.console import Console
+from lowbit.errors import UsageError
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 # Human-facing output goes to stderr so stdout stays clean for --json and pipelines. Lines are never
@@ -18,6 +20,20 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 console = Console(stderr=True, highlight=False, soft_wrap=True)
 if not console.is_terminal:
     console.width = 1000  # tables in a log take the width their cells need, not 80 columns
+
+# --threads, the same in every command that computes: unset leaves torch's default (one per core).
+THREADS_OPTION = typer.Option(None, "--threads", metavar="N", help="CPU threads for torch (default: torch's, one per core).")
+
+
+def apply_threads(threads: int | None) -> None:
+    if threads is None:
+        return
+    if threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {threads}")
+    import torch
+
+    torch.set_num_threads(threads)
+
 
 def print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, default=_jsonable) + "\n")
@@ -67,7 +83,8 @@ class _Task:
     total: float | None
     completed: float = 0
     info: str = ""
-    printed: tuple = ()
+    touched: bool = False  # a task nobody updated (a step that had no work) prints nothing
+    printed: tuple | None = None
 
 
 class LineProgress:
@@ -86,7 +103,8 @@ class LineProgress:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             for task in self.tasks:
-                self._print(task)
+                if task.touched:
+                    self._print(task)
 
     def add_task(self, description: str, total: float | None = None, info: str = "", **_) -> int:
         self.tasks.append(_Task(description, total, info=info))
@@ -95,6 +113,7 @@ class LineProgress:
     def update(self, task_id: int, *, completed: float | None = None, total: float | None = None,
                advance: float | None = None, info: str | None = None, **_) -> None:
         task = self.tasks[task_id]
+        task.touched = True
         if total is not None:
             task.total = total
         if completed is not None:
@@ -103,7 +122,7 @@ class LineProgress:
             task.completed += advance
         if info is not None:
             task.info = info
-        if not task.printed or time.monotonic() - self.last >= self.every_s or (task.total is not None and task.completed >= task.total):
+        if task.printed is None or time.monotonic() - self.last >= self.every_s or (task.total is not None and task.completed >= task.total):
             self._print(task)
 
     def _print(self, task: _Task) -> None:

@@ -36,14 +36,14 @@ def convert_command(
         help="GGUF block type for projection weights: bf16, q8_0, q4_0, q4_k or mxfp4. Default: the type that holds "
         "each weight exactly, else q4_k (q8_0 for 8-bit weights).",
     ),
-    dtype: str = typer.Option("bf16", "--dtype", help="Dense dtype for --to hf: bf16, f16 or f32."),
+    dtype: str = typer.Option("bf16", "--dtype", help="Dense dtype for --to hf: bf16 (default), f16 or f32 (bfloat16, float16, float32 mean the same)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it already exists."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout instead of a summary on stderr."),
 ) -> None:
     """Convert between lowbit's checkpoint and GGUF, GPTQ, AWQ, compressed-tensors and Hugging Face layouts."""
     from lowbit.formats.convert import convert, parse_target
     from lowbit.formats.foreign import detect_checkpoint_kind
-    from lowbit.formats.gguf_import import parse_dtype
+    from lowbit.quant.dtypes import parse_dtype
 
     parse_dtype(dtype)  # a bad --dtype is a usage error before any work
     if to is None:

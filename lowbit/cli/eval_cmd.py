@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from lowbit.cli.common import console, print_json, progress, status
+from lowbit.cli.common import THREADS_OPTION, apply_threads, console, print_json, progress, status
 from lowbit.cli.kernel_options import INT4_ACTIVATIONS_OPTION, KERNEL_OPTION, kernel_line, kernel_settings, kernel_summary
 from lowbit.cli.main import app
 
@@ -23,9 +23,10 @@ def eval_command(
     base: Optional[str] = typer.Option(
         None, "--base", help="Base model to compare against on the same chunks: adds KL divergence, same-top %, RMS Δp."
     ),
-    dtype: str = typer.Option("f32", "--dtype", help="Compute dtype: f32 (default, needed for small KLDs) or bf16."),
+    dtype: str = typer.Option("f32", "--dtype", help="Compute dtype: f32 (default, needed for small KLDs) or bf16 (float32, bfloat16 mean the same)."),
     kernel: Optional[str] = KERNEL_OPTION,
     int4_activations: Optional[str] = INT4_ACTIVATIONS_OPTION,
+    threads: Optional[int] = THREADS_OPTION,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
     """Perplexity of MODEL on a text, comparable with llama.cpp's llama-perplexity; KLD with --base.
@@ -33,6 +34,7 @@ def eval_command(
     from lowbit.kernels.dispatch import use_settings
     from lowbit.runtime.evaluate import prepare, run
 
+    apply_threads(threads)
     settings = kernel_settings(kernel, int4_activations)
     with use_settings(settings):
         with status("loading model and text"):

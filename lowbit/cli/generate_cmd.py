@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from lowbit.cli.common import console, print_json
+from lowbit.cli.common import THREADS_OPTION, apply_threads, console, print_json
 from lowbit.cli.kernel_options import INT4_ACTIVATIONS_OPTION, KERNEL_OPTION, kernel_settings
 from lowbit.cli.main import app
 from lowbit.errors import UsageError
@@ -28,7 +28,8 @@ def generate(
     prompt: Optional[str] = typer.Argument(None, help="Prompt text; '-' or omitted with a pipe: read stdin."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt as one user message in the chat template."),
     system: Optional[str] = typer.Option(None, "--system", help="System message (with --chat)."),
-    max_tokens: int = typer.Option(256, "--max-tokens", help="Most tokens to generate."),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="Most tokens to generate (prompt + this: at most the "
+                                   "model's max_position_embeddings)."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy (the default); higher samples."),
     top_p: float = typer.Option(1.0, "--top-p", help="Keep the smallest likely set with this mass (1 = off)."),
     top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off)."),
@@ -39,28 +40,28 @@ def generate(
     draft: Optional[str] = typer.Option(
         None, "--draft", help="Speculative decoding: 'ngram', 'self:int4' (quantized copy) or a draft model."),
     num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", help="Draft tokens per step (adapts)."),
-    dtype: str = typer.Option("float32", "--dtype", help="Activation/weight dtype: float32, bfloat16, float16."),
+    dtype: str = typer.Option("f32", "--dtype", help="Compute dtype: f32 (default), bf16 or f16 (float32, bfloat16, float16 mean the same)."),
     kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="Quantized KV cache: int8 or fp8."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's)."),
+    threads: Optional[int] = THREADS_OPTION,
     kernel: Optional[str] = KERNEL_OPTION,
     int4_activations: Optional[str] = INT4_ACTIVATIONS_OPTION,
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
     """Generate a completion, streaming the text to stdout as it is produced."""
-    import torch
 
     from lowbit.kernels.dispatch import use_settings
     from lowbit.runtime.engine.engine import Engine
     from lowbit.runtime.engine.sequence import SamplingParams
 
     settings = kernel_settings(kernel, int4_activations)
-    if threads is not None:
-        if threads < 1:
-            raise UsageError(f"--threads must be >= 1, got {threads}")
-        torch.set_num_threads(threads)
+    apply_threads(threads)
     text = read_prompt(prompt)
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                             repetition_penalty=repetition_penalty, seed=seed, max_tokens=max_tokens, stop=tuple(stop))
+    from lowbit.cli.sizes import check_positions, model_positions
+
+    # before the model loads: with at least one prompt token, a --max-tokens of the whole context cannot fit
+    check_positions("--max-tokens", max_tokens + 1, model_positions(model), spelled=f"--max-tokens {max_tokens} + the prompt")
     with use_settings(settings):
         engine = Engine(model, dtype=dtype, kv_dtype=kv_dtype, draft=draft, num_speculative_tokens=num_speculative_tokens,
                         max_num_seqs=1, kv_memory=None)

@@ -27,6 +27,7 @@ try:  # typer >= 0.29 ships its own copy of click; its commands raise that copy'
 except ImportError:  # pragma: no cover - older typer uses click itself
     _typer_exc = _typer_click_exc = click.exceptions
 
+from lowbit.cli import help_format
 from lowbit.errors import LowbitError
 
 app = typer.Typer(
@@ -37,6 +38,29 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
 )
+
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            number = version("lowbit")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            number = "unknown"
+        print(f"lowbit {number}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    _version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                  help="Print lowbit's version and exit."),
+    _debug: bool = typer.Option(False, "--debug",
+                                help="Print the full traceback of an error instead of its one line (also "
+                                "LOWBIT_DEBUG=1); may stand anywhere on the command line."),
+) -> None:
+    """Quantize LLMs into low-bit formats, convert checkpoints, and run them."""
+
 
 # Each subcommand lives in its own module and registers itself on `app` when imported.
 COMMAND_MODULES = [
@@ -55,6 +79,7 @@ COMMAND_MODULES = [
 
 
 def _register_commands() -> None:
+    help_format.install()
     for name in COMMAND_MODULES:
         try:
             importlib.import_module(f"lowbit.cli.{name}_cmd")

@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from lowbit.cli.common import console, print_json, progress
+from lowbit.cli.common import THREADS_OPTION, apply_threads, console, print_json, progress
 from lowbit.cli.main import app
 from lowbit.errors import UsageError
 
@@ -91,6 +91,7 @@ def quantize_command(
         False, "--quantize-head", help="Also quantize lm_head (refused when it is tied to the embeddings)."
     ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it already exists."),
+    threads: Optional[int] = THREADS_OPTION,
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object on stdout."),
 ) -> None:
     """Quantize every decoder Linear of MODEL (layer by layer) and write lowbit's native checkpoint."""
@@ -102,6 +103,7 @@ def quantize_command(
     from lowbit.formats.atomic import check_output_path
     from lowbit.quant.spec import parse_spec
 
+    apply_threads(threads)
     if fmt is None and recipe is None:
         raise UsageError("give --format F (or a --recipe FILE)")
     check_output_path(output, overwrite)  # before the work folder is named after it, and before any loading

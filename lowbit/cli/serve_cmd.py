@@ -29,16 +29,19 @@ def serve_command(
     max_running: int = typer.Option(64, "--max-running", help="Most requests decoded together in one batch."),
     max_queue: int = typer.Option(256, "--max-queue", help="Most requests waiting beyond --max-running; "
                                   "more get HTTP 429 at once."),
-    kv_memory: Optional[str] = typer.Option(None, "--kv-memory", help="Memory for the KV cache, e.g. 2GiB "
-                                            "(default: the engine's share of free memory)."),
+    kv_memory: Optional[str] = typer.Option(None, "--kv-memory", help="Memory for the KV cache, e.g. 2GiB, 512MiB "
+                                            "or 1.5GB (no unit: bytes; at least 1MiB, at most the memory free; "
+                                            "default: the engine's share of free memory)."),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Context length limit in tokens "
-                                                "(prompt + output; default: the model's)."),
-    dtype: str = typer.Option("f32", "--dtype", help="Compute dtype: f32 or bf16."),
+                                                "(prompt + output; at most the model's max_position_embeddings, "
+                                                "the default)."),
+    dtype: str = typer.Option("f32", "--dtype", help="Compute dtype: f32 (default) or bf16 (float32, bfloat16 mean the same)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for the model (default: torch's, "
                                           "one per core; 1 is faster on a machine busy with other work)."),
     kernel: Optional[str] = KERNEL_OPTION,
     int4_activations: Optional[str] = INT4_ACTIVATIONS_OPTION,
-    max_body: int = typer.Option(4 * 1024 * 1024, "--max-body-bytes", help="Largest request body accepted (413 above)."),
+    max_body_size: str = typer.Option("4MiB", "--max-body-bytes", help="Largest request body accepted, e.g. 4MiB "
+                                      "or 65536 (no unit: bytes); 413 above."),
     shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout", help="Seconds in-flight requests get to "
                                            "finish after SIGTERM before they are aborted."),
 ) -> None:
@@ -46,8 +49,10 @@ def serve_command(
     /health and /metrics. Stops cleanly on SIGTERM or Ctrl-C."""
     from lowbit.formats.resolve import resolve_model
     from lowbit.runtime.server.app import ServerConfig, serve
-    from lowbit.runtime.server.launch import engine_factory, parse_size
+    from lowbit.cli.sizes import MIB, check_memory, check_positions, model_positions, parse_size
+    from lowbit.runtime.server.launch import engine_factory
 
+    max_body = parse_size(max_body_size, "--max-body-bytes")
     for name, value in (("--max-running", max_running), ("--port", port), ("--max-body-bytes", max_body),
                         ("--threads", 1 if threads is None else threads)):
         if value < 1:
@@ -58,8 +63,15 @@ def serve_command(
         raise UsageError(f"--max-model-len must be >= 2, got {max_model_len}")
     settings = kernel_settings(kernel, int4_activations)
     key = api_key if api_key is not None else os.environ.get("LOWBIT_API_KEY") or None
+    # the shared size syntax (lowbit/cli/sizes.py); 1MiB at least, so a bare 512 meant as MiB is an error
+    kv_bytes = parse_size(kv_memory, "--kv-memory", minimum=MIB) if kv_memory else None
     path = resolve_model(model)
-    build = engine_factory(path, dtype=dtype, kv_memory=parse_size(kv_memory) if kv_memory else None,
+    # before the engine thread loads anything: the engine itself would clamp a too-long limit silently
+    if max_model_len is not None:
+        check_positions("--max-model-len", max_model_len, model_positions(str(path)))
+    if kv_bytes is not None:
+        check_memory("--kv-memory", kv_memory, kv_bytes)
+    build = engine_factory(path, dtype=dtype, kv_memory=kv_bytes,
                            max_running=max_running, max_model_len=max_model_len, draft=draft,
                            threads=threads, kernel_settings=settings)
     config = ServerConfig(model_name=served_model_name or model, host=host, port=port, api_key=key,

@@ -37,6 +37,7 @@ from lowbit.compress.recipe import Recipe, match_rules, single_format
 from lowbit.quant.registry import get_format, part_layout
 from lowbit.quant.rtn import shared_global_scale
 from lowbit.quant.spec import FormatSpec, parse_spec
+from lowbit.runtime.config import ModelConfig
 
 ProgressFn = Callable[[int, int, str], None]
 
@@ -187,12 +188,20 @@ def quantize_model(
     source_dir = _source_dir(resolve_model(model))
     config = read_config(source_dir)
     _refuse_quantized(source_dir, config)
+    # The architecture check GPTQ gets from LayerwiseModel, for every method: RTN would otherwise write
+    # a checkpoint of an architecture no lowbit command can load.
+    model_config = ModelConfig.from_dict(config)
     out = Path(out_dir).expanduser()
     _check_output(out, source_dir, overwrite)
     factory = get_method(method)
     options = method_options if method_options is not None else MethodOptions(method=method)
     if options.method != method:
         raise UsageError(f"method_options are for method {options.method}, not {method}")
+    source_windows = options.calibration
+    if source_windows is not None and source_windows.data is not None:
+        check_calibration_windows(model_config, source_windows.samples, source_windows.seqlen,
+                                  sink_weight=source_windows.sink_weight, float_target=options.gptq.float_target,
+                                  name=source_dir.name)
 
     source = SourceTensors(source_dir)
     linears = _linear_modules(source, quantize_head)
@@ -260,6 +269,57 @@ def quantize_model(
 
 # ---------------------------------------------------------------------------------------------
 # checks and planning (all before anything is written)
+
+
+def check_calibration_windows(config: ModelConfig | dict, samples: int, seqlen: int, *, sink_weight: float | None = None,
+                              float_target: bool = False, available: int | None = None, name: str = "the model") -> None:
+    """Refuse calibration windows the model cannot take or this machine cannot hold, before the text
+    is read or any activation allocated (`lowbit quantize --data` and `lowbit calibrate`).
+
+    Windows longer than max_position_embeddings calibrate positions the model never saw (and their
+    attention is quadratic); `calibration_bytes` of activations beyond the memory available (psutil)
+    would end in swapping or the OOM killer after minutes of work. `available` overrides psutil;
+    `name` is the model as the error names it."""
+    from lowbit.compress.calibrate import first_token_weight
+
+    config = config if isinstance(config, ModelConfig) else ModelConfig.from_dict(config)
+    first_token_weight(seqlen, sink_weight)  # its range error first, as when the windows are cut
+    if samples < 1:
+        raise UsageError(f"--samples must be at least 1, got {samples}")
+    if seqlen < 2:
+        raise UsageError(f"--seqlen must be at least 2, got {seqlen}")
+    limit = config.max_position_embeddings
+    if seqlen > limit:
+        raise UsageError(f"--seqlen {seqlen} is more than {name}'s {limit} positions (max_position_embeddings)")
+    need = calibration_bytes(config, samples, seqlen, float_target=float_target)
+    if available is None:
+        import psutil
+
+        available = int(psutil.virtual_memory().available)
+    if need > available:
+        raise UsageError(f"--samples {samples} x --seqlen {seqlen} needs about {need / 2**30:.1f} GiB for the calibration "
+                         f"activations, more than the {available / 2**30:.1f} GiB of memory available; use fewer or shorter samples")
+
+
+def calibration_bytes(config: ModelConfig, samples: int, seqlen: int, *, float_target: bool = False) -> int:
+    """About what a calibration run over samples x seqlen tokens holds at once (compress/calibrate.py):
+    the token ids, the hidden states [S, T, D] of every window (twice with float_target: the float
+    model's stream beside them), one batch of a layer's activations and one layer's weights (float32,
+    plus the 16-bit copy the passes run). Attention scores are left out (SDPA's fused kernels never hold
+    them; a masked sliding window may), so this is a floor, not a bound: refusing a run that would fit
+    is worse than letting one through that swaps."""
+    from lowbit.compress.calibrate import DEFAULT_BATCH_TOKENS
+
+    d, i = config.hidden_size, config.intermediate_size
+    stored = str(config.raw.get("torch_dtype") or config.raw.get("dtype") or "bfloat16")
+    width = 4 if stored in ("float32", "float64") else 2  # LayerwiseModel runs in the stored width
+    tokens = samples * seqlen
+    hidden = tokens * d * width * (2 if float_target else 1)
+    batch = min(samples, max(1, DEFAULT_BATCH_TOKENS // seqlen)) * seqlen
+    activations = batch * (4 * d + 3 * i) * 4
+    attn = config.num_attention_heads * config.head_dim + 2 * config.num_key_value_heads * config.head_dim
+    layer = (d * attn + config.num_attention_heads * config.head_dim * d + 3 * d * i) * (4 + width)
+    return tokens * 8 + hidden + activations + layer
 
 
 def _as_recipe(spec_or_recipe) -> Recipe:

@@ -103,8 +103,9 @@ def parse_rule(entry: object, where: str) -> RecipeRule:
         if group is not None or given:
             raise UsageError(f"{where}: format 'dense' takes no group_size or options")
         return make_rule(entry["pattern"], None, source=where)
-    if group is not None and not isinstance(group, int):
-        raise UsageError(f"{where}: group_size must be an integer, got {group!r}")
+    # YAML's `true` is an int to Python, and 0 or -5 would otherwise reach parse_spec without the key's name
+    if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group == 0 or group < -1):
+        raise UsageError(f"{where}: group_size must be -1 (one scale per output row) or a positive integer, got {group!r}")
     try:
         spec = parse_spec(fmt, group, **options.keywords())
     except UsageError as exc:

@@ -30,7 +30,8 @@ from lowbit.formats.atomic import atomic_dir, atomic_file, check_output_path
 from lowbit.formats.checkpoint import Checkpoint, copy_side_files, write_config
 from lowbit.formats.foreign import detect_checkpoint_kind, read_checkpoint
 from lowbit.formats.gguf_export import write_gguf
-from lowbit.formats.gguf_import import convert_gguf, parse_dtype
+from lowbit.formats.gguf_import import convert_gguf
+from lowbit.quant.dtypes import parse_dtype
 from lowbit.formats.gguf_tokenizer import write_tokenizer_files
 from lowbit.formats.native import NativeWriter
 from lowbit.formats.requant import (

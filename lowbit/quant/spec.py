@@ -159,7 +159,8 @@ def parse_spec(
 ) -> FormatSpec:
     """Parse "int4", "int4-asym-g64", "nf4-dq", "fp8-block128", "mxfp4-floor", ... into a spec.
 
-    `group_size` (e.g. from --group-size) overrides the text; -1 or 0 means one scale per row.
+    `group_size` (e.g. from --group-size) overrides the text; -1 means one scale per row. 0 and the
+    other negatives are refused: they used to mean per-row silently, which nobody asks for on purpose.
     """
     tokens = text.strip().lower().split("-")
     name, rest = _split_name(tokens, text)
@@ -168,7 +169,10 @@ def parse_spec(
     for token in rest:
         _apply_token(fields, token, spec.family, text)
     if group_size is not None:
-        if group_size <= 0:
+        if isinstance(group_size, bool) or group_size == 0 or group_size < -1:
+            raise UsageError(f"group size {group_size!r} is not valid: -1 means one scale per output row, "
+                             "otherwise give a positive group size")
+        if group_size == -1:
             fields["group_size"], fields["granularity"] = None, "channel"
         elif fields["granularity"] == "block":
             fields["group_size"] = group_size
@@ -200,6 +204,8 @@ def _split_name(tokens: list[str], text: str) -> tuple[str, list[str]]:
 
 def _apply_token(fields: dict, token: str, family: str, text: str) -> None:
     if token.startswith("g") and token[1:].isdigit():
+        if int(token[1:]) == 0:
+            raise UsageError(f"format '{text}': g0 is not a group size (use '-channel' for one scale per output row)")
         fields["group_size"] = int(token[1:])
         if fields["granularity"] != "block":
             fields["granularity"] = "group"

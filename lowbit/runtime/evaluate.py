@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lowbit.errors import LowbitError, UsageError
+from lowbit.quant.dtypes import DTYPES, dtype_name
 
 MIN_CTX = 8
 # Rows per log-softmax slice: bounds the float64 temporaries for large vocabularies.
@@ -385,7 +386,7 @@ def _evaluate_planned(model, tokens, windows, bos_id, base_model, ctx, stride, o
 # ---------------------------------------------------------------------------------------------
 # paths → report (what `lowbit eval` and Python users call)
 
-DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+EVAL_DTYPES = ("f32", "bf16")  # f16 on a CPU is slower than f32 and not more exact
 # Text long enough to tell two tokenizers apart, short enough to encode twice for free.
 TOKENIZER_PROBE_CHARS = 4000
 
@@ -437,8 +438,7 @@ def prepare(
     from lowbit.runtime.loader import load_model
     from lowbit.runtime.tokenizer import load_tokenizer
 
-    if dtype not in DTYPES:
-        raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype}")
+    dtype = dtype_name(dtype, allowed=EVAL_DTYPES)
     check_ctx(ctx)
     if chunks is not None and chunks < 1:
         raise UsageError(f"--chunks must be at least 1, got {chunks}")

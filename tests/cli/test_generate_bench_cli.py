@@ -41,7 +41,7 @@ def test_generate_bad_input_is_one_line(model_dir, run_cli):
 
 def test_bench_json(model_dir, run_cli):
     code, out, _ = run_cli(["bench", str(model_dir), "--batches", "1,2", "--gen-tokens", "6", "--prefill-tokens", "20",
-                            "--draft", "ngram", "--kv-memory", "2", "--json"])
+                            "--draft", "ngram", "--kv-memory", "2MiB", "--json"])
     r = json.loads(out)
     assert code == 0 and [d["batch"] for d in r["decode"]] == [1, 2]
     assert r["prefill_tok_s"] > 0 and r["stream_bandwidth_gbs"] > 0 and r["weight_bytes"] > 0

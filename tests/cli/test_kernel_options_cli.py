@@ -93,7 +93,7 @@ def test_int4_activations_option(run_cli, quantized_model, monkeypatch):
 
 def test_bench_json_reports_kernels(run_cli, quantized_model):
     code, out, err = run_cli(["bench", str(quantized_model / "int4"), "--batches", "1", "--gen-tokens", "3",
-                              "--prefill-tokens", "16", "--kv-memory", "2", "--kernel", "reference", "--json"])
+                              "--prefill-tokens", "16", "--kv-memory", "2MiB", "--kernel", "reference", "--json"])
     assert code == 0, err
     assert json.loads(out)["kernels"] == {"requested": "reference", "paths": {"reference": LAYERS}, "int4_activations": None}
 

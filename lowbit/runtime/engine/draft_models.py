@@ -111,7 +111,6 @@ def quantize_draft_head_(model: nn.Module, device) -> nn.Module:
     """A draft model's float lm_head, on CPU, as DRAFT_HEAD_FORMAT (quantized heads stay)."""
     from lowbit.quant.rtn import quantize_rtn
     from lowbit.quant.spec import parse_spec
-    from lowbit.runtime.quant_linear import QuantLinear
 
     head = getattr(model, "lm_head", None)
     if torch.device(device).type == "cpu" and isinstance(head, nn.Linear):

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from lowbit.errors import LowbitError, UsageError
+from lowbit.quant.dtypes import parse_dtype
 from lowbit.kernels.cpu_f32 import use_invariant_linears
 from lowbit.runtime.engine.block_manager import BlockManager
 from lowbit.runtime.engine.detokenizer import IncrementalDetokenizer
@@ -80,13 +81,7 @@ class EngineStats:
 
 
 def _dtype(dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
-    if dtype not in names:
-        raise UsageError(f"unknown dtype '{dtype}' (choose from {', '.join(names)})")
-    return names[dtype]
+    return parse_dtype(dtype)
 
 
 def default_kv_memory(device: torch.device) -> int:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from lowbit.errors import UsageError
+from lowbit.quant.dtypes import dtype_name
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
@@ -29,8 +30,7 @@ def engine_factory(model_path: Path, *, dtype: str = "f32", kv_memory: int | Non
     """A zero-argument builder the engine thread calls: loading happens off the event loop.
     kernel_settings: a kernels.dispatch.KernelSettings in effect while the model loads (--kernel,
     --int4-activations), else the environment's."""
-    if dtype not in DTYPES:
-        raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype}")
+    dtype = dtype_name(dtype, allowed=DTYPES)  # float32/bfloat16 spelled out are the same
 
     def build():
         import torch

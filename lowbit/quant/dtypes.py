@@ -1,0 +1,26 @@
+"""The one dtype vocabulary of every `--dtype`: f32, bf16, f16 (llama.cpp's and GGUF's spelling),
+with torch's long names (float32, bfloat16, float16) and fp32/fp16 accepted as the same thing."""
+
+from __future__ import annotations
+
+import torch
+
+from lowbit.errors import UsageError
+
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+_ALIASES = {"float32": "f32", "fp32": "f32", "bfloat16": "bf16", "float16": "f16", "fp16": "f16", "half": "f16"}
+
+
+def dtype_name(text: str, option: str = "--dtype", allowed: tuple[str, ...] = tuple(DTYPES)) -> str:
+    """The short name of `text` ('float32' -> 'f32'); a one-line usage error if it is not one of `allowed`."""
+    name = str(text).strip().lower()
+    name = _ALIASES.get(name, name)
+    if name not in allowed:
+        raise UsageError(f"{option} must be one of {', '.join(allowed)}, got {text!r}")
+    return name
+
+
+def parse_dtype(text: str | torch.dtype, option: str = "--dtype", allowed: tuple[str, ...] = tuple(DTYPES)) -> torch.dtype:
+    if isinstance(text, torch.dtype):
+        return text
+    return DTYPES[dtype_name(text, option, allowed)]
