@@ -24,7 +24,8 @@ def plan_command(
         None, "--gpu", help="h100, h200, a100, l4, rtx4090, b200, or cpu (measures this machine). Default h100 unless all of --bandwidth/--memory/--tflops are given."
     ),
     bandwidth: Optional[float] = typer.Option(None, "--bandwidth", help="Memory bandwidth in GB/s (overrides --gpu's)."),
-    memory: Optional[float] = typer.Option(None, "--memory", help="Memory in GiB (overrides --gpu's)."),
+    memory_size: Optional[str] = typer.Option(
+        None, "--memory", metavar="SIZE", help="Memory, e.g. 80GiB or 24GB (overrides --gpu's)."),
     tflops: Optional[float] = typer.Option(None, "--tflops", help="Dense matmul peak in TFLOP/s (overrides --gpu's)."),
     formats: Optional[List[str]] = typer.Option(
         None, "--format", "-f", help="Number format to compare; repeat for several (default: bf16 int8 fp8 int4-g128 nf4 mxfp4 nvfp4)."
@@ -49,10 +50,13 @@ def plan_command(
     as_json: bool = typer.Option(False, "--json", help="Print the same numbers as one JSON object on stdout."),
 ) -> None:
     """Memory, capacity and decode/prefill roofline of MODEL per number format on a GPU (or this CPU), from its config alone."""
+    from lowbit.cli.sizes import GIB, MIB, parse_size
     from lowbit.plan.estimate import Scenario
     from lowbit.plan.hardware import custom_hardware, lookup_gpu
     from lowbit.plan.report import make_plan
 
+    # the size syntax of every other command; the planner itself counts in GiB
+    memory = None if memory_size is None else parse_size(memory_size, "--memory", minimum=MIB) / GIB
     custom = [bandwidth, memory, tflops]
     if gpu is None and all(v is not None for v in custom):
         hardware = custom_hardware(None, bandwidth, memory, tflops)

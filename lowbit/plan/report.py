@@ -100,7 +100,7 @@ def make_plan(
         raise UsageError("--draft needs --acceptance A (the probability a draft token is accepted, in (0, 1])")
     if scenario.acceptance is not None and draft is None:
         raise UsageError("--acceptance needs --draft MODEL")
-    if group_size is not None and group_size == 0:
+    if group_size is not None and (group_size == 0 or group_size < -1):
         raise UsageError("--group-size must be positive, or -1 for one scale per output row")
     fmts = _formats(formats or DEFAULT_FORMATS, group_size)
     shape, source = load_shape(model)

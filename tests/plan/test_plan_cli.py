@@ -43,7 +43,7 @@ def test_default_formats_and_human_tables(capsys):
 
 
 def test_custom_machine_json(capsys):
-    code, out, _ = run(["qwen2.5-7b", "--bandwidth", "100", "--memory", "64", "--tflops", "50", "-f", "int8", "--json"], capsys)
+    code, out, _ = run(["qwen2.5-7b", "--bandwidth", "100", "--memory", "64GiB", "--tflops", "50", "-f", "int8", "--json"], capsys)
     assert code == 0
     data = json.loads(out)
     assert data["hardware"]["bandwidth_gbs"] == 100 and data["hardware"]["name"] == "custom"
