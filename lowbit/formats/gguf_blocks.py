@@ -9,7 +9,9 @@ weights of one row, rows are independent, and blocks follow each other along the
 In Q4_0 and MXFP4 byte j holds element j in its LOW nibble and element j + 16 in its high
 nibble; lowbit's rows hold element 2i and 2i + 1 in byte i, so export and import reorder.
 Equivalences: lowbit int8-g32-sfp16 = Q8_0, int4-g32 (symmetric, float16 scales) = Q4_0,
-mxfp4 = MXFP4, whenever K is a multiple of 32.
+mxfp4 = MXFP4, whenever K is a multiple of 32. A group of 64, 128, … (any multiple of 32) is held
+exactly too: each of its 32-blocks repeats the group's scale (a Q4_0 file of an int4-g128 model
+costs 0.125 bit/weight more than the checkpoint; its decoded weights are the same numbers).
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ def exact_gguf_type(spec: FormatSpec, in_features: int) -> str | None:
     """The GGUF block type that holds this spec exactly, or None."""
     if in_features % BLOCK:
         return None
-    if (spec.family == "int" and spec.granularity == "group" and spec.group_size == BLOCK and spec.scale_dtype == "float16"
-            and not spec.double_quant):
+    if (spec.family == "int" and spec.granularity == "group" and spec.group_size % BLOCK == 0
+            and spec.scale_dtype == "float16" and not spec.double_quant):
         if spec.bits == 8 and spec.symmetric:
             return "Q8_0"
         if spec.bits == 4 and spec.symmetric:
@@ -59,6 +61,9 @@ def to_gguf_bytes(qt: QTensor, type_name: str) -> np.ndarray:
     """uint8 [N, K/32 * block bytes] rows of GGUF blocks for a QTensor of the matching spec."""
     n, k = qt.shape
     nb = k // BLOCK
+    if type_name in ("Q8_0", "Q4_0") and qt.spec.group_size != BLOCK:
+        # block b lies in group (32 b) // g: it carries that group's scale (a last, shorter group too)
+        qt = _with_scales(qt, qt.scales[:, (torch.arange(nb) * BLOCK) // qt.spec.group_size])
     if type_name == "Q8_0":
         d = qt.scales.to(torch.float16).contiguous().view(torch.uint8).reshape(n, nb, 2)
         q = qt.qweight.contiguous().view(torch.uint8).reshape(n, nb, 32)
@@ -72,6 +77,13 @@ def to_gguf_bytes(qt: QTensor, type_name: str) -> np.ndarray:
     else:
         raise ValueError(type_name)
     return blocks.reshape(n, -1).numpy()
+
+
+def _with_scales(qt: QTensor, scales: torch.Tensor) -> QTensor:
+    """The same codes with one scale per 32-block: the g32 QTensor that decodes to the same weights."""
+    spec = gguf_spec("Q8_0" if qt.spec.bits == 8 else "Q4_0")
+    return QTensor.from_tensors({"qweight": qt.qweight, "scales": scales.contiguous()},
+                                {"spec": spec.to_dict(), "shape": list(qt.shape)})
 
 
 def from_gguf_bytes(raw: np.ndarray | bytes, type_name: str, shape: tuple[int, int]) -> QTensor:

@@ -1,7 +1,7 @@
 """lowbit checkpoint → one GGUF file llama.cpp runs: weights, hyper-parameters, tokenizer, chat template.
 
 Per projection weight the GGUF type is `--gguf-type` when given, else the type that holds the
-source exactly (int4-g32 → Q4_0, int8-g32 → Q8_0, mxfp4 → MXFP4, dense bf16 → BF16), else
+source exactly (int4 and int8 with groups of 32, 64, 128 … → Q4_0 and Q8_0, mxfp4 → MXFP4, dense bf16 → BF16), else
 Q4_K (Q8_0 for 8-bit sources). Exact writes copy codes and scales; everything else is
 requantized from the dequantized weight (llama.cpp's Q4_K reference algorithm, lowbit's RTN for
 Q4_0/Q8_0/MXFP4) and only with `allow_requant`. Q4_K needs rows of 256: like llama-quantize,

@@ -38,7 +38,8 @@ def _values(t) -> np.ndarray:
     return dequantize(np.asarray(t.data), t.tensor_type).reshape(tuple(reversed([int(d) for d in t.shape])))
 
 
-@pytest.mark.parametrize("label, gtype", [("int4-g32", "Q4_0"), ("int8-g32", "Q8_0"), ("mxfp4", "MXFP4")])
+@pytest.mark.parametrize("label, gtype", [("int4-g32", "Q4_0"), ("int8-g32", "Q8_0"), ("mxfp4", "MXFP4"),
+                                         ("int4-g64", "Q4_0"), ("int4-g128", "Q4_0"), ("int8-g64", "Q8_0")])
 def test_gguf_package_dequantizes_exact_exports(make_native, add_tiny_tokenizer, tmp_path, label, gtype):
     src, qtensors = make_native(label)
     add_tiny_tokenizer(src)
