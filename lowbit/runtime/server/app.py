@@ -8,6 +8,10 @@ engine so its KV blocks go back to the pool at the next step.
 
 Admission: at most max_running + max_queue requests are in flight; beyond that the answer is
 429 at once, so memory never grows with the offered load.
+
+Shutdown (SIGTERM): uvicorn stops accepting connections, new requests on open ones get 503, and
+the requests in flight get --shutdown-timeout seconds; whatever is still open then is ended by
+the engine loop (a stream gets an error event and [DONE], a whole answer a 503), never cut off.
 """
 
 from __future__ import annotations
@@ -32,13 +36,14 @@ from starlette.routing import Route
 
 from lowbit.errors import LowbitError
 from lowbit.runtime.server import protocol
-from lowbit.runtime.server.engine_loop import EngineFailure, EngineLoop, RequestRejected, RequestStream
+from lowbit.runtime.server.engine_loop import EngineFailure, EngineLoop, EngineStopping, RequestRejected, RequestStream
 from lowbit.runtime.server.metrics import Metrics
 from lowbit.runtime.server.protocol import APIError, GenerationRequest, bad_request
 
 log = logging.getLogger("lowbit.serve")
 
 _DISCONNECTED = object()  # put on a request's queue by the disconnect watcher
+_DRAIN_GRACE_S = 5.0  # after the drain deadline, time for the ended requests' last bytes to go out
 
 
 @dataclass(slots=True)
@@ -79,8 +84,12 @@ class Tracker:
                 self.finished = True  # never entered the engine: nothing to abort
                 raise bad_request(str(item))
             if isinstance(item, EngineFailure):
-                self.finished = True
-                raise APIError(503, str(item), type="server_error", code="engine_unavailable")
+                self.finished = True  # the engine loop aborted it already
+                stopping = isinstance(item, EngineStopping)
+                if stopping:
+                    self.server.metrics.finished["abort"] += 1  # ended by the shutdown: counted as aborts
+                code = "shutting_down" if stopping else "engine_unavailable"
+                raise APIError(503, str(item), type="server_error", code=code)
             self._time(item)
             yield item
 
@@ -118,6 +127,18 @@ class Server:
         self.metrics = Metrics()
         self.stopping = False
         self.created = protocol.now()
+
+    def begin_drain(self) -> None:
+        """Shutdown has begun (SIGTERM): uvicorn stopped accepting connections; refuse new requests
+        on open ones too, and give those in flight shutdown_timeout seconds before they are ended
+        with an error event (streams) or a 503, so no client sees a cut connection."""
+        if self.stopping:
+            return
+        self.stopping = True
+        log.info("shutting down: %d request(s) in flight get %g s to finish", self.metrics.in_flight,
+                 self.config.shutdown_timeout)
+        asyncio.get_running_loop().call_later(self.config.shutdown_timeout, self.engine_loop.end_all,
+                                              "the server is shutting down")
 
     # -- plumbing -------------------------------------------------------------------------------
     def authorize(self, request: Request) -> None:
@@ -200,7 +221,7 @@ class Server:
             body = protocol.parse_json_body(await self.read_body(request))
             req = protocol.parse_chat(body) if chat else protocol.parse_completion(body)
             if req.model is not None and req.model != self.config.model_name:
-                raise APIError(404, f"model {req.model!r} does not exist; this server serves "
+                raise APIError(404, f"model {protocol.show(req.model)} does not exist; this server serves "
                                     f"{self.config.model_name!r}", param="model", code="model_not_found")
             prompt_ids, prompt_text = await asyncio.to_thread(_tokenize, engine.tokenizer, req)
             _check_token_ids(prompt_ids, _vocab_size(engine))
@@ -374,7 +395,12 @@ async def _watch_disconnect(request: Request, stream: RequestStream) -> None:
 
 def _tokenize(tokenizer, req: GenerationRequest) -> tuple[list[int], str | None]:
     if req.chat:
-        text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
+        try:
+            text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - messages are client data: a template that trips on a
+            # field of a type it did not expect (or raise_exception) is the request's fault, not a 500
+            reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+            raise bad_request(f"the chat template cannot render these messages: {reason}", "messages") from None
         # The template writes any BOS itself (as transformers' apply_chat_template(tokenize=True)).
         return tokenizer.encode(text, add_bos=False), text
     if req.prompt_ids is not None:
@@ -395,7 +421,7 @@ def _check_token_ids(ids: list[int], vocab_size: int) -> None:
         raise bad_request("the prompt is empty", "prompt")
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab_size})", "prompt")
+        raise bad_request(f"token id {protocol.show(bad)} is outside the vocabulary [0, {vocab_size})", "prompt")
 
 
 def create_app(config: ServerConfig, engine_loop: EngineLoop) -> Starlette:
@@ -403,8 +429,9 @@ def create_app(config: ServerConfig, engine_loop: EngineLoop) -> Starlette:
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         code = "not_found" if exc.status_code == 404 else None
-        return server.error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                                              code=code))
+        where = f"{request.method} {request.url.path}"
+        where = where if len(where) <= 100 else where[:97] + "..."  # a fuzzer's 10 kB path stays out of logs
+        return server.error_response(APIError(exc.status_code, f"{where}: {exc.detail}", code=code))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -423,6 +450,9 @@ def create_app(config: ServerConfig, engine_loop: EngineLoop) -> Starlette:
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan)
+    # No 307 from /v1/completions/ to /v1/completions: its Location is built from the client's Host
+    # header and its body is empty; a JSON 404 is the one error shape.
+    app.router.redirect_slashes = False
     app.state.server = server
     return app
 
@@ -440,10 +470,17 @@ def serve(config: ServerConfig, build_engine) -> None:
 
     engine_loop = EngineLoop(build_engine, on_load_failure=stop_on_load_failure)
     app = create_app(config, engine_loop)
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            app.state.server.begin_drain()
+            await super().shutdown(sockets)
+
+    # uvicorn's own deadline is a backstop past ours: it cancels the handlers, cutting connections.
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="info", access_log=False,
-                               timeout_graceful_shutdown=config.shutdown_timeout, lifespan="on", http="h11",
-                               ws="none", log_config=None)
-    server = uvicorn.Server(uv_config)
+                               timeout_graceful_shutdown=config.shutdown_timeout + _DRAIN_GRACE_S, lifespan="on",
+                               http=_json_h11_protocol(), ws="none", log_config=None)
+    server = DrainingServer(uv_config)
     holder["server"] = server
     _configure_logging()
     # uvicorn re-raises the signal that stopped it once it has shut down gracefully; a quiet
@@ -460,6 +497,31 @@ def serve(config: ServerConfig, build_engine) -> None:
         signal.signal(signal.SIGTERM, previous)
     if engine_loop.failed_during_load:
         raise LowbitError(f"could not load the model: {engine_loop.error}")
+
+
+def _json_h11_protocol():
+    """uvicorn's h11 protocol, but a request h11 cannot parse (bad request line, 16 kB of headers,
+    a malformed Content-Length) is answered with OpenAI's JSON error object rather than plain text,
+    so clients see one error shape whatever was wrong."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    body = json.dumps(bad_request("the request is not valid HTTP/1.1 (request line, headers or framing)",
+                                  code="invalid_http").body()).encode()
+
+    class JsonH11Protocol(H11Protocol):
+        def send_400_response(self, msg: str) -> None:
+            if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):  # the app answered already: hang up
+                self.transport.close()
+                return
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                       (b"connection", b"close")]
+            for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                          h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+            self.transport.close()
+
+    return JsonH11Protocol
 
 
 def _configure_logging() -> None:

@@ -30,6 +30,10 @@ class EngineFailure(Exception):
     """Delivered to a request's stream when the engine cannot serve it (crash or shutdown)."""
 
 
+class EngineStopping(EngineFailure):
+    """Delivered to the requests still open when the server stops (the drain after SIGTERM ran out)."""
+
+
 class RequestRejected(Exception):
     """Delivered when add_request refused the request (a bad value the server could not pre-check)."""
 
@@ -63,6 +67,11 @@ class _Abort:
     request_id: str
 
 
+@dataclass(slots=True)
+class _EndAll:
+    message: str
+
+
 class _Stop:
     pass
 
@@ -93,6 +102,10 @@ class EngineLoop:
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
+
+    def end_all(self, message: str) -> None:
+        """Abort every open request at the next step; each stream gets EngineStopping(message)."""
+        self._commands.put(_EndAll(message))
 
     def stop(self, timeout: float = 30.0) -> None:
         """Abort what is left, end the thread and wait for it (bounded)."""
@@ -160,12 +173,17 @@ class EngineLoop:
             # Only requests still running: aborting a finished id would be an unknown-id error.
             if self._streams.pop(command.request_id, None) is not None:
                 engine.abort_request(command.request_id)
+        elif isinstance(command, _EndAll):
+            self._end_all(engine, command.message)
+
+    def _end_all(self, engine, message: str) -> None:
+        for request_id, stream in self._streams.items():
+            engine.abort_request(request_id)  # blocks freed at the next step
+            stream.put(EngineStopping(message))
+        self._streams.clear()
 
     def _shutdown(self, engine) -> None:
-        for request_id, stream in list(self._streams.items()):
-            engine.abort_request(request_id)
-            stream.put(EngineFailure("the server is shutting down"))
-        self._streams.clear()
+        self._end_all(engine, "the server is shutting down")
         with self._lock:
             self.state = "stopped"
 

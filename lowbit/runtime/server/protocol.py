@@ -4,11 +4,17 @@ Requests are validated by hand rather than by a schema library so that every ref
 offending parameter in OpenAI's error object ({"error": {"message", "type", "param", "code"}})
 with one clear sentence. Numeric ranges are SamplingParams' own checks (one source of truth);
 this module checks types, shapes and the parameters SamplingParams does not know.
+
+The body must be strict JSON in UTF-8: no NaN/Infinity literals, no lone surrogate escapes (no
+UTF-8 string could carry them to the tokenizer or back out), bounded nesting. Numbers are checked
+to be finite and integers bounded before they reach a tensor; a value quoted in an error message
+is cut short (`show`), so a refusal is always one short line.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +24,10 @@ from lowbit.runtime.engine.sequence import MAX_LOGPROBS, SamplingParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_STRINGS = 16
+# top_k and token counts go into int64 tensors (and make no sense past a vocabulary or a context):
+# a bigger value must be a 400 here, not an overflow that stops the engine thread.
+MAX_INT_PARAM = 2**31 - 1
+_SHOW_CHARS = 40  # a value quoted in an error message: enough to recognise, never the whole body
 
 
 class APIError(Exception):
@@ -69,15 +79,53 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalt
                     "stop", "stop_token_ids", "logprobs", "ignore_eos")
 
 
+def show(value: Any) -> str:
+    """repr(value) cut to a few dozen characters, for error messages (one line, bounded)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**_SHOW_CHARS:
+        # repr of a 4000-digit int is long (and past 4300 digits an error): say its size instead
+        return f"an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits"
+    text = repr(value)
+    return text if len(text) <= _SHOW_CHARS else text[: _SHOW_CHARS - 3] + "..."
+
+
 # -- parsing ----------------------------------------------------------------------------------
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def parse_json_body(raw: bytes) -> dict[str, Any]:
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        text = raw.decode("utf-8")  # JSON over HTTP is UTF-8 (RFC 8259); no UTF-16/32 guessing
+    except UnicodeDecodeError as exc:
+        raise bad_request(f"the request body is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    except ValueError as exc:  # NaN / Infinity, or an integer past Python's digit limit
+        raise bad_request(f"the request body is not valid JSON: {' '.join(str(exc).split()[:12])}") from None
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    for key, value in body.items():
+        _check_encodable(key, value)
     return body
+
+
+def _check_encodable(key: str, value: Any) -> None:
+    # A \ud800 escape is valid JSON but no UTF-8 string: the tokenizer and every response writer
+    # would fail on it, so it is refused here, naming the field it is in.
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request("a field name contains a lone UTF-16 surrogate escape") from None
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request(f"{show(key)} contains a lone UTF-16 surrogate escape (\\ud800-\\udfff)", key) from None
+    except RecursionError:
+        raise bad_request(f"{show(key)} is nested too deeply", key) from None
 
 
 def parse_completion(body: dict[str, Any]) -> GenerationRequest:
@@ -149,22 +197,29 @@ def _common(body: dict[str, Any], req: GenerationRequest) -> None:
             raise bad_request("stream_options must be an object", "stream_options")
         if not req.stream:
             raise bad_request("stream_options needs stream: true", "stream_options")
-        req.include_usage = bool(options.get("include_usage", False))
+        include = options.get("include_usage")
+        if include is not None and not isinstance(include, bool):
+            raise bad_request("stream_options.include_usage must be true or false", "stream_options")
+        req.include_usage = bool(include)
     sampling: dict[str, Any] = {}
     for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
         value = body.get(name)
         if value is not None:
-            if not _is_number(value):
-                raise bad_request(f"{name} must be a number", name)
-            sampling[name] = float(value)
-    for name in ("top_k", "seed"):
-        value = body.get(name)
-        if value is not None:
-            if not _is_int(value):
-                raise bad_request(f"{name} must be an integer", name)
-            if name == "top_k" and value == -1:  # vLLM's spelling of "off"
-                value = 0
-            sampling[name] = value
+            number = _finite_float(value)
+            if number is None:
+                raise bad_request(f"{name} must be a finite number, got {show(value)}", name)
+            sampling[name] = number
+    top_k = body.get("top_k")
+    if top_k is not None:
+        if not _is_int(top_k) or not -1 <= top_k <= MAX_INT_PARAM:
+            raise bad_request(f"top_k must be an integer in [-1, {MAX_INT_PARAM}] (0 or -1 = off), "
+                              f"got {show(top_k)}", "top_k")
+        sampling["top_k"] = max(top_k, 0)  # -1 is vLLM's spelling of "off"
+    seed = body.get("seed")
+    if seed is not None:
+        if not _is_int(seed) or not 0 <= seed < 2**63:
+            raise bad_request(f"seed must be an integer in [0, 2**63), got {show(seed)}", "seed")
+        sampling["seed"] = seed
     stop = body.get("stop")
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop
@@ -175,7 +230,7 @@ def _common(body: dict[str, Any], req: GenerationRequest) -> None:
         sampling["stop"] = tuple(stops)
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
-        if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
+        if not isinstance(stop_ids, list) or not all(_is_int(t) and 0 <= t <= MAX_INT_PARAM for t in stop_ids):
             raise bad_request("stop_token_ids must be a list of token ids", "stop_token_ids")
         sampling["stop_token_ids"] = tuple(stop_ids)
     if body.get("ignore_eos") is not None:
@@ -212,8 +267,8 @@ def _max_tokens(body: dict[str, Any], name: str) -> int | None:
     value = body.get(name)
     if value is None:
         return None
-    if not _is_int(value) or value < 1:
-        raise bad_request(f"{name} must be an integer >= 1, got {value!r}", name)
+    if not _is_int(value) or not 1 <= value <= MAX_INT_PARAM:
+        raise bad_request(f"{name} must be an integer in [1, {MAX_INT_PARAM}], got {show(value)}", name)
     return value
 
 
@@ -236,8 +291,16 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+def _finite_float(x: Any) -> float | None:
+    """float(x) for a JSON number that is a finite float64; None for anything else (1e999 parses
+    as inf, and float(10**400) overflows)."""
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return None
+    try:
+        number = float(x)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 # -- responses --------------------------------------------------------------------------------
