@@ -9,19 +9,19 @@ import sys
 import pytest
 
 from lowbit.errors import UsageError
-from lowbit.runtime.server.launch import parse_size
+from lowbit.cli.sizes import parse_size
 from lowbit.runtime.server.metrics import Histogram, Metrics, parse_metrics
 from lowbit.runtime.server.protocol import APIError, completion_logprobs, parse_chat, parse_completion
 
 
 def test_parse_size():
-    assert parse_size("2GiB") == 2 * 2**30
-    assert parse_size("512MiB") == 512 * 2**20
-    assert parse_size("1.5GB") == 1_500_000_000
-    assert parse_size("4096") == 4096
+    assert parse_size("2GiB", "--kv-memory") == 2 * 2**30
+    assert parse_size("512MiB", "--kv-memory") == 512 * 2**20
+    assert parse_size("1.5GB", "--kv-memory") == 1_500_000_000
+    assert parse_size("4096", "--kv-memory") == 4096
     for bad in ("lots", "0GiB", "-1MiB", "2 parsecs", ""):
-        with pytest.raises(UsageError):
-            parse_size(bad)
+        with pytest.raises(UsageError, match="--kv-memory"):
+            parse_size(bad, "--kv-memory")
 
 
 def test_histogram_buckets_are_cumulative_and_parse_back():

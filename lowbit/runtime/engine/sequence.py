@@ -49,16 +49,17 @@ class SamplingParams:
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
         _check(_finite(self.temperature) and self.temperature >= 0,
                f"temperature must be a finite number >= 0, got {self.temperature}")
-        _check(_is_int(self.top_k) and self.top_k >= 0, f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
+        # upper bounds: torch's int64 ops overflow on larger values, inside the engine's loop
+        _check(_is_int(self.top_k) and 0 <= self.top_k < 2**31, f"top_k must be an integer in [0, 2**31) (0 = off), got {self.top_k}")
         _check(_finite(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         _check(_finite(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
         _check(_finite(self.repetition_penalty) and self.repetition_penalty > 0,
                f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63),
                f"seed must be an integer in [0, 2**63), got {self.seed}")
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens}")
+        _check(_is_int(self.max_tokens) and 1 <= self.max_tokens < 2**31, f"max_tokens must be an integer in [1, 2**31), got {self.max_tokens}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
-        _check(all(t >= 0 for t in self.stop_token_ids), "stop token ids must be >= 0")
+        _check(all(0 <= t < 2**31 for t in self.stop_token_ids), "stop token ids must be in [0, 2**31)")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 

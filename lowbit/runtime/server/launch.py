@@ -1,27 +1,15 @@
-"""From command-line values to a running server: size parsing, the engine factory, the config."""
+"""From command-line values to a running server: the engine factory and the config (sizes are parsed in
+cli/sizes.py, like every command's)."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lowbit.errors import UsageError
 from lowbit.quant.dtypes import dtype_name
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
 DTYPES = ("f32", "bf16")
-
-
-def parse_size(text: str) -> int:
-    """'2GiB' -> 2147483648, '512MB' -> 512000000, '1000000' -> 1000000."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
-        raise UsageError(f"--kv-memory must be a size like 2GiB, 512MiB or 1GB, got {text!r}")
-    return int(float(match.group(1)) * _UNITS[unit])
 
 
 def engine_factory(model_path: Path, *, dtype: str = "f32", kv_memory: int | None = None, max_running: int = 64,
