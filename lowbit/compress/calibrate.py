@@ -232,6 +232,10 @@ def calibration_samples(tokenizer, text: str, samples: int, seqlen: int, seed: i
     body = seqlen - len(bos)
     if ids is None:
         ids = tokenizer.encode(text, add_bos=False)
+    vocab = getattr(tokenizer, "model_vocab", None)
+    if vocab is not None and ids and max(ids) >= vocab:  # cached ids skip encode's own check
+        raise LowbitError(f"{what} encodes to token id {max(ids)}, but the model has only {vocab} embeddings "
+                          "(config.json vocab_size): the tokenizer does not belong to this model or is damaged")
     windows = len(ids) // body
     if windows < samples:
         raise LowbitError(

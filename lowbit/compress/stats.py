@@ -225,7 +225,11 @@ def save_stats(
 
 
 class StatsFile:
-    """A STATS file opened lazily: `header`, `site_of(module)`, `site(name)` → InputStats."""
+    """A STATS file opened lazily: `header`, `site_of(module)`, `site(name)` → InputStats.
+
+    Everything in the file is checked before a method uses it (the header's structure on open, every
+    tensor's shape and values in `check`), so a damaged or foreign file is one LowbitError line
+    naming the part, before any work folder or output exists."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -237,17 +241,64 @@ class StatsFile:
             self.header = json.loads(meta[_META_KEY])
         except Exception as exc:  # noqa: BLE001 - safetensors and json raise unrelated types for a bad file
             raise LowbitError(f"{self.path} is not a lowbit STATS file (make one with `lowbit calibrate`): {type(exc).__name__}") from None
-        if int(self.header.get("version", 0)) > STATS_VERSION:
-            raise LowbitError(f"{self.path}: stats version {self.header.get('version')} is newer than this lowbit reads")
-        self.site_modules: dict[str, list[str]] = self.header["sites"]
+        if not isinstance(self.header, dict):
+            self._corrupt("its header is not a JSON object")
+        version = self.header.get("version", 0)
+        if isinstance(version, bool) or not isinstance(version, int):
+            self._corrupt(f"version {json.dumps(version)[:40]} is not an integer")
+        if version > STATS_VERSION:
+            raise LowbitError(f"{self.path}: stats version {version} is newer than this lowbit reads")
+        sites, tokens, identity = (self.header.get(k) for k in ("sites", "tokens", "identity"))
+        if not isinstance(identity, dict):
+            self._corrupt("its header has no identity object")
+        if not isinstance(sites, dict) or not all(
+            isinstance(mods, list) and mods and all(isinstance(m, str) for m in mods) for mods in sites.values()
+        ):
+            self._corrupt("its site map is not {site: [module, ...]}")
+        if not isinstance(tokens, dict) or set(tokens) != set(sites) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in tokens.values()
+        ):
+            self._corrupt("its token counts do not give a positive integer for every site")
+        if not isinstance(self.header.get("calibration", {}), dict):
+            self._corrupt("its calibration settings are not an object")
+        self.site_modules: dict[str, list[str]] = sites
         self._site_of = {m: site for site, mods in self.site_modules.items() for m in mods}
+
+    def _corrupt(self, why: str):
+        raise LowbitError(f"{self.path} is a damaged lowbit STATS file: {why} (make a new one with `lowbit calibrate`)")
 
     @property
     def identity(self) -> dict:
         return self.header["identity"]
 
     def check(self, expected_identity: dict) -> None:
+        """The file was made on this model, and every site holds finite statistics of the right shapes."""
         check_identity(self.identity, expected_identity, str(self.path))
+        shapes = expected_identity["shapes"]
+        for module in shapes:
+            self.site_of(module)
+        for site, modules in self.site_modules.items():
+            stray = [m for m in modules if m not in shapes]
+            if stray:
+                self._corrupt(f"site {site} lists {stray[0]}, which is not a Linear of this model")
+            widths = {int(shapes[m][1]) for m in modules}
+            if len(widths) != 1:
+                self._corrupt(f"site {site} groups Linears of different input widths")
+            k = widths.pop()
+            for f in _FIELDS:
+                self._checked(site, f, (k, k) if f == "hessian" else (k,))
+
+    def _checked(self, site: str, field: str, shape: tuple[int, ...]) -> torch.Tensor:
+        name = f"{site}.{field}"
+        try:
+            t = self._handle.get_tensor(name)
+        except Exception as exc:  # noqa: BLE001 - a missing or unreadable tensor, as safetensors reports it
+            self._corrupt(f"tensor {name} cannot be read ({type(exc).__name__})")
+        if tuple(t.shape) != shape or not t.is_floating_point():
+            self._corrupt(f"tensor {name} is {str(t.dtype).removeprefix('torch.')} {list(t.shape)}, expected float {list(shape)}")
+        if not torch.isfinite(t.float() if t.element_size() == 1 else t).all():
+            self._corrupt(f"tensor {name} holds NaN/inf values")
+        return t
 
     def site_of(self, module: str) -> str:
         try:
@@ -256,6 +307,8 @@ class StatsFile:
             raise LowbitError(f"{self.path} has no statistics for {module}") from None
 
     def site(self, name: str) -> InputStats:
+        if name not in self.site_modules:
+            raise LowbitError(f"{self.path} has no statistics for site {name}")
         tensors = {f: self._handle.get_tensor(f"{name}.{f}") for f in _FIELDS}
         return InputStats(tokens=int(self.header["tokens"][name]), **tensors)
 

@@ -86,7 +86,7 @@ def read_gguf(path: Path) -> Checkpoint:
     config["tie_word_embeddings"] = tied
     config = {"architectures": [spec.hf_class], "model_type": spec.model_type, **config}
     ckpt = Checkpoint(config=config, gguf=gguf, kind="gguf")
-    for name, hf_name in _plan_tensors(gguf, spec, tied):
+    for name, hf_name in _plan_tensors(gguf, spec, tied, config):
         info = gguf.info(name)
         part = name.split(".")[-2] if name.startswith("blk.") else ""
         is_projection = hf_name.endswith("_proj.weight") and len(info.shape) == 2

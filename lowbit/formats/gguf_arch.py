@@ -11,10 +11,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from lowbit.errors import LowbitError
-from lowbit.formats.gguf_reader import GGUFFile
+from lowbit.formats.gguf_reader import GGUFFile, printable
 
 _LLAMA_BLOCK = {
     "attn_norm": "input_layernorm",
@@ -71,7 +72,7 @@ def hf_tensor_name(spec: ArchSpec, gguf_name: str) -> str | None:
         return f"model.layers.{parts[1]}.{spec.block_map[parts[2]]}.{suffix}"
     if base in _GLOBAL:
         return f"{_GLOBAL[base]}.{suffix}"
-    raise LowbitError(f"GGUF tensor {gguf_name} has no known counterpart in a {spec.gguf_name} checkpoint")
+    raise LowbitError(f"GGUF tensor {printable(gguf_name)} has no known counterpart in a {spec.gguf_name} checkpoint")
 
 
 def unpermute_qk(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -99,29 +100,64 @@ def _require(gguf: GGUFFile, suffix: str) -> Any:
     return value
 
 
+# Far above any released model; a damaged count must not make a config of billions of layers.
+_MAX_COUNT = {"block_count": 1 << 12, "attention.head_count": 1 << 12, "attention.head_count_kv": 1 << 12}
+
+
+def _int_key(gguf: GGUFFile, key: str, value: Any, low: int = 1, high: int = 1 << 31) -> int:
+    """A metadata value that must be an integer in [low, high] (a key whose type byte was damaged
+    reads as a string, float or list: named, not a ValueError later)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise LowbitError(f"{gguf.path.name}: metadata {key} must be an integer, got {str(value)[:40]!r}")
+    value = int(value)
+    if not low <= value <= high:
+        raise LowbitError(f"{gguf.path.name}: metadata {key} {value} is out of range ({low} to {high})")
+    return value
+
+
+def _arch_int(gguf: GGUFFile, suffix: str, default: Any = None, low: int = 1) -> int:
+    value = _require(gguf, suffix) if default is None else gguf.arch_get(suffix, default)
+    return _int_key(gguf, f"{gguf.architecture}.{suffix}", value, low, _MAX_COUNT.get(suffix, 1 << 31))
+
+
+def _arch_float(gguf: GGUFFile, suffix: str, default: float) -> float:
+    value = gguf.arch_get(suffix, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not math.isfinite(value) or value <= 0:
+        raise LowbitError(f"{gguf.path.name}: metadata {gguf.architecture}.{suffix} must be a positive number, got {str(value)[:40]!r}")
+    return float(value)
+
+
 def _vocab_size(gguf: GGUFFile) -> int:
     value = gguf.arch_get("vocab_size")
     if value is not None:
-        return int(value)
+        return _int_key(gguf, f"{gguf.architecture}.vocab_size", value)
+    if not gguf.has_tensor("token_embd.weight"):
+        raise LowbitError(f"{gguf.path.name} has no token_embd.weight tensor")
     return int(gguf.info("token_embd.weight").shape[0])
 
 
 def _common_config(gguf: GGUFFile) -> dict[str, Any]:
-    hidden = int(_require(gguf, "embedding_length"))
-    heads = int(_require(gguf, "attention.head_count"))
-    kv_heads = gguf.arch_get("attention.head_count_kv", heads)
-    head_dim = int(gguf.arch_get("attention.key_length", hidden // heads))
+    hidden = _arch_int(gguf, "embedding_length")
+    heads = _arch_int(gguf, "attention.head_count")
+    kv_heads = _arch_int(gguf, "attention.head_count_kv", heads)
+    if heads % kv_heads:
+        raise LowbitError(f"{gguf.path.name}: head_count {heads} is not a multiple of head_count_kv {kv_heads}")
+    if not gguf.has(f"{gguf.architecture}.attention.key_length") and hidden % heads:
+        raise LowbitError(f"{gguf.path.name}: embedding_length {hidden} is not a multiple of head_count {heads}")
+    head_dim = _arch_int(gguf, "attention.key_length", hidden // heads)
+    if head_dim % 2:
+        raise LowbitError(f"{gguf.path.name}: head dimension {head_dim} is odd; rotary embeddings rotate pairs of channels")
     config: dict[str, Any] = {
         "vocab_size": _vocab_size(gguf),
         "hidden_size": hidden,
-        "intermediate_size": int(_require(gguf, "feed_forward_length")),
-        "num_hidden_layers": int(_require(gguf, "block_count")),
+        "intermediate_size": _arch_int(gguf, "feed_forward_length"),
+        "num_hidden_layers": _arch_int(gguf, "block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(kv_heads),
+        "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "max_position_embeddings": int(gguf.arch_get("context_length", 2048)),
-        "rms_norm_eps": float(gguf.arch_get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(gguf.arch_get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": _arch_int(gguf, "context_length", 2048),
+        "rms_norm_eps": _arch_float(gguf, "attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": _arch_float(gguf, "rope.freq_base", 10000.0),
         "tie_word_embeddings": True,  # settled by the importer once it has looked at output.weight
     }
     for key, gguf_key in (
@@ -130,7 +166,7 @@ def _common_config(gguf: GGUFFile) -> dict[str, Any]:
         ("pad_token_id", "tokenizer.ggml.padding_token_id"),
     ):
         if gguf.has(gguf_key):
-            config[key] = int(gguf.get(gguf_key))
+            config[key] = _int_key(gguf, gguf_key, gguf.get(gguf_key), low=0)
     rope_scaling = _rope_scaling(gguf, head_dim)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
@@ -258,5 +294,5 @@ def arch_spec(gguf: GGUFFile) -> ArchSpec:
         return ARCHITECTURES[arch]
     except KeyError:
         raise LowbitError(
-            f"GGUF architecture '{arch}' is not supported by lowbit convert (supported: {', '.join(ARCHITECTURES)})"
+            f"GGUF architecture '{printable(arch)}' is not supported by lowbit convert (supported: {', '.join(ARCHITECTURES)})"
         ) from None

@@ -15,30 +15,19 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from lowbit.errors import LowbitError, UsageError
+from lowbit.errors import LowbitError
+from lowbit.quant.dtypes import parse_dtype
 from lowbit.formats.atomic import atomic_dir, check_output_path
 from lowbit.formats.gguf_arch import ArchSpec, arch_spec, hf_tensor_name, unpermute_qk
 from lowbit.formats.gguf_reader import GGUFFile, open_gguf
 from lowbit.formats.gguf_tokenizer import end_of_generation_ids, write_tokenizer_files
 
-DTYPES = {
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "f16": torch.float16, "fp16": torch.float16,
-    "float32": torch.float32, "f32": torch.float32, "fp32": torch.float32,
-}
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 SHARD_BYTES = 2 * 1024**3
 
 # progress(done, total, tensor_name) after each tensor is written
 ProgressFn = Callable[[int, int, str], None]
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    try:
-        return DTYPES[name.lower()]
-    except KeyError:
-        raise UsageError(f"unknown dtype '{name}' (choose bf16, f16 or f32)") from None
 
 
 def convert_gguf(
@@ -57,7 +46,7 @@ def convert_gguf(
     config = spec.build_config(gguf)
     tied = _embeddings_tied(gguf)
     config["tie_word_embeddings"] = tied
-    names = _plan_tensors(gguf, spec, tied)
+    names = _plan_tensors(gguf, spec, tied, config)
     with atomic_dir(out_dir, overwrite=overwrite) as tmp:
         _write_weights(gguf, spec, config, names, torch_dtype, tmp, progress)
         _write_config(spec, config, torch_dtype, tmp)
@@ -76,8 +65,9 @@ def _embeddings_tied(gguf: GGUFFile) -> bool:
     return gguf.raw_bytes("output.weight") == gguf.raw_bytes("token_embd.weight")
 
 
-def _plan_tensors(gguf: GGUFFile, spec: ArchSpec, tied: bool) -> list[tuple[str, str]]:
-    """(gguf name, HF name) for every tensor to write, checked up front so a bad file fails fast."""
+def _plan_tensors(gguf: GGUFFile, spec: ArchSpec, tied: bool, config: dict[str, Any]) -> list[tuple[str, str]]:
+    """(gguf name, HF name) for every tensor to write, checked up front so a bad file fails fast:
+    every tensor's shape against the config the metadata gives, and the layer count."""
     plan = []
     for name in gguf.tensor_names():
         hf_name = hf_tensor_name(spec, name)
@@ -86,7 +76,46 @@ def _plan_tensors(gguf: GGUFFile, spec: ArchSpec, tied: bool) -> list[tuple[str,
         plan.append((name, hf_name))
     if not any(hf == "model.embed_tokens.weight" for _, hf in plan):
         raise LowbitError(f"{gguf.path.name} has no token_embd.weight tensor")
+    _check_shapes(gguf, config, plan)
     return plan
+
+
+def _expected_shapes(config: dict[str, Any]) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+    """(shapes of the model-wide tensors, shapes of each layer's tensors by suffix) that config implies."""
+    h, v, ff, d = config["hidden_size"], config["vocab_size"], config["intermediate_size"], config["head_dim"]
+    q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
+    model = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    layer = {
+        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        "pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q), "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+        "self_attn.v_proj.bias": (kv,), "self_attn.o_proj.bias": (h,),
+        "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
+        "mlp.gate_proj.weight": (ff, h), "mlp.up_proj.weight": (ff, h), "mlp.down_proj.weight": (h, ff),
+        "mlp.gate_proj.bias": (ff,), "mlp.up_proj.bias": (ff,), "mlp.down_proj.bias": (h,),
+    }
+    return model, layer
+
+
+def _check_shapes(gguf: GGUFFile, config: dict[str, Any], plan: list[tuple[str, str]]) -> None:
+    model, layer = _expected_shapes(config)
+    layers = config["num_hidden_layers"]
+    seen = set()
+    for name, hf_name in plan:
+        if hf_name.startswith("model.layers."):
+            index, _, suffix = hf_name[len("model.layers."):].partition(".")
+            if int(index) >= layers:
+                raise LowbitError(f"{gguf.path.name}: tensor {name} belongs to layer {index}, but block_count is {layers}")
+            seen.add(int(index))
+            expected = layer.get(suffix)
+        else:
+            expected = model.get(hf_name)
+        shape = gguf.info(name).shape
+        if expected is not None and tuple(shape) != expected:
+            raise LowbitError(f"{gguf.path.name}: tensor {name} has shape {list(shape)}, the metadata implies {list(expected)}")
+    if len(seen) != layers:
+        raise LowbitError(f"{gguf.path.name}: block_count is {layers}, but tensors exist for {len(seen)} layer(s)")
 
 
 def _hf_tensor(gguf: GGUFFile, spec: ArchSpec, config: dict[str, Any], name: str) -> torch.Tensor:

@@ -6,7 +6,9 @@ sees here is plain Python values and torch tensors in Hugging Face's (rows, cols
 
 from __future__ import annotations
 
+import math
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,9 +111,13 @@ class GGUFFile:
                 f"(supported: {', '.join(sorted(SUPPORTED_TYPES))})"
             )
         shape = tuple(reversed([int(d) for d in t.shape]))
-        with np.errstate(all="ignore"):  # a damaged block overflows; said below, once, naming the tensor
-            values = np.array(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32)
-        out = torch.from_numpy(values).reshape(shape)  # a copy: the file is mapped read-only
+        try:
+            with np.errstate(all="ignore"):  # a damaged block overflows; said below, once, naming the tensor
+                values = np.array(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32)
+            out = torch.from_numpy(values).reshape(shape)  # a copy: the file is mapped read-only
+        except (ValueError, RuntimeError) as exc:  # sizes that do not fit the type's blocks: a damaged table
+            raise LowbitError(f"tensor {name} in {self.path.name} cannot be decoded as {type_name} {list(shape)}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
         check_finite_tensor(out, name, self.path.name)
         return out
 
@@ -136,20 +142,117 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
     if magic != GGUF_MAGIC:
         raise LowbitError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
     size = path.stat().st_size
+    _check_structure(path, size)
     try:
-        reader = GGUFReader(path)
+        # The parser adds offsets and multiplies dimensions in numpy's 64-bit integers: a damaged
+        # table overflows them (a RuntimeWarning and a wrapped value), which is checked below in
+        # Python integers instead.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            reader = GGUFReader(path)
     except Exception as exc:  # noqa: BLE001 - the parser reports truncation as assorted numpy errors
         raise LowbitError(
             f"{path} is truncated or corrupt: the GGUF header could not be parsed ({size} bytes; "
-            f"{type(exc).__name__}: {exc})"
-        ) from exc
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        ) from None
     for t in reader.tensors:
-        end = int(t.data_offset) + int(t.n_bytes)
+        dims = [int(d) for d in t.shape]
+        if math.prod(dims) != int(t.n_elements) or any(d <= 0 for d in dims):
+            raise LowbitError(f"{path} is corrupt: tensor {t.name} has dimensions {dims}")
+        end = int(reader.data_offset) + int(t.field.parts[-1][0]) + int(t.n_bytes)  # the stored offset, unwrapped
         if end > size:
             raise LowbitError(
-                f"{path} is truncated: tensor {t.name} ends at byte {end} but the file has {size} bytes"
+                f"{path} is truncated or corrupt: tensor {t.name} ends at byte {end} but the file has {size} bytes"
             )
     return GGUFFile(path, reader)
+
+
+def printable(text: str, limit: int = 80) -> str:
+    """A name read from a file, safe in a one-line message: control characters (a damaged name may
+    hold newlines or terminal escapes) as `?`, cut at `limit` characters."""
+    text = "".join(c if c.isprintable() else "?" for c in text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# GGUF value types: byte width of the scalars; 8 is a string (u64 length + bytes), 9 an array
+# (u32 element type + u64 count + elements).
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+
+
+def _check_structure(path: Path, size: int) -> None:
+    """Walk the header's lengths and counts before the gguf package parses it, in bounded time:
+    its parser trusts them, so a damaged count of 2^60 array elements past the end of the file makes
+    it loop (and allocate) for as long as the count says, where this says which field is wrong."""
+    import mmap
+    import struct
+
+    with path.open("rb") as fh:
+        if size < 24:
+            raise LowbitError(f"{path} is truncated: {size} bytes cannot hold a GGUF header (24 bytes)")
+        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            version, n_tensors, n_kv = struct.unpack_from("<IQQ", data, 4)
+            if version not in (2, 3):
+                raise LowbitError(f"{path}: GGUF version {version} is not one lowbit reads (2 or 3)")
+            # every metadata entry takes at least 13 bytes, every tensor entry at least 32
+            if n_kv * 13 + n_tensors * 32 > size - 24:
+                raise LowbitError(f"{path} is corrupt: its header counts {n_kv} metadata entries and {n_tensors} "
+                                  f"tensors, more than its {size} bytes can hold")
+            pos = 24
+
+            def need(n: int, what: str) -> None:
+                if pos + n > size:
+                    raise LowbitError(f"{path} is truncated or corrupt: {what} runs past the end of the file "
+                                      f"(byte {pos + n} of {size})")
+
+            def string(what: str) -> str:
+                nonlocal pos
+                need(8, what)
+                (n,) = struct.unpack_from("<Q", data, pos)
+                pos += 8
+                need(n, what)
+                pos += n
+                return bytes(data[pos - n : pos]).decode("utf-8", errors="replace")
+
+            def value(vtype: int, what: str) -> None:
+                nonlocal pos
+                if vtype in _SCALAR_BYTES:
+                    need(_SCALAR_BYTES[vtype], what)
+                    pos += _SCALAR_BYTES[vtype]
+                elif vtype == _STRING:
+                    string(what)
+                elif vtype == _ARRAY:
+                    need(12, what)
+                    etype, count = struct.unpack_from("<IQ", data, pos)
+                    pos += 12
+                    width = _SCALAR_BYTES.get(etype, 8 if etype == _STRING else 12 if etype == _ARRAY else None)
+                    if width is None:
+                        raise LowbitError(f"{path} is corrupt: {what} is an array of unknown GGUF type {etype}")
+                    need(count * width, f"{what} ({count} elements)")
+                    if etype in _SCALAR_BYTES:
+                        pos += count * width
+                    else:
+                        for _ in range(count):
+                            value(etype, what)
+                else:
+                    raise LowbitError(f"{path} is corrupt: {what} has unknown GGUF value type {vtype}")
+
+            for i in range(n_kv):
+                key = printable(string(f"metadata key {i}"))
+                need(4, f"metadata {key}")
+                (vtype,) = struct.unpack_from("<I", data, pos)
+                pos += 4
+                value(vtype, f"metadata {key}")
+            for i in range(n_tensors):
+                name = printable(string(f"tensor name {i}"))
+                need(4, f"tensor {name}")
+                (n_dims,) = struct.unpack_from("<I", data, pos)
+                pos += 4
+                if not 1 <= n_dims <= _MAX_DIMS:
+                    raise LowbitError(f"{path} is corrupt: tensor {name} has {n_dims} dimensions (1 to {_MAX_DIMS})")
+                need(8 * n_dims + 12, f"tensor {name}")
+                pos += 8 * n_dims + 12
 
 
 def check_finite_tensor(values: torch.Tensor, name: str, file: str) -> None:

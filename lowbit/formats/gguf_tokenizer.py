@@ -13,13 +13,14 @@ special-token partition does before its tokenizer runs.
 from __future__ import annotations
 
 import json
+import numbers
 from pathlib import Path
 from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from lowbit.errors import LowbitError
-from lowbit.formats.gguf_reader import GGUFFile
+from lowbit.formats.gguf_reader import GGUFFile, printable
 
 # llama.cpp token types
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -66,12 +67,21 @@ def build_tokenizer(gguf: GGUFFile) -> Tokenizer:
     if kind is None or not tokens:
         raise LowbitError(f"{gguf.path.name} has no tokenizer in its metadata")
     types = _token_types(gguf, len(tokens))
-    if kind == "gpt2":
-        tokenizer = _byte_level_bpe(gguf, tokens)
-    elif kind == "llama":
-        tokenizer = _sentencepiece_bpe(gguf, tokens, types)
-    else:
-        raise LowbitError(f"{gguf.path.name} uses tokenizer '{kind}'; lowbit imports only 'gpt2' and 'llama' vocabularies")
+    for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id",
+                "tokenizer.ggml.padding_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        _special_id(gguf, key, len(tokens))
+    try:
+        if kind == "gpt2":
+            tokenizer = _byte_level_bpe(gguf, tokens)
+        elif kind == "llama":
+            tokenizer = _sentencepiece_bpe(gguf, tokens, types)
+        else:
+            raise LowbitError(f"{gguf.path.name} uses tokenizer '{printable(str(kind))}'; lowbit imports only 'gpt2' and 'llama' vocabularies")
+    except LowbitError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for an inconsistent vocabulary
+        raise LowbitError(f"{gguf.path.name}: its vocabulary does not make a tokenizer: "
+                          f"{printable(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, 200)}") from None
     tokenizer.add_tokens(
         [
             AddedToken(tokens[i], special=types[i] != USER_DEFINED, normalized=False)
@@ -85,7 +95,19 @@ def build_tokenizer(gguf: GGUFFile) -> Tokenizer:
 
 def _token_types(gguf: GGUFFile, n: int) -> list[int]:
     types = gguf.numeric_array("tokenizer.ggml.token_type")
+    if types is not None and len(types) != n:
+        raise LowbitError(f"{gguf.path.name}: tokenizer.ggml.token_type has {len(types)} entries for {n} tokens")
     return [NORMAL] * n if types is None else [int(t) for t in types]
+
+
+def _special_id(gguf: GGUFFile, key: str, n: int) -> int | None:
+    """A special token id of the metadata, which must name one of the n tokens (None when absent)."""
+    value = gguf.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value < n:
+        raise LowbitError(f"{gguf.path.name}: {key} {printable(str(value), 40)} is not a token id (the vocabulary has {n})")
+    return value
 
 
 def _vocab(tokens: list[str]) -> dict[str, int]:
@@ -97,13 +119,16 @@ def _vocab(tokens: list[str]) -> dict[str, int]:
 
 def _byte_level_bpe(gguf: GGUFFile, tokens: list[str]) -> Tokenizer:
     pre = gguf.get("tokenizer.ggml.pre", "default")
-    if pre not in _PRE_TOKENIZERS:
+    if not isinstance(pre, str) or pre not in _PRE_TOKENIZERS:
         raise LowbitError(
-            f"{gguf.path.name} uses pre-tokenizer '{pre}', which lowbit does not know "
+            f"{gguf.path.name} uses pre-tokenizer '{printable(str(pre))}', which lowbit does not know "
             f"(known: {', '.join(sorted(_PRE_TOKENIZERS))})"
         )
     regexes, ignore_merges = _PRE_TOKENIZERS[pre]
     merges = [tuple(m.split(" ", 1)) for m in gguf.string_array("tokenizer.ggml.merges")]
+    bad = next((m for m in merges if len(m) != 2), None)
+    if bad is not None:
+        raise LowbitError(f"{gguf.path.name}: tokenizer.ggml.merges holds {printable(bad[0], 40)!r}, not two tokens split by a space")
     tokenizer = Tokenizer(models.BPE(vocab=_vocab(tokens), merges=merges, ignore_merges=ignore_merges))
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
@@ -118,7 +143,7 @@ def _sentencepiece_bpe(gguf: GGUFFile, tokens: list[str], types: list[int]) -> T
     if scores is None:
         raise LowbitError(f"{gguf.path.name} has a 'llama' vocabulary without tokenizer.ggml.scores")
     vocab = _vocab(tokens)
-    unk_id = int(gguf.get("tokenizer.ggml.unknown_token_id", 0))
+    unk_id = _special_id(gguf, "tokenizer.ggml.unknown_token_id", len(tokens)) or 0
     tokenizer = Tokenizer(
         models.BPE(
             vocab=vocab,

@@ -72,3 +72,21 @@ def weight_files(path: str | Path) -> list[Path]:
     if shards:
         return shards
     raise LowbitError(f"{path} has no *.safetensors weights")
+
+
+def open_safetensors(path: str | Path):
+    """A safetensors file opened lazily (torch tensors); a damaged header is one LowbitError line."""
+    from safetensors import safe_open  # late: this module stays torch-free for `lowbit plan`
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as exc:  # noqa: BLE001 - safetensors raises several unrelated types for bad files
+        raise LowbitError(f"corrupt or unreadable safetensors file {path}: {one_line(exc)}") from None
+
+
+def read_tensor(handle, name: str, path: str | Path):
+    """One tensor of an open safetensors file; a read failure is one LowbitError naming it."""
+    try:
+        return handle.get_tensor(name)
+    except Exception as exc:  # noqa: BLE001 - safetensors raises several unrelated types for bad files
+        raise LowbitError(f"cannot read tensor {name} from {path}: {one_line(exc)}") from None

@@ -38,6 +38,7 @@ from safetensors.torch import save_file
 
 from lowbit.errors import LowbitError, UsageError
 from lowbit.formats.atomic import atomic_dir
+from lowbit.formats.hf_files import open_safetensors, read_json, read_tensor
 from lowbit.quant.qtensor import PART_NAMES, QTensor
 
 QUANT_METHOD = "lowbit"
@@ -188,14 +189,25 @@ def read_quantization_config(directory: str | os.PathLike) -> dict:
     path = Path(directory) / "config.json"
     if not path.is_file():
         raise LowbitError(f"{directory}: no config.json, not a lowbit checkpoint")
-    try:
-        qconfig = json.loads(path.read_text()).get("quantization_config")
-    except json.JSONDecodeError as exc:
-        raise LowbitError(f"{path}: invalid JSON ({exc})") from exc
+    qconfig = read_json(path).get("quantization_config")
     if not isinstance(qconfig, dict) or qconfig.get("quant_method") != QUANT_METHOD:
         raise LowbitError(f"{directory}: not a lowbit quantized checkpoint (no quantization_config with quant_method 'lowbit')")
-    if int(qconfig.get("version", 0)) > VERSION:
-        raise LowbitError(f"{directory}: checkpoint version {qconfig.get('version')} is newer than this lowbit reads ({VERSION})")
+    version = qconfig.get("version", 0)
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise LowbitError(f"{path}: quantization_config.version {json.dumps(version)[:40]} is not an integer")
+    if version > VERSION:
+        raise LowbitError(f"{directory}: checkpoint version {version} is newer than this lowbit reads ({VERSION})")
+    for key in ("modules", "outliers"):
+        entries = qconfig.get(key, {})
+        if not isinstance(entries, dict) or not all(isinstance(v, dict) for v in entries.values()):
+            raise LowbitError(f"{path}: quantization_config.{key} is not an object of per-module objects")
+    for module, meta in qconfig.get("modules", {}).items():
+        shape = meta.get("shape")
+        if not (isinstance(shape, list) and len(shape) == 2
+                and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)):
+            raise LowbitError(f"{path}: quantization_config.modules.{module}.shape {json.dumps(shape)[:40]} is not [rows, columns]")
+        if not isinstance(meta.get("spec"), dict):
+            raise LowbitError(f"{path}: quantization_config.modules.{module} has no spec object")
     return qconfig
 
 
@@ -221,7 +233,7 @@ class NativeReader:
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)
         self.quantization_config = read_quantization_config(self.directory)
-        self.config = json.loads((self.directory / "config.json").read_text())
+        self.config = read_json(self.directory / "config.json")
         self.module_meta: dict[str, dict] = self.quantization_config.get("modules", {})
         self.outlier_meta: dict[str, dict] = self.quantization_config.get("outliers", {})
         unknown = sorted(set(self.outlier_meta) - set(self.module_meta))
@@ -234,23 +246,25 @@ class NativeReader:
     def _weight_map(self) -> dict[str, str]:
         index = self.directory / INDEX_NAME
         if index.is_file():
-            return json.loads(index.read_text())["weight_map"]
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) and f for f in weight_map.values()):
+                raise LowbitError(f"{index}: weight_map is not an object of tensor name -> shard file")
+            return weight_map
         single = self.directory / SINGLE_NAME
         if not single.is_file():
             raise LowbitError(f"{self.directory}: no {SINGLE_NAME} or {INDEX_NAME}")
-        with safe_open(str(single), framework="pt") as f:
-            return dict.fromkeys(f.keys(), SINGLE_NAME)
+        return dict.fromkeys(open_safetensors(single).keys(), SINGLE_NAME)
 
     def _tensor(self, name: str) -> torch.Tensor:
         if name not in self._file_of:
             raise LowbitError(f"{self.directory}: tensor {name} is missing")
         file = self._file_of[name]
+        path = self.directory / file
         if file not in self._handles:
-            path = self.directory / file
             if not path.is_file():
                 raise LowbitError(f"{self.directory}: shard {file} is missing")
-            self._handles[file] = safe_open(str(path), framework="pt")
-        return self._handles[file].get_tensor(name)
+            self._handles[file] = open_safetensors(path)
+        return read_tensor(self._handles[file], name, path)
 
     @property
     def modules(self) -> list[str]:
@@ -276,10 +290,29 @@ class NativeReader:
         meta = self.module_meta[module]
         prefix = part_key(module, "")
         parts = {n[len(prefix):]: self._tensor(n) for n in self._file_of if n.startswith(prefix) and n[len(prefix):] in PART_NAMES}
-        return QTensor.from_tensors(parts, meta, where=module)
+        try:
+            qt = QTensor.from_tensors(parts, meta, where=module)
+        except UsageError as exc:  # the spec's own validation speaks of options; here it is the file's
+            raise LowbitError(f"{self.directory}: {module} has an invalid format spec in config.json: {exc}") from None
+        for part, tensor in parts.items():
+            if tensor.is_floating_point():  # the scales: NaN/inf only in a damaged file
+                check_finite_part(tensor, f"{module}.weight.{part}", self.directory)
+        return qt
 
     def dense(self, name: str) -> torch.Tensor:
-        return self._tensor(name)
+        tensor = self._tensor(name)
+        check_finite_part(tensor, name, self.directory)
+        return tensor
+
+
+def check_finite_part(tensor: torch.Tensor, name: str, where) -> None:
+    """A float tensor of a checkpoint holding NaN/inf: a LowbitError naming it."""
+    if tensor.is_floating_point():
+        if tensor.element_size() == 1:  # float8 has no isfinite kernel; bf16 holds every value it can
+            tensor = tensor.to(torch.bfloat16)
+        bad = int((~torch.isfinite(tensor)).sum())
+        if bad:
+            raise LowbitError(f"tensor {name} in {where} holds {bad} NaN/inf value(s): the checkpoint is damaged")
 
 
 def load_native(directory: str | os.PathLike) -> NativeCheckpoint:

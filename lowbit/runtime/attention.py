@@ -149,18 +149,21 @@ class SelfAttention(nn.Module):
         self.v_proj = make_linear(config.hidden_size, config.num_key_value_heads * d, config.attention_bias)
         self.o_proj = make_linear(config.num_attention_heads * d, config.hidden_size, config.o_proj_bias)
         if config.qk_norm:
-            self.q_norm = RMSNorm(d, config.rms_norm_eps, norm_unit_offset)
-            self.k_norm = RMSNorm(d, config.rms_norm_eps, norm_unit_offset)
+            # per head (Qwen3, Gemma-3), or over the whole projection (OLMoE)
+            full = config.qk_norm_full
+            self.q_norm = RMSNorm(config.num_attention_heads * d if full else d, config.rms_norm_eps, norm_unit_offset)
+            self.k_norm = RMSNorm(config.num_key_value_heads * d if full else d, config.rms_norm_eps, norm_unit_offset)
         else:
             self.q_norm = self.k_norm = None
 
     fused_qkv = None  # set by runtime/models/fusion.py (never a registered child: names stay HF's)
 
     def _head_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-        """Per-head RMSNorm of x [..., heads * head_dim]."""
+        """RMSNorm of x [..., heads * head_dim] over each slice of the norm's width (a head, or all)."""
+        width = norm.weight.shape[-1]
         if cpu_rowops.usable(x, norm.weight):
-            return cpu_rowops.rmsnorm(x, norm.weight, norm.eps, norm.unit_offset, heads=x.shape[-1] // self.head_dim)
-        return norm(x.view(*x.shape[:-1], -1, self.head_dim)).view(x.shape)
+            return cpu_rowops.rmsnorm(x, norm.weight, norm.eps, norm.unit_offset, heads=x.shape[-1] // width)
+        return norm(x.view(*x.shape[:-1], -1, width)).view(x.shape)
 
     def forward(self, x, cos, sin, ctx: AttentionContext, cache: AttentionCache | None) -> torch.Tensor:
         """x [B, T, hidden], or rows [T, hidden] of one flattened sequence (the engine's steps over a

@@ -7,6 +7,7 @@ every parameter must come from the checkpoint and every checkpoint tensor must b
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from safetensors import safe_open
 from lowbit.errors import LowbitError
 from lowbit.runtime.config import ModelConfig
 from lowbit.runtime.models import CausalLM, build_model
+from lowbit.runtime.moe_weights import expert_tensors
 from lowbit.runtime.quant_linear import attach_native
 from lowbit.formats.hf_files import model_dir, one_line, read_config, weight_files
 
@@ -38,12 +40,52 @@ def iter_tensors(files: list[Path], skip: set[str] = frozenset()) -> Iterator[tu
             raise LowbitError(f"corrupt or unreadable safetensors file {file}: {one_line(exc)}") from None
 
 
+def _layer_count(names) -> int:
+    """Decoder layers the tensor names hold (1 + the largest `layers.<i>.` index; 0 without any)."""
+    found = [int(m.group(1)) for m in map(_LAYER_INDEX.search, names) if m]
+    return max(found) + 1 if found else 0
+
+
+_LAYER_INDEX = re.compile(r"\blayers\.(\d+)\.")
+
+
+def check_layer_count(config: ModelConfig, names, where: str | Path) -> None:
+    """config.json's num_hidden_layers against the layers the weights hold, before a model of that
+    many layers is built (a damaged count of millions would otherwise take minutes to refuse)."""
+    count = _layer_count(names)
+    if count != config.num_hidden_layers:
+        raise LowbitError(f"config.json of {where} says num_hidden_layers {config.num_hidden_layers}, "
+                          f"but its weights hold {count} decoder layer(s)")
+
+
+def _tensor_names(files: list[Path]) -> list[str]:
+    names: list[str] = []
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                names.extend(f.keys())
+        except Exception as exc:  # noqa: BLE001 - safetensors raises several unrelated types for bad files
+            raise LowbitError(f"corrupt or unreadable safetensors file {file}: {one_line(exc)}") from None
+    return names
+
+
+def check_finite(name: str, tensor: torch.Tensor, where: str | Path) -> None:
+    """A float weight holding NaN/inf is a damaged checkpoint: refused naming the tensor."""
+    if tensor.is_floating_point():
+        if tensor.element_size() == 1:  # float8 has no isfinite kernel; bf16 holds every value it can
+            tensor = tensor.to(torch.bfloat16)
+        bad = int((~torch.isfinite(tensor)).sum())
+        if bad:
+            raise LowbitError(f"weight {name} in {where} holds {bad} NaN/inf value(s): the checkpoint is damaged")
+
+
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> CausalLM:
     if _foreign_kind(path) is not None:
         return _load_foreign(path, dtype, device)
     path = model_dir(path)
     config = ModelConfig.from_dict(read_config(path))
     files = weight_files(path)
+    check_layer_count(config, _tensor_names(files), path)
     with torch.device("meta"):
         model = build_model(config)
     # A lowbit quantized checkpoint: its Linears become QuantLinears (runtime/quant_linear.py).
@@ -54,7 +96,10 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
 
     state: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
-    for name, tensor in iter_tensors(files, skip=quantized_parts):
+    tensors = iter_tensors(files, skip=quantized_parts)
+    if config.moe is not None:
+        tensors = expert_tensors(tensors, config, path)  # fused and Mixtral layouts onto per-expert names
+    for name, tensor in tensors:
         if name.endswith(_IGNORED_SUFFIXES) or (config.tie_word_embeddings and name == "lm_head.weight"):
             continue
         if name not in expected:
@@ -64,6 +109,9 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
             raise LowbitError(
                 f"weight {name} in {path} has shape {tuple(tensor.shape)}, config.json implies {tuple(expected[name].shape)}"
             )
+        if not tensor.is_floating_point():
+            raise LowbitError(f"weight {name} in {path} is {str(tensor.dtype).removeprefix('torch.')}, not a float tensor")
+        check_finite(name, tensor, path)
         state[name] = tensor.to(device=device, dtype=dtype)
 
     missing = sorted(set(expected) - set(state))
@@ -111,6 +159,7 @@ def _load_foreign(path: str | Path, dtype: torch.dtype, device: str | torch.devi
 
     ckpt = read_checkpoint(Path(path).expanduser())
     config = ModelConfig.from_dict(ckpt.config)
+    check_layer_count(config, [*ckpt.dense, *(f"{m}.weight" for m in ckpt.qtensors)], path)
     with torch.device("meta"):
         model = build_model(config)
     attach_quantized(model, list(ckpt.qtensors), ckpt.qtensors.__getitem__, device)
@@ -123,6 +172,7 @@ def _load_foreign(path: str | Path, dtype: torch.dtype, device: str | torch.devi
             continue
         if name not in expected or tuple(tensor.shape) != tuple(expected[name].shape):
             raise LowbitError(f"checkpoint {path}: weight {name} {tuple(tensor.shape)} does not fit {config.architecture}")
+        check_finite(name, tensor, path)
         state[name] = tensor.to(device=device, dtype=dtype)
     missing = sorted(set(expected) - set(state))
     if missing:

@@ -20,6 +20,11 @@ SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_t
 
 
 class Tokenizer:
+    # Rows of the model's embedding (config.json's vocab_size beside tokenizer.json), when known: an
+    # id at or past it is a tokenizer that does not belong to the model (or a damaged one), and is
+    # refused by `encode` in one line instead of an IndexError inside the embedding lookup.
+    model_vocab: int | None = None
+
     def __init__(self, backend, config: dict[str, Any], chat_template: str | None, extra_eos_ids: list[int]):
         self.backend = backend
         self.special_tokens = {key: _token_text(config.get(key)) for key in SPECIAL_TOKEN_KEYS}
@@ -49,6 +54,10 @@ class Tokenizer:
         ids = self.backend.encode(text, add_special_tokens=False).ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids.insert(0, self.bos_id)
+        if self.model_vocab is not None and ids and max(ids) >= self.model_vocab:
+            raise LowbitError(f"the tokenizer gives token id {max(ids)} ({self.backend.id_to_token(max(ids))!r}), but the "
+                              f"model has only {self.model_vocab} embeddings (config.json vocab_size): tokenizer.json "
+                              "does not belong to this model or is damaged")
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
@@ -126,7 +135,16 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         config.setdefault(key, value)
     eos = read_json(path / "generation_config.json", missing={}).get("eos_token_id")
     extra_eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
-    return Tokenizer(backend, config, _chat_template(path, config), [int(i) for i in extra_eos])
+    if any(isinstance(i, bool) or not isinstance(i, int) for i in extra_eos):
+        raise LowbitError(f"{path / 'generation_config.json'}: eos_token_id must be a token id or a list of them")
+    tokenizer = Tokenizer(backend, config, _chat_template(path, config), extra_eos)
+    vocab = read_json(path / "config.json", missing={}).get("vocab_size")
+    if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0:
+        tokenizer.model_vocab = vocab
+        if tokenizer.add_bos and tokenizer.bos_id >= vocab:  # callers that build windows insert it themselves
+            raise LowbitError(f"{file}: the BOS token has id {tokenizer.bos_id}, but the model has only {vocab} "
+                              "embeddings (config.json vocab_size)")
+    return tokenizer
 
 
 def _is_gguf(path: Path) -> bool:

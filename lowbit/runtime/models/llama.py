@@ -1,4 +1,5 @@
-"""The Llama family: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norm), SmolLM2.
+"""The Llama family: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norm), SmolLM2, and the MoE
+members Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (their sparse MLP is models/moe.py).
 
 Pre-norm blocks: x + attn(norm(x)), then x + SwiGLU(norm(x)). Differences between members are
 flags on ModelConfig (biases, q/k norm, windows, RoPE scaling), not separate classes.
@@ -13,13 +14,18 @@ from lowbit.runtime.attention import SelfAttention
 from lowbit.runtime.config import ModelConfig
 from lowbit.runtime.layers import GatedMLP, RMSNorm, add_pending, add_pending_and_norm, rowops_norms
 from lowbit.runtime.models.base import CausalLM
+from lowbit.runtime.models.moe import SparseMoE
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         self.self_attn = SelfAttention(config, layer)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias)
+        moe = config.moe
+        if moe is not None and moe.sparse_layers[layer]:
+            self.mlp = SparseMoE(config)  # Mixtral, Qwen2/3-MoE, OLMoE (dense layers of Qwen-MoE below)
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -1,0 +1,71 @@
+"""Expert weights of the MoE checkpoint layouts, onto the per-expert names lowbit's model uses.
+
+lowbit keeps one `GatedMLP` per expert (runtime/models/moe.py): `model.layers.L.mlp.experts.E.
+{gate,up,down}_proj.weight` and the router `model.layers.L.mlp.gate.weight`, which is also how hub
+checkpoints of Qwen2/3-MoE and OLMoE (and transformers 5's save_pretrained) store them. Two other
+layouts are mapped onto those names as the tensors stream past the loader:
+
+- Mixtral's hub files: `block_sparse_moe.experts.E.w1/w3/w2.weight` (gate/up/down) and
+  `block_sparse_moe.gate.weight`;
+- transformers 5's in-memory fused tensors, as some tools write them: `mlp.experts.gate_up_proj`
+  [E, 2I, H] (gate rows first, then up) and `mlp.experts.down_proj` [E, H, I], with or without a
+  `.weight` suffix; each is split into per-expert views (no copy).
+
+Strict like the loader: a fused tensor of the wrong shape, or an expert weight given twice (fused
+and per-expert), is one LowbitError naming the tensor; missing experts are the loader's error.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+
+from lowbit.errors import LowbitError
+from lowbit.runtime.config import ModelConfig
+
+_MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_MIXTRAL_EXPERT = re.compile(r"(\.mlp\.experts\.\d+\.)(w[123])\.")
+_FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(?:\.weight)?$")
+
+
+def rename(name: str) -> str:
+    """A checkpoint tensor name in lowbit's per-expert spelling (other names unchanged)."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    return _MIXTRAL_EXPERT.sub(lambda m: m.group(1) + _MIXTRAL_NAMES[m.group(2)] + ".", name)
+
+
+def expert_tensors(items: Iterable[tuple[str, torch.Tensor]], config: ModelConfig,
+                   where: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of a checkpoint with the expert layouts above turned into per-expert tensors."""
+    seen: set[str] = set()
+    for name, tensor in items:
+        original = name
+        name = rename(name)
+        fused = _FUSED.match(name)
+        pairs = [(name, tensor)] if fused is None else _split(fused, original, tensor, config, where)
+        for out_name, out in pairs:
+            if ".mlp.experts." in out_name:
+                if out_name in seen:
+                    raise LowbitError(f"checkpoint {where} holds expert weight {out_name} twice (e.g. fused and per expert)")
+                seen.add(out_name)
+            yield out_name, out
+
+
+def _split(match: re.Match, original: str, tensor: torch.Tensor, config: ModelConfig, where: str | Path):
+    moe = config.moe
+    prefix, kind = match.group(1), match.group(2)
+    e, i, h = moe.num_experts, moe.intermediate_size, config.hidden_size
+    expected = (e, 2 * i, h) if kind == "gate_up_proj" else (e, h, i)
+    if tuple(tensor.shape) != expected:
+        raise LowbitError(f"weight {original} in {where} has shape {tuple(tensor.shape)}, config.json implies {expected}")
+    pairs = []
+    for expert in range(e):
+        if kind == "gate_up_proj":
+            pairs.append((f"{prefix}.{expert}.gate_proj.weight", tensor[expert, :i]))
+            pairs.append((f"{prefix}.{expert}.up_proj.weight", tensor[expert, i:]))
+        else:
+            pairs.append((f"{prefix}.{expert}.down_proj.weight", tensor[expert]))
+    return pairs
