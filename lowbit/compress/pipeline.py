@@ -50,6 +50,33 @@ _DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I8": 1, "U8": 1, "I16"
 _FOREIGN_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
 
 
+def _check_weights_fit(config: ModelConfig, source: SourceTensors, directory: Path) -> None:
+    """The loader's strictness before any work: every weight the architecture needs, with the shape
+    config.json implies, and nothing else. Without it a renamed or misshapen tensor is quantized
+    "successfully" into a checkpoint no lowbit command can load."""
+    if config.moe is not None:
+        return  # expert tensors come in several on-disk layouts; runtime/moe_weights.py maps and checks them
+    from lowbit.runtime.models import build_model
+
+    with torch.device("meta"):
+        expected = {name: tuple(t.shape) for name, t in build_model(config).state_dict().items()}
+    tied = config.tie_word_embeddings
+    if tied:
+        expected.pop("lm_head.weight", None)
+    found = {name: shape for name, shape in source.shapes.items()
+             if not name.endswith("rotary_emb.inv_freq") and not (tied and name == "lm_head.weight")}
+    missing = sorted(set(expected) - set(found))
+    if missing:
+        raise LowbitError(f"checkpoint {directory} lacks {len(missing)} weight(s) {config.architecture} needs, e.g. {missing[0]}")
+    unexpected = sorted(set(found) - set(expected))
+    if unexpected:
+        raise LowbitError(f"checkpoint {directory} has {len(unexpected)} weight(s) that {config.architecture} does not use, "
+                          f"e.g. {unexpected[0]}")
+    for name, shape in found.items():
+        if shape != expected[name]:
+            raise LowbitError(f"weight {name} in {directory} has shape {shape}, config.json implies {expected[name]}")
+
+
 @dataclass(slots=True)
 class ModuleRecord:
     name: str
@@ -204,6 +231,7 @@ def quantize_model(
                                   name=source_dir.name)
 
     source = SourceTensors(source_dir)
+    _check_weights_fit(model_config, source, source_dir)
     linears = _linear_modules(source, quantize_head)
     if quantize_head:
         _check_head(config, source)

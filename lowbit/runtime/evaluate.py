@@ -229,7 +229,7 @@ def evaluate_tokens(
             _score_window(logits, targets, base_logits, acc)
             del logits, base_logits
             if on_window is not None:
-                on_window(index + 1, len(windows), math.exp(acc.nll_sum / acc.count))
+                on_window(index + 1, len(windows), _exp(acc.nll_sum / acc.count))
     elapsed = time.perf_counter() - started
     return _result(acc, windows, tokens.numel(), elapsed)
 
@@ -247,6 +247,14 @@ def _check_same_vocab(model, base_model) -> None:
         raise LowbitError(f"base model vocabulary has {theirs} tokens, the model's {ours}: KLD needs the same vocabulary")
 
 
+_MAX_LOG = 709.0  # math.exp overflows a float64 above this
+
+
+def _exp(x: float) -> float:
+    """exp for a running display or a ratio: inf where math.exp would raise OverflowError."""
+    return math.exp(x) if x <= _MAX_LOG else math.inf
+
+
 def ppl_and_error(nll: torch.Tensor) -> tuple[float, float, float]:
     """(ppl, its standard error, mean NLL) from per-token NLLs, as llama-perplexity computes them."""
     nll = nll.to(torch.float64)
@@ -255,6 +263,9 @@ def ppl_and_error(nll: torch.Tensor) -> tuple[float, float, float]:
         raise LowbitError(f"the model's log-probabilities are NaN or inf at {int((~torch.isfinite(nll)).sum())} of {n} "
                           "scored tokens: its weights or activations overflow (no perplexity to report)")
     mean = float(nll.mean())
+    if mean > _MAX_LOG:
+        raise LowbitError(f"the model's perplexity overflows (mean negative log-likelihood {mean:.3g} nats per token): "
+                          "its logits are out of any sane range (corrupt or overflowing weights)")
     ppl = math.exp(mean)
     variance = float((nll * nll).mean()) - mean * mean
     err = ppl * math.sqrt(variance / (n - 1)) if n > 1 and variance > 0 else 0.0
@@ -296,7 +307,7 @@ def kld_stats(nll: torch.Tensor, base_nll: torch.Tensor, kld: torch.Tensor, same
         rms_dp_err_pct=100.0 * rms_err,
         base_ppl=base_ppl,
         base_ppl_err=base_ppl_err,
-        ppl_ratio=math.exp(mean_nll - base_mean_nll),
+        ppl_ratio=_exp(mean_nll - base_mean_nll),
     )
 
 
