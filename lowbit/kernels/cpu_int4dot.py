@@ -120,7 +120,9 @@ def supports(qt: QTensor) -> bool:
     if spec.bits != 4 or spec.element != "int" or not available():
         return False
     g = layout.group_scales(qt).group_size
-    if not (g >= qt.shape[1] or g % 64 == 0):
+    # a group is whole chunks of the kernels' k-steps (8 for int8 activations, 4 for bf16): any
+    # multiple of 32 is; g32 (Q4_0's group) measured 3-4x faster than torch's int4 op at one row
+    if not (g >= qt.shape[1] or g % 32 == 0):
         return False
     table = _integer_table(qt)
     return table is not None and (bf16_available() or _zero_offset(table) is not None)
@@ -136,7 +138,7 @@ def supports_int8(qt: QTensor) -> bool:
     if spec.bits != 8 or spec.element != "int" or not vnni_available():
         return False
     g = layout.group_scales(qt).group_size
-    if not (g >= qt.shape[1] or g % 64 == 0) or qt.shape[1] >= 1 << 16:  # int32 group sums
+    if not (g >= qt.shape[1] or g % 32 == 0) or qt.shape[1] >= 1 << 16:  # int32 group sums
         return False
     table = _integer_table(qt)
     return table is not None and _zero_offset(table) is not None

@@ -5,7 +5,7 @@ weight (`supports(qt) -> reason | None`), repacks it (`prepare`) and multiplies 
 
   triton       CUDA device, every format                          (kernels/triton_qmm.py)
   cpu-int4dot  CPU with AVX512-BF16 or -VNNI, integer 4-bit codes,
-               groups of 64k or one per row                       (kernels/cpu_int4dot.py, batch-invariant)
+               groups of 32k or one per row                       (kernels/cpu_int4dot.py, batch-invariant)
   cpu-int4     CPU, int4 with a group torch's op accepts          (kernels/cpu.py, torch's int4 op)
   cpu-int8     CPU, per-channel int8, K % 32 == 0                 (kernels/cpu.py, torch's int8 op)
   cpu-bf16     CPU with AVX512-BF16, other 4-bit formats          (kernels/cpu_bf16.py, bf16 dot products)
@@ -258,8 +258,8 @@ class Int4DotPath(KernelPath):
         if machine is not None:
             return machine
         g = _group(qt)
-        if not (g >= k or g % 64 == 0):
-            return f"groups of {g} columns (needs a multiple of 64, or one group per row)"
+        if not (g >= k or g % 32 == 0):
+            return f"groups of {g} columns (needs a multiple of 32, or one group per row)"
         if self.bits == 8 and k >= 1 << 16:
             return f"K={k} is too wide for the int32 group sums (at most 65535)"
         table = layout.code_table(qt)

@@ -35,8 +35,8 @@ def test_automatic_path_matches_oracle(label):
     qt = quantized(label, 33, 200)
     if label.startswith(("int2", "int3", "int5", "int6")):
         assert path == "reference"
-    elif cpu_int4dot.supports(qt):  # integer 4-bit codes in groups of 64k (or one per row)
-        assert path == "cpu-int4dot" and not label.endswith("g32")
+    elif cpu_int4dot.supports(qt):  # integer 4-bit codes in groups of 32k (or one per row)
+        assert path == "cpu-int4dot"
     elif cpu_bf16.supports(qt):  # 4-bit formats on a CPU with AVX512-BF16
         assert path == "cpu-bf16"
     else:  # 8-bit formats (int8 at K=200 too: torch's int8 op needs K % 32 == 0)

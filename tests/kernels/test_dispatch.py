@@ -42,7 +42,7 @@ def test_supports_agrees_with_the_kernels_own_checks(label):
 # (path, weight, words the reason must contain)
 REASONS = [
     ("cpu-int4dot", ("nf4", 16, 64), "integer 4-bit"),
-    ("cpu-int4dot", ("int4-g32", 16, 128), "groups of 32"),
+    ("cpu-int4dot", ("int4-g16", 16, 128), "groups of 16"),
     ("cpu-int4", ("nf4", 16, 64), "integer 4-bit"),
     ("cpu-int4", ("int4", 16, 200), "divides both"),
     ("cpu-int8", ("int4", 16, 64), "per-channel integer 8-bit"),
