@@ -27,14 +27,14 @@ from lowbit.errors import LowbitError
 from lowbit.runtime.config import ModelConfig
 
 _MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-_MIXTRAL_EXPERT = re.compile(r"(\.mlp\.experts\.\d+\.)(w[123])\.")
+_MIXTRAL_EXPERT = re.compile(r"(\.mlp\.experts\.\d+\.)(w[123])(?=\.|$)")  # tensor or module name
 _FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(?:\.weight)?$")
 
 
 def rename(name: str) -> str:
-    """A checkpoint tensor name in lowbit's per-expert spelling (other names unchanged)."""
+    """A checkpoint tensor or module name in lowbit's per-expert spelling (other names unchanged)."""
     name = name.replace(".block_sparse_moe.", ".mlp.")
-    return _MIXTRAL_EXPERT.sub(lambda m: m.group(1) + _MIXTRAL_NAMES[m.group(2)] + ".", name)
+    return _MIXTRAL_EXPERT.sub(lambda m: m.group(1) + _MIXTRAL_NAMES[m.group(2)], name)
 
 
 def expert_tensors(items: Iterable[tuple[str, torch.Tensor]], config: ModelConfig,

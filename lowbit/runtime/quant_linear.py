@@ -87,9 +87,12 @@ def attach_quantized(
     """Replace each named Linear of `model` by a QuantLinear around `load(name)`, one at a time so
     only one unprepared QTensor is in memory. A bias is left to the state dict: the new module
     keeps a meta-device bias parameter of the right shape for `load_state_dict(assign=True)`."""
+    from lowbit.runtime.moe_weights import rename
+
     for name in names:
+        target = rename(name)  # Mixtral's hub names (block_sparse_moe.experts.E.w1) -> lowbit's modules
         try:
-            old = model.get_submodule(name)
+            old = model.get_submodule(target)
         except AttributeError:
             raise LowbitError(f"quantized module {name} does not exist in {type(model).__name__}") from None
         if not isinstance(old, nn.Linear):
@@ -101,7 +104,7 @@ def attach_quantized(
             )
         bias = torch.empty_like(old.bias, device="meta") if old.bias is not None else None
         new = QuantLinear(qt, bias=bias, device=device)
-        parent_name, _, leaf = name.rpartition(".")
+        parent_name, _, leaf = target.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, leaf, new)
 
@@ -111,6 +114,7 @@ def attach_native(model: nn.Module, path, tied_head: bool, device: torch.device 
     return the safetensors names of their packed parts (the loader skips those); else an empty set."""
     from lowbit.formats.native import NativeReader, is_native
     from lowbit.quant.outlier_matrix import sparse_outliers
+    from lowbit.runtime.moe_weights import rename
 
     if not is_native(path):
         return set()
@@ -120,5 +124,5 @@ def attach_native(model: nn.Module, path, tied_head: bool, device: torch.device 
     attach_quantized(model, reader.modules, reader.quantized, device)
     for module in reader.outlier_meta:
         shape = tuple(reader.module_meta[module]["shape"])
-        model.get_submodule(module).set_outliers(sparse_outliers(reader.outliers(module), shape))
+        model.get_submodule(rename(module)).set_outliers(sparse_outliers(reader.outliers(module), shape))
     return reader.packed_names
