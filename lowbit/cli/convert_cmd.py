@@ -46,6 +46,10 @@ def convert_command(
     from lowbit.quant.dtypes import parse_dtype
 
     parse_dtype(dtype)  # a bad --dtype is a usage error before any work
+    if not source.exists():
+        from lowbit.formats.resolve import resolve_model
+
+        source = resolve_model(str(source))  # a demo name or hub id, as every other command takes
     if to is None:
         if source.is_dir() or (source.exists() and detect_checkpoint_kind(source) != "gguf"):
             raise UsageError("--to FORMAT is required unless IN is a GGUF file (native, compressed-tensors, gptq, awq, gguf, hf)")

@@ -192,3 +192,10 @@ def test_generate_never_prints_text_from_nan_logits(tiny_float_model, run_cli):
     code, out, err = run_cli(["generate", str(src), "hello", "--max-tokens", "4", "--dtype", "float32"])
     assert code == 1 and out == ""
     assert "logits hold NaN or inf" in _error_line(err)
+
+
+@pytest.mark.demo
+def test_convert_takes_a_demo_name_like_every_command(smollm2_dir, tmp_path, run_cli):
+    code, out, err = run_cli(["convert", "smollm2-135m", "-o", str(tmp_path / "s.gguf"), "--to", "gguf", "--json"])
+    assert code == 0, err  # was: checkpoint not found: smollm2-135m
+    assert json.loads(out)["exact"]  # bf16 weights → BF16
