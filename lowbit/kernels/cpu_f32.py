@@ -5,6 +5,11 @@ alone (a plain decode step) or among up to MAX_ROWS rows (a speculative verify o
 several sequences in one step), which torch's float32 Linear does not promise (one row takes its
 matrix-vector route, more rows a packed GEMM). It also reads the weight once for all rows, where
 torch's GEMM route cost ~3x its one-row time at 2-5 rows here. More rows (prefill) go to torch.
+
+A weight whose values are all bfloat16 numbers (a bf16 checkpoint loaded as float32, e.g. the tied
+embedding every int4 model keeps dense) is stored as bfloat16 (`use_invariant_linears`): the kernel
+widens it exactly, so every output is bit for bit what the float32 copy gave, from half the bytes
+(SmolLM2's tied head: 57 MB a token instead of 113 MB).
 """
 
 from __future__ import annotations
@@ -27,17 +32,23 @@ def available() -> bool:
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y [M, N] = x [M, K] · weight [N, K]ᵀ (+ bias), all float32 on CPU, rows of x and weight contiguous.
-    The caller keeps M <= MAX_ROWS (any M works; the point of the kernel is small M)."""
+    """y [M, N] = x [M, K] · weight [N, K]ᵀ (+ bias): x, bias and y float32 on CPU, weight float32 or
+    bfloat16, rows of x and weight contiguous. The caller keeps M <= MAX_ROWS (any M works; the point
+    of the kernel is small M)."""
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
-    rc = (_LIB or f32_dot.library()).lowbit_f32_matmul(
+    lib = _LIB or f32_dot.library()
+    kernel = lib.lowbit_bf16w_matmul if weight.dtype is torch.bfloat16 else lib.lowbit_f32_matmul
+    rc = kernel(
         weight.data_ptr(), n, k, weight.stride(0), None if bias is None else bias.data_ptr(),
         x.data_ptr(), x.stride(0), m, y.data_ptr(), n, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"lowbit_f32_matmul failed with code {rc}")
     return y
+
+
+_WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class InvariantLinear(torch.nn.Linear):
@@ -49,7 +60,10 @@ class InvariantLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         rows = x.numel() // max(x.shape[-1], 1)
-        if (x.dtype is not torch.float32 or w.dtype is not torch.float32 or x.device.type != "cpu" or rows == 0
+        if w.dtype is torch.bfloat16 and x.dtype is torch.float32 and not 0 < rows <= MAX_ROWS:
+            # a compacted weight (see the module docstring) at prefill: torch on its exact float32 copy
+            return torch.nn.functional.linear(x, w.float(), self.bias)
+        if (x.dtype is not torch.float32 or w.dtype not in _WEIGHT_DTYPES or x.device.type != "cpu" or rows == 0
                 or rows > MAX_ROWS or w.stride(-1) != 1 or torch.is_grad_enabled() and w.requires_grad):
             return torch.nn.functional.linear(x, w, self.bias)
         x2 = x.reshape(rows, x.shape[-1])
@@ -63,7 +77,9 @@ class InvariantLinear(torch.nn.Linear):
 
 def use_invariant_linears(model: torch.nn.Module) -> int:
     """Make every float32 nn.Linear of `model` an InvariantLinear (in place; the kernel must be
-    available). Returns how many were switched."""
+    available), and store as bfloat16 each weight whose values all are bfloat16 numbers (a tied
+    embedding along with it: its rows are widened back on lookup, exactly). Returns how many
+    Linears were switched."""
     if not available():
         return 0
     count = 0
@@ -71,5 +87,17 @@ def use_invariant_linears(model: torch.nn.Module) -> int:
         if type(module) is torch.nn.Linear and module.weight.dtype is torch.float32 and module.weight.device.type == "cpu":
             # Swapping the class keeps the very same parameters (tied embeddings stay tied).
             module.__class__ = InvariantLinear
+            _compact(module)
             count += 1
     return count
+
+
+def _compact(linear: torch.nn.Linear) -> None:
+    w = linear.weight
+    if w.requires_grad or not w.is_contiguous():
+        return
+    half = w.data.to(torch.bfloat16)
+    if not torch.equal(half.float(), w.data):
+        return  # a float32 weight of its own: the float32 kernel
+    # .data in place: every module holding this Parameter (a tied embedding) sees the bf16 copy
+    w.data = half

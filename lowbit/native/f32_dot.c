@@ -9,13 +9,14 @@
    partial vector masked), then one fixed horizontal sum, whatever M is and however rows are
    tiled; the weight is read from memory once per call.
 
-   Layout: w [N, ldw] and x [M, ldx] row-major float32, y [M, ldy]. */
+   Layout: w [N, ldw] row-major float32 (lowbit_f32_matmul) or bfloat16 (lowbit_bf16w_matmul), x [M, ldx]
+   row-major float32, y [M, ldy]. */
 
 #include <stdint.h>
 
 #include "lowbit_native.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define HAVE_F32DOT 1
 #else
 #define HAVE_F32DOT 0
@@ -32,8 +33,22 @@ int lowbit_f32dot_available(void) { return HAVE_F32DOT; }
 #define PREFETCH_TILE 1
 #define MT 6 /* x rows per pass: 24 accumulators, 6 x vectors, one weight vector (a verify of 1 + 4 or 1 + 5 rows is one pass) */
 
-INLINE void f32_tile(const int NB, const int MB, const float *w, int64_t ldw, int64_t K, const float *x, int64_t ldx,
-                     float *out) {
+/* Sixteen weights as float32: WB = 4 reads float32, WB = 2 reads bfloat16 and widens it exactly
+   (a bf16 is the top half of its float32), so a bf16 weight gives bit for bit the float32 result
+   of its widened copy, from half the bytes. */
+INLINE __m512 wload(const int WB, const void *w, int64_t i) {
+    if (WB == 4) return _mm512_loadu_ps((const float *)w + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i))), 16));
+}
+
+INLINE __m512 wload_tail(const int WB, __mmask16 mask, const void *w, int64_t i) {
+    if (WB == 4) return _mm512_maskz_loadu_ps(mask, (const float *)w + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, (const uint16_t *)w + i)), 16));
+}
+
+INLINE void f32_tile(const int WB, const int NB, const int MB, const void *w, int64_t ldw, int64_t K, const float *x,
+                     int64_t ldx, float *out) {
+    const char *wb = (const char *)w;
     __m512 acc[NT][MT];
     for (int nb = 0; nb < NB; nb++)
         for (int m = 0; m < MB; m++) acc[nb][m] = _mm512_setzero_ps();
@@ -42,8 +57,8 @@ INLINE void f32_tile(const int NB, const int MB, const float *w, int64_t ldw, in
         __m512 xv[MT];
         for (int m = 0; m < MB; m++) xv[m] = _mm512_loadu_ps(x + m * ldx + k);
         for (int nb = 0; nb < NB; nb++) {
-            _mm_prefetch((const char *)(w + (PREFETCH_TILE * NT + nb) * ldw + k), _MM_HINT_T1);
-            const __m512 wv = _mm512_loadu_ps(w + nb * ldw + k);
+            _mm_prefetch(wb + ((PREFETCH_TILE * NT + nb) * ldw + k) * WB, _MM_HINT_T1);
+            const __m512 wv = wload(WB, wb + nb * ldw * WB, k);
             for (int m = 0; m < MB; m++) acc[nb][m] = _mm512_fmadd_ps(wv, xv[m], acc[nb][m]);
         }
     }
@@ -52,7 +67,7 @@ INLINE void f32_tile(const int NB, const int MB, const float *w, int64_t ldw, in
         __m512 xv[MT];
         for (int m = 0; m < MB; m++) xv[m] = _mm512_maskz_loadu_ps(mask, x + m * ldx + k);
         for (int nb = 0; nb < NB; nb++) {
-            const __m512 wv = _mm512_maskz_loadu_ps(mask, w + nb * ldw + k);
+            const __m512 wv = wload_tail(WB, mask, wb + nb * ldw * WB, k);
             for (int m = 0; m < MB; m++) acc[nb][m] = _mm512_fmadd_ps(wv, xv[m], acc[nb][m]);
         }
     }
@@ -61,14 +76,42 @@ INLINE void f32_tile(const int NB, const int MB, const float *w, int64_t ldw, in
 }
 
 /* A constant NB and MB per case so each compiles to its own fully unrolled loop. */
-INLINE void f32_pass(const int NB, int mb, const float *w, int64_t ldw, int64_t K, const float *x, int64_t ldx, float *out) {
+INLINE void f32_pass(const int WB, const int NB, int mb, const void *w, int64_t ldw, int64_t K, const float *x,
+                     int64_t ldx, float *out) {
     switch (mb) {
-    case 1: f32_tile(NB, 1, w, ldw, K, x, ldx, out); break;
-    case 2: f32_tile(NB, 2, w, ldw, K, x, ldx, out); break;
-    case 3: f32_tile(NB, 3, w, ldw, K, x, ldx, out); break;
-    case 4: f32_tile(NB, 4, w, ldw, K, x, ldx, out); break;
-    case 5: f32_tile(NB, 5, w, ldw, K, x, ldx, out); break;
-    default: f32_tile(NB, 6, w, ldw, K, x, ldx, out); break;
+    case 1: f32_tile(WB, NB, 1, w, ldw, K, x, ldx, out); break;
+    case 2: f32_tile(WB, NB, 2, w, ldw, K, x, ldx, out); break;
+    case 3: f32_tile(WB, NB, 3, w, ldw, K, x, ldx, out); break;
+    case 4: f32_tile(WB, NB, 4, w, ldw, K, x, ldx, out); break;
+    case 5: f32_tile(WB, NB, 5, w, ldw, K, x, ldx, out); break;
+    default: f32_tile(WB, NB, 6, w, ldw, K, x, ldx, out); break;
+    }
+}
+
+/* The whole matmul for weights of WB bytes each (4: float32, 2: bfloat16). */
+INLINE void dense_matmul(const int WB, const void *w, int64_t N, int64_t K, int64_t ldw, const float *bias, const float *x,
+                         int64_t ldx, int64_t M, float *y, int64_t ldy, int threads) {
+    const char *wb = (const char *)w;
+    const int64_t tiles = (N + NT - 1) / NT;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t n0 = t * NT;
+        const int nb = N - n0 >= NT ? NT : (int)(N - n0);
+        float out[NT * MT];
+        for (int64_t m0 = 0; m0 < M; m0 += MT) {
+            const int mb = M - m0 >= MT ? MT : (int)(M - m0);
+            if (nb == NT) {
+                f32_pass(WB, NT, mb, wb + n0 * ldw * WB, ldw, K, x + m0 * ldx, ldx, out);
+            } else { /* the ragged last tile, one weight row at a time (same per-row arithmetic) */
+                for (int i = 0; i < nb; i++) {
+                    float row[MT];
+                    f32_pass(WB, 1, mb, wb + (n0 + i) * ldw * WB, ldw, K, x + m0 * ldx, ldx, row);
+                    for (int m = 0; m < mb; m++) out[m * NT + i] = row[m];
+                }
+            }
+            for (int m = 0; m < mb; m++)
+                for (int i = 0; i < nb; i++) y[(m0 + m) * ldy + n0 + i] = out[m * NT + i] + (bias ? bias[n0 + i] : 0.0f);
+        }
     }
 }
 #endif
@@ -80,27 +123,19 @@ int lowbit_f32_matmul(const float *w, int64_t N, int64_t K, int64_t ldw, const f
     (void)w; (void)N; (void)K; (void)ldw; (void)bias; (void)x; (void)ldx; (void)M; (void)y; (void)ldy; (void)threads;
     return -1;
 #else
-    const int64_t tiles = (N + NT - 1) / NT;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t n0 = t * NT;
-        const int nb = N - n0 >= NT ? NT : (int)(N - n0);
-        float out[NT * MT];
-        for (int64_t m0 = 0; m0 < M; m0 += MT) {
-            const int mb = M - m0 >= MT ? MT : (int)(M - m0);
-            if (nb == NT) {
-                f32_pass(NT, mb, w + n0 * ldw, ldw, K, x + m0 * ldx, ldx, out);
-            } else { /* the ragged last tile, one weight row at a time (same per-row arithmetic) */
-                for (int i = 0; i < nb; i++) {
-                    float row[MT];
-                    f32_pass(1, mb, w + (n0 + i) * ldw, ldw, K, x + m0 * ldx, ldx, row);
-                    for (int m = 0; m < mb; m++) out[m * NT + i] = row[m];
-                }
-            }
-            for (int m = 0; m < mb; m++)
-                for (int i = 0; i < nb; i++) y[(m0 + m) * ldy + n0 + i] = out[m * NT + i] + (bias ? bias[n0 + i] : 0.0f);
-        }
-    }
+    dense_matmul(4, w, N, K, ldw, bias, x, ldx, M, y, ldy, threads);
+    return 0;
+#endif
+}
+
+/* The same with bfloat16 weights (ldw in elements): float32 x, float32 sums in the same order. */
+int lowbit_bf16w_matmul(const uint16_t *w, int64_t N, int64_t K, int64_t ldw, const float *bias, const float *x,
+                        int64_t ldx, int64_t M, float *y, int64_t ldy, int threads) {
+#if !HAVE_F32DOT
+    (void)w; (void)N; (void)K; (void)ldw; (void)bias; (void)x; (void)ldx; (void)M; (void)y; (void)ldy; (void)threads;
+    return -1;
+#else
+    dense_matmul(2, w, N, K, ldw, bias, x, ldx, M, y, ldy, threads);
     return 0;
 #endif
 }

@@ -1,4 +1,4 @@
-"""ctypes bindings of native/f32_dot.c: batch-invariant float32 matmul at a few rows
+"""ctypes bindings of native/f32_dot.c: batch-invariant float32 matmul at a few rows, float32 or bfloat16 weights
 (kernels/cpu_f32.py); `lowbit_f32dot_available()` is 0 in a build without AVX-512."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from lowbit.native.build import I64, INT, P
 SIGNATURES = {
     "lowbit_f32dot_available": [],
     "lowbit_f32_matmul": [P, I64, I64, I64, P, P, I64, I64, P, I64, INT],
+    "lowbit_bf16w_matmul": [P, I64, I64, I64, P, P, I64, I64, P, I64, INT],
 }
 
 library = build.binding("f32_dot", SIGNATURES)

@@ -43,3 +43,35 @@ def test_invariant_linear_keeps_parameters_and_falls_back_where_it_must():
         x = torch.randn(2, 20, 48)  # 40 rows: torch's route
         torch.testing.assert_close(model(x), torch.nn.functional.linear(torch.nn.functional.linear(x, model[0].weight, model[0].bias), shared))
     assert model[0](torch.randn(3, 48)).requires_grad  # training keeps torch's differentiable route
+
+
+@pytest.mark.parametrize("n, k", [(33, 200), (64, 576), (7, 15), (49152, 64)])
+def test_bf16_weights_give_the_bits_of_their_float32_copy(n, k):
+    g = torch.Generator().manual_seed(n * k)
+    w, b, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g), torch.randn(6, k, generator=g)
+    for m in (1, 2, 6):
+        assert torch.equal(cpu_f32.matmul(x[:m], w, b), cpu_f32.matmul(x[:m], w.float(), b)), m
+
+
+def test_bf16_exact_weights_are_compacted_and_a_tied_model_gives_the_same_logits(tiny_float_model, monkeypatch):
+    from lowbit.runtime.loader import load_model
+
+    src = tiny_float_model(tie=True)  # bf16 checkpoint: every weight is a bf16 number
+    before = load_model(src, torch.float32)
+    with monkeypatch.context() as m:
+        m.setattr(cpu_f32, "_compact", lambda linear: None)  # the same kernels on float32 weights
+        cpu_f32.use_invariant_linears(before)
+    assert before.lm_head.weight.dtype is torch.float32
+    after = load_model(src, torch.float32)
+    assert cpu_f32.use_invariant_linears(after) > 0
+    assert after.lm_head.weight.dtype is torch.bfloat16
+    assert after.lm_head.weight is after.model.embed_tokens.weight  # still tied: one table, half the bytes
+    ids = torch.tensor([[256, 104, 101, 108, 108, 111, 32, 119]])
+    with torch.no_grad():
+        for rows in (ids[:, :1], ids):  # the kernel's one row, and torch's prefill on the widened copy
+            assert torch.equal(after(rows), before(rows))
+
+    odd = torch.nn.Linear(16, 8, bias=False)  # float32 values that bf16 cannot hold stay float32
+    model = torch.nn.Sequential(odd)
+    cpu_f32.use_invariant_linears(model)
+    assert odd.weight.dtype is torch.float32

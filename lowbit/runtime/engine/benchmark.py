@@ -197,7 +197,7 @@ def kv_cache_kld(engine_model, tokens: list[int], kv_dtype: str, block_size: int
     from lowbit.runtime.engine.paged_cache import PagedKVCache
 
     model = engine_model
-    w = model.model.embed_tokens.weight
+    w = model.model.norm.weight  # the compute dtype and device
     blocks = -(-len(tokens) // block_size)
     logp = {}
     for kind in (None, kv_dtype):

@@ -41,6 +41,8 @@ class DecoderModel(nn.Module):
         # on rows [T, hidden], which spares a select/unsqueeze and two reshapes per matmul.
         rows = input_ids.shape[0] == 1 and cache is not None and cache.flat_rows
         h = self.embed_tokens(input_ids[0] if rows else input_ids)
+        if h.dtype != self.norm.weight.dtype:
+            h = h.to(self.norm.weight.dtype)  # a table kept in bf16 for the tied head (kernels/cpu_f32.py): exact
         if self.scale_embeddings:
             # Gemma scales by sqrt(hidden) rounded to the model dtype, as its checkpoints were trained.
             h = h * torch.tensor(self.hidden_size**0.5, dtype=h.dtype).item()
@@ -98,7 +100,7 @@ class CausalLM(nn.Module):
         self.lm_head.weight = self.model.embed_tokens.weight
 
     def new_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
-        weight = self.model.embed_tokens.weight
+        weight = self.model.norm.weight  # the compute dtype (the embedding table may be kept in bf16)
         return KVCache(self.config, batch, max_len or self.config.max_position_embeddings, weight.dtype, weight.device)
 
     def forward(
