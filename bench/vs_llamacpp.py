@@ -1,0 +1,182 @@
+"""lowbit beside llama.cpp on exactly the same weights, in one run, on this machine.
+
+For each case the model is quantized by lowbit (or kept bf16), exported to GGUF *exactly*
+(`lowbit convert --to gguf` must report exact: int4 g32 → Q4_0, int8 g32 → Q8_0, bf16 → BF16), and
+then `llama-bench -p 512 -n 128` and `lowbit bench` (prefill 512, decode 128 at batch 1, plus 16
+concurrent) run alternately `--pairs` times with the same thread count. Reported: the medians
+and the median of the paired ratios (this VM drifts 10-20 % between runs, so pairs are compared
+minutes apart, not hours).
+
+llama.cpp is built once from the llama-cpp-python sdist on PyPI (its vendor/llama.cpp) into
+$LOWBIT_HOME/llamacpp, with cmake and a C++ compiler (Debian's). Not part of CI: the download and
+build take several minutes.
+
+    python bench/vs_llamacpp.py [--model smollm2-135m] [--cases int4,int4-g64,int8,bf16] [--pairs 3] [--threads 2]
+        [--llama-bench PATH] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+from lowbit.paths import lowbit_home
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results" / "vs_llamacpp.json"
+# case -> (lowbit quantize format or None for the float model, the GGUF type its exact export holds)
+# int4-g64 → Q4_0 is exact too (each 32-block repeats its group's scale) and runs lowbit's VNNI kernel,
+# which takes groups of 64k; int4-g32 runs torch's int4 op.
+CASES = {"int4": ("int4-g32", "Q4_0"), "int4-g64": ("int4-g64", "Q4_0"), "int8": ("int8-g32", "Q8_0"),
+         "bf16": (None, "BF16")}
+TOOLS = ("llama-bench", "llama-perplexity", "llama-server")
+
+
+def build_llama_cpp(home: Path) -> Path:
+    """The directory holding llama-bench (built here on first use)."""
+    bin_dir = home / "build" / "bin"
+    if (bin_dir / "llama-bench").is_file():
+        return bin_dir
+    home.mkdir(parents=True, exist_ok=True)
+    sdists = sorted(home.glob("llama_cpp_python-*.tar.gz"))
+    if not sdists:
+        log("downloading the llama-cpp-python sdist (its vendor/llama.cpp is the source)")
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+                        "llama-cpp-python", "-d", str(home), "-q"], check=True)
+        sdists = sorted(home.glob("llama_cpp_python-*.tar.gz"))
+    source = home / sdists[-1].name.removesuffix(".tar.gz")
+    if not source.is_dir():
+        with tarfile.open(sdists[-1]) as tar:
+            tar.extractall(home, filter="data")
+    src = source / "vendor" / "llama.cpp"
+    build = home / "build"
+    log(f"building {', '.join(TOOLS)} from {src} (several minutes)")
+    subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF",
+                    "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON"], check=True, capture_output=True)
+    subprocess.run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", *TOOLS],
+                   check=True, capture_output=True)
+    return bin_dir
+
+
+def log(message: str) -> None:
+    print(f"[vs_llamacpp] {message}", file=sys.stderr, flush=True)
+
+
+def lowbit(*args: str, capture: bool = True) -> str:
+    done = subprocess.run([sys.executable, "-m", "lowbit", *args], capture_output=capture, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"lowbit {' '.join(args)} failed:\n{done.stderr[-2000:] if capture else ''}")
+    return done.stdout
+
+
+def prepare(model: str, case: str, work: Path) -> tuple[str, Path]:
+    """(what lowbit runs, the GGUF llama.cpp runs): the same weights, checked exact."""
+    fmt, gtype = CASES[case]
+    if fmt is None:
+        ckpt = model
+    else:
+        ckpt = str(work / f"{case}")
+        if not Path(ckpt).is_dir():
+            lowbit("quantize", model, "--format", fmt, "-o", ckpt)
+    gguf = work / f"{case}.gguf"
+    if not gguf.is_file():
+        summary = json.loads(lowbit("convert", ckpt, "-o", str(gguf), "--to", "gguf", "--json"))
+        if not summary["exact"]:
+            raise SystemExit(f"{case}: the GGUF export is not exact, so the two would not run the same weights")
+    return ckpt, gguf
+
+
+def run_llama_bench(binary: Path, gguf: Path, threads: int) -> dict:
+    done = subprocess.run([str(binary), "-m", str(gguf), "-p", "512", "-n", "128", "-t", str(threads), "-r", "3",
+                           "-o", "json"], capture_output=True, text=True, check=True)
+    rows = json.loads(done.stdout)
+    prefill = next(r for r in rows if r["n_prompt"] > 0 and r["n_gen"] == 0)
+    decode = next(r for r in rows if r["n_gen"] > 0 and r["n_prompt"] == 0)
+    return {"prefill_tok_s": prefill["avg_ts"], "decode_tok_s": decode["avg_ts"]}
+
+
+def run_lowbit_bench(ckpt: str, threads: int) -> dict:
+    out = json.loads(lowbit("bench", ckpt, "--batches", "1,16", "--prompt-tokens", "8", "--gen-tokens", "128",
+                            "--prefill-tokens", "512", "--threads", str(threads), "--json"))
+    by_batch = {d["batch"]: d["decode_tok_s"] for d in out["decode"]}
+    return {"prefill_tok_s": out["prefill_tok_s"], "decode_tok_s": by_batch[1], "decode16_tok_s": by_batch[16],
+            "decode_weight_bytes": out["decode_weight_bytes"], "stream_bandwidth_gbs": out["stream_bandwidth_gbs"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--cases", default="int4,int4-g64,int8,bf16")
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--llama-bench", type=Path, default=None, help="an existing llama-bench binary")
+    parser.add_argument("--work", type=Path, default=None, help="where the checkpoints and GGUFs go")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    binary = args.llama_bench or build_llama_cpp(lowbit_home() / "llamacpp") / "llama-bench"
+    work = args.work or lowbit_home() / "vs_llamacpp" / args.model
+    work.mkdir(parents=True, exist_ok=True)
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    rows = []
+    for case in cases:
+        ckpt, gguf = prepare(args.model, case, work)
+        pairs = []
+        for i in range(args.pairs):
+            theirs = run_llama_bench(binary, gguf, args.threads)
+            ours = run_lowbit_bench(ckpt, args.threads)
+            pairs.append((ours, theirs))
+            log(f"{case} pair {i + 1}: decode {ours['decode_tok_s']:.1f} vs {theirs['decode_tok_s']:.1f} tok/s, "
+                f"prefill {ours['prefill_tok_s']:.0f} vs {theirs['prefill_tok_s']:.0f} tok/s")
+        med = lambda key, side: statistics.median(p[side][key] for p in pairs)  # noqa: E731
+        ratio = lambda key: statistics.median(p[0][key] / p[1][key] for p in pairs)  # noqa: E731
+        ours0 = pairs[0][0]
+        roofline = ours0["decode_weight_bytes"] / (ours0["stream_bandwidth_gbs"] * 1e9)  # s per token at bandwidth
+        rows.append({
+            "case": case, "gguf_type": CASES[case][1], "gguf_bytes": gguf.stat().st_size,
+            "decode_tok_s": {"lowbit": med("decode_tok_s", 0), "llama.cpp": med("decode_tok_s", 1),
+                             "ratio": ratio("decode_tok_s")},
+            "prefill_tok_s": {"lowbit": med("prefill_tok_s", 0), "llama.cpp": med("prefill_tok_s", 1),
+                              "ratio": ratio("prefill_tok_s")},
+            "decode16_tok_s": med("decode16_tok_s", 0),
+            "decode_vs_roofline": (1 / med("decode_tok_s", 0)) / roofline,
+            "pairs": [{"lowbit": o, "llama.cpp": t} for o, t in pairs],
+        })
+    result = {"script": "bench/vs_llamacpp.py", "date": time.strftime("%Y-%m-%d"), "model": args.model,
+              "threads": args.threads, "machine": _machine(), "cases": rows}
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    print(f"{args.model}, {args.threads} threads, {args.pairs} alternated pairs, {result['machine']}")
+    print("| case | GGUF | decode b1 lowbit | llama.cpp | ratio | prefill 512 lowbit | llama.cpp | ratio | "
+          "16 concurrent | decode ÷ roofline |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        d, p = r["decode_tok_s"], r["prefill_tok_s"]
+        print(f"| {r['case']} | {r['gguf_type']} | {d['lowbit']:.1f} | {d['llama.cpp']:.1f} | {d['ratio']:.2f}× | "
+              f"{p['lowbit']:.0f} | {p['llama.cpp']:.0f} | {p['ratio']:.2f}× | {r['decode16_tok_s']:.0f} | "
+              f"{r['decode_vs_roofline']:.2f} |")
+
+
+def _machine() -> str:
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = "unknown CPU"
+    return f"{model}, {os.cpu_count()} cores"
+
+
+if __name__ == "__main__":
+    if shutil.which("cmake") is None and "--llama-bench" not in sys.argv:
+        raise SystemExit("cmake is needed to build llama.cpp (apt-get install cmake g++), or pass --llama-bench PATH")
+    main()
