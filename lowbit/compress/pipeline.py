@@ -45,6 +45,8 @@ HEAD = "lm_head"
 # Projections that read the same input and run as one fused matmul.
 FUSED_SETS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 _LAYER = re.compile(r"^(.*?\blayers\.(\d+))\.")
+# the router (and Qwen2-MoE's shared-expert gate) of a mixture-of-experts layer: [experts, hidden] scores
+_ROUTER = re.compile(r"\.(mlp|block_sparse_moe)\.(gate|shared_expert_gate)$")
 _DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I8": 1, "U8": 1, "I16": 2, "I32": 4, "I64": 8,
                 "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}
 _FOREIGN_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
@@ -392,6 +394,8 @@ def _linear_modules(source: SourceTensors, quantize_head: bool) -> list[str]:
         if not name.endswith(".weight") or len(source.shapes[name]) != 2:
             continue
         module = name[: -len(".weight")]
+        if _ROUTER.search(module):
+            continue  # MoE routers stay dense: the runtime computes them in float32 (runtime/models/moe.py)
         if _LAYER.match(name) or (quantize_head and module == HEAD):
             modules.append(module)
     if quantize_head and HEAD not in modules:
