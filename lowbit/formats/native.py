@@ -306,7 +306,7 @@ class NativeReader:
 
 
 def check_finite_part(tensor: torch.Tensor, name: str, where) -> None:
-    """A float tensor of a checkpoint holding NaN/inf: a LowbitError naming it."""
+    """A float tensor of a checkpoint holding NaN/inf: a LowbitError naming it (the loader's check too)."""
     if tensor.is_floating_point():
         if tensor.element_size() == 1:  # float8 has no isfinite kernel; bf16 holds every value it can
             tensor = tensor.to(torch.bfloat16)

@@ -19,6 +19,7 @@ from lowbit.runtime.config import ModelConfig
 from lowbit.runtime.models import CausalLM, build_model
 from lowbit.runtime.moe_weights import expert_tensors
 from lowbit.runtime.quant_linear import attach_native
+from lowbit.formats.native import check_finite_part
 from lowbit.formats.hf_files import model_dir, one_line, read_config, weight_files
 
 # Tensors some exporters save that carry no learned state.
@@ -69,16 +70,6 @@ def _tensor_names(files: list[Path]) -> list[str]:
     return names
 
 
-def check_finite(name: str, tensor: torch.Tensor, where: str | Path) -> None:
-    """A float weight holding NaN/inf is a damaged checkpoint: refused naming the tensor."""
-    if tensor.is_floating_point():
-        if tensor.element_size() == 1:  # float8 has no isfinite kernel; bf16 holds every value it can
-            tensor = tensor.to(torch.bfloat16)
-        bad = int((~torch.isfinite(tensor)).sum())
-        if bad:
-            raise LowbitError(f"weight {name} in {where} holds {bad} NaN/inf value(s): the checkpoint is damaged")
-
-
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> CausalLM:
     if _foreign_kind(path) is not None:
         return _load_foreign(path, dtype, device)
@@ -111,7 +102,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
             )
         if not tensor.is_floating_point():
             raise LowbitError(f"weight {name} in {path} is {str(tensor.dtype).removeprefix('torch.')}, not a float tensor")
-        check_finite(name, tensor, path)
+        check_finite_part(tensor, name, path)
         state[name] = tensor.to(device=device, dtype=dtype)
 
     missing = sorted(set(expected) - set(state))
@@ -172,7 +163,7 @@ def _load_foreign(path: str | Path, dtype: torch.dtype, device: str | torch.devi
             continue
         if name not in expected or tuple(tensor.shape) != tuple(expected[name].shape):
             raise LowbitError(f"checkpoint {path}: weight {name} {tuple(tensor.shape)} does not fit {config.architecture}")
-        check_finite(name, tensor, path)
+        check_finite_part(tensor, name, path)
         state[name] = tensor.to(device=device, dtype=dtype)
     missing = sorted(set(expected) - set(state))
     if missing:

@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.conftest import _byte_tokenizer
+
 # ---------------------------------------------------------------------------------------------
 # running the CLI
 
@@ -282,21 +284,6 @@ def write_tiny_gguf(path: Path) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-
-
-def _byte_tokenizer(directory: Path) -> None:
-    """tokenizer.json + tokenizer_config.json: byte-level BPE, ids 0-255 the bytes, 256 <s>, 257 </s>."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab.update({"<s>": 256, "</s>": 257})
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(["<s>", "</s>"])
-    tokenizer.save(str(directory / "tokenizer.json"))
-    config = {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 def write_tiny_hf(directory: Path, hidden: int = HIDDEN, seed: int = 1) -> None:
