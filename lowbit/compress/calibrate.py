@@ -38,6 +38,7 @@ from lowbit.formats.hf_files import model_dir, read_json, weight_files
 from lowbit.formats.resolve import resolve_model
 from lowbit.runtime.attention import AttentionContext
 from lowbit.runtime.config import ModelConfig
+from lowbit.runtime.moe_weights import rename as rename_expert
 from lowbit.runtime.models import build_model
 from lowbit.runtime.tokenizer import load_tokenizer
 
@@ -76,12 +77,17 @@ class LayerwiseModel:
             raise UsageError(f"{self.path} is already quantized; calibrate and quantize the float model")
         self.config = ModelConfig.from_dict(self.config_dict)
         self._file_of: dict[str, Path] = {}
+        self._stored_name: dict[str, str] = {}  # lowbit's name -> the file's (Mixtral's w1/w2/w3 experts)
         for file in weight_files(self.path):
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    self._file_of[name] = file
+                    self._file_of[rename_expert(name)] = file
+                    self._stored_name[rename_expert(name)] = name
         with torch.device("meta"), _no_weight_init():
             self.model = build_model(self.config)
+        for module in self.model.modules():
+            if hasattr(module, "every_expert"):
+                module.every_expert = True  # MoE: statistics for every expert (runtime/models/moe.py)
         self.num_layers = self.config.num_hidden_layers
         self.compute_dtype = dtype or self._stored_dtype()
 
@@ -96,7 +102,7 @@ class LayerwiseModel:
         for name, file in self._file_of.items():
             if name.startswith(prefix) and name.endswith(".weight"):
                 with safe_open(str(file), framework="pt") as f:
-                    stored = f.get_slice(name).get_dtype()
+                    stored = f.get_slice(self._stored_name[name]).get_dtype()
                 return torch.bfloat16 if stored in ("BF16", "F16") else torch.float32
         return torch.float32
 
@@ -118,7 +124,7 @@ class LayerwiseModel:
         if file is None:
             raise LowbitError(f"{self.path} lacks weight {name}")
         with safe_open(str(file), framework="pt") as f:
-            return f.get_tensor(name)
+            return f.get_tensor(self._stored_name[name])
 
     def layer_prefix(self, index: int) -> str:
         return f"model.layers.{index}."

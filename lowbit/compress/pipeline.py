@@ -38,6 +38,7 @@ from lowbit.quant.registry import get_format, part_layout
 from lowbit.quant.rtn import shared_global_scale
 from lowbit.quant.spec import FormatSpec, parse_spec
 from lowbit.runtime.config import ModelConfig
+from lowbit.runtime.moe_weights import rename as rename_expert
 
 ProgressFn = Callable[[int, int, str], None]
 
@@ -164,11 +165,16 @@ class SourceTensors:
         self.file_of: dict[str, int] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.nbytes: dict[str, int] = {}
+        # lowbit's names (Mixtral's block_sparse_moe / w1 w2 w3 experts as mlp / gate_proj up_proj
+        # down_proj), so statistics, recipes and the written checkpoint all use one spelling
+        self._stored_name: dict[str, str] = {}
         for file in weight_files(directory):
             try:
                 handle = safe_open(str(file), framework="pt")
-                for name in handle.keys():
-                    piece = handle.get_slice(name)
+                for stored in handle.keys():
+                    name = rename_expert(stored)
+                    self._stored_name[name] = stored
+                    piece = handle.get_slice(stored)
                     shape = tuple(piece.get_shape())
                     self.file_of[name] = len(self._handles)
                     self.shapes[name] = shape
@@ -182,7 +188,7 @@ class SourceTensors:
         return list(self.file_of)
 
     def get(self, name: str) -> torch.Tensor:
-        return self._handles[self.file_of[name]].get_tensor(name)
+        return self._handles[self.file_of[name]].get_tensor(self._stored_name[name])
 
 
 @dataclass(slots=True)

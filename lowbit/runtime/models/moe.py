@@ -44,6 +44,10 @@ class SparseMoE(nn.Module):
         self.top_k = moe.top_k
         self.norm_topk_prob = moe.norm_topk_prob
         self.weights_in_model_dtype = moe.weights_in_model_dtype
+        # Calibration (compress/calibrate.py sets it): every token goes through every expert, so
+        # each expert's Linears see statistics even when the text routes few or no tokens to it,
+        # while the output still sums only the routed experts, as inference does.
+        self.every_expert = False
         self.gate = Gate(hidden, moe.num_experts)
         self.experts = nn.ModuleList(
             GatedMLP(hidden, moe.intermediate_size, config.hidden_act) for _ in range(moe.num_experts)
@@ -82,7 +86,12 @@ class SparseMoE(nn.Module):
         out = torch.zeros_like(rows)
         start = 0
         for expert, count in zip(self.experts, counts):
-            if count:
+            if self.every_expert:
+                idx = tokens[start : start + count]
+                y = expert(rows).index_select(0, idx)
+                out.index_add_(0, idx, (y * scale[start : start + count]).to(out.dtype))
+                start += count
+            elif count:
                 idx = tokens[start : start + count]
                 y = expert(rows.index_select(0, idx))
                 # a token picks distinct experts, so idx has no repeats: index_add_ is deterministic
