@@ -47,10 +47,15 @@ def llama_engine(engine_llama_dir):
 
 
 def test_paged_equals_contiguous_and_recompute_batched_and_alone(llama_engine):
+    check_paged_contiguous_batched_alone(llama_engine)
+
+
+def check_paged_contiguous_batched_alone(engine) -> None:
+    """Greedy tokens of the engine batched == each prompt alone == a contiguous cache == recomputing."""
     ps = prompts()
-    batched = [c.token_ids for c in llama_engine.generate(ps, GREEDY)]
-    alone = [llama_engine.generate([p], GREEDY)[0].token_ids for p in ps]
-    model = llama_engine.model
+    batched = [c.token_ids for c in engine.generate(ps, GREEDY)]
+    alone = [engine.generate([p], GREEDY)[0].token_ids for p in ps]
+    model = engine.model
     for p, b, a in zip(ps, batched, alone):
         assert b == a
         assert b == contiguous_greedy(model, p, GREEDY.max_tokens)

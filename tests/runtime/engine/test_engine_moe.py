@@ -8,7 +8,7 @@ import pytest
 
 from lowbit.runtime.engine import paged_attention
 from lowbit.runtime.engine.engine import Engine
-from tests.runtime.engine.test_engine import GREEDY, contiguous_greedy, prompts, recompute_greedy
+from tests.runtime.engine.test_engine import GREEDY, check_paged_contiguous_batched_alone, prompts
 from tests.runtime.moe_models import save_moe
 
 
@@ -23,14 +23,7 @@ def moe_engine(moe_dir):
 
 
 def test_paged_equals_contiguous_and_recompute_batched_and_alone(moe_engine):
-    ps = prompts()
-    batched = [c.token_ids for c in moe_engine.generate(ps, GREEDY)]
-    alone = [moe_engine.generate([p], GREEDY)[0].token_ids for p in ps]
-    model = moe_engine.model
-    for p, b, a in zip(ps, batched, alone):
-        assert b == a
-        assert b == contiguous_greedy(model, p, GREEDY.max_tokens)
-        assert b == recompute_greedy(model, p, GREEDY.max_tokens)
+    check_paged_contiguous_batched_alone(moe_engine)
 
 
 def test_chunked_prefill_and_tiled_attention(moe_dir, moe_engine, monkeypatch):
