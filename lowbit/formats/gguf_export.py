@@ -13,6 +13,7 @@ Architectures: llama (incl. Mistral-style), qwen2, qwen3.
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -31,7 +32,11 @@ from lowbit.quant.qtensor import QTensor
 from lowbit.quant.rtn import quantize_rtn, tensor_relative_error
 
 GGUF_TYPES = ("bf16", "q8_0", "q4_0", "q4_k", "mxfp4")
-_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# A Mixtral expert's projection, and its router: llama.cpp stacks each kind over the experts into
+# one 3-D tensor blk.L.ffn_{gate,up,down}_exps [experts, rows, columns] and calls the router ffn_gate_inp.
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_ROUTER = re.compile(r"^model\.layers\.(\d+)\.mlp\.gate\.weight$")
 _FILE_TYPE = {"BF16": 32, "Q8_0": 7, "Q4_0": 2, "Q4_K": 15, "MXFP4": 38}  # llama_ftype (MOSTLY_*)
 
 
@@ -137,8 +142,14 @@ def write_gguf(
     tied = _tied(ckpt)
     changes: list[LayerChange] = []
     names = [n for n in tensors if not (tied and n == "lm_head.weight")]
+    experts: dict[tuple[int, str], dict[int, str]] = {}  # (layer, kind) -> expert -> tensor name
     for done, hf_name in enumerate(sorted(names, key=_order), start=1):
-        target = gguf_name(hf_name)
+        match = _EXPERT.match(hf_name)
+        if match:
+            experts.setdefault((int(match[1]), match[3]), {})[int(match[2])] = hf_name
+            continue
+        router = _ROUTER.match(hf_name)
+        target = f"blk.{router[1]}.ffn_gate_inp.weight" if router else gguf_name(hf_name)
         if target is None:
             continue
         value = tensors[hf_name]
@@ -161,6 +172,8 @@ def write_gguf(
             _add_dense(writer, target, dense, gguf)
         if progress is not None:
             progress(done, len(names), hf_name)
+    for (layer, kind), by_expert in sorted(experts.items()):
+        changes += _add_experts(writer, layer, kind, by_expert, tensors, plan, gguf)
     rope = _rope_freqs(config)
     if rope is not None:
         writer.add_tensor("rope_freqs.weight", rope.numpy())
@@ -169,6 +182,28 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return changes, notes
+
+
+def _add_experts(writer, layer: int, kind: str, by_expert: dict[int, str], tensors, plan, gguf) -> list[LayerChange]:
+    """One stacked blk.L.ffn_KIND_exps tensor from the experts' projections: each expert's rows of
+    blocks, encoded as a 2-D weight is, one after the other (llama.cpp's [experts, rows, blocks])."""
+    changes, rows, types = [], [], set()
+    for e in range(len(by_expert)):
+        if e not in by_expert:
+            raise LowbitError(f"layer {layer} has no {kind}_proj for expert {e}: cannot stack the experts for GGUF")
+        hf_name = by_expert[e]
+        value, module = tensors[hf_name], hf_name[: -len(".weight")]
+        gtype, reason = plan[module]
+        raw, decoded = _encode(value, gtype, reason is None)
+        if reason:
+            changes.append(LayerChange(module, source_label(value), gtype, reason, tensor_relative_error(dequantized(value), decoded)))
+        rows.append(raw)
+        types.add(gtype)
+    if len(types) != 1:
+        raise LowbitError(f"layer {layer}'s {kind}_proj experts would be written as {sorted(types)}: GGUF stacks one type")
+    writer.add_tensor(f"blk.{layer}.ffn_{kind}_exps.weight", np.ascontiguousarray(np.stack(rows)),
+                      raw_dtype=getattr(gguf.GGMLQuantizationType, types.pop()))
+    return changes
 
 
 def _order(name: str):
@@ -231,6 +266,9 @@ def _write_metadata(writer, ckpt: Checkpoint, arch: str, plan: dict) -> list[str
     writer.add_embedding_length(int(config["hidden_size"]))
     writer.add_block_count(int(config["num_hidden_layers"]))
     writer.add_feed_forward_length(int(config["intermediate_size"]))
+    if config.get("num_local_experts"):  # Mixtral: llama.cpp's llama architecture with experts
+        writer.add_expert_count(int(config["num_local_experts"]))
+        writer.add_expert_used_count(int(config["num_experts_per_tok"]))
     writer.add_head_count(heads)
     writer.add_head_count_kv(int(config.get("num_key_value_heads", heads)))
     writer.add_rope_dimension_count(head_dim)
