@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from lowbit.cli.common import THREADS_OPTION, apply_threads, console, print_json, status
+from lowbit.cli.common import THREADS_OPTION, apply_threads, console, print_json
 from lowbit.cli.kernel_options import INT4_ACTIVATIONS_OPTION, KERNEL_OPTION, kernel_line, kernel_settings, kernel_summary
 from lowbit.cli.main import app
 from lowbit.errors import UsageError
@@ -67,11 +67,11 @@ def bench(
         check_memory("--kv-memory", kv_memory_size if not draft else f"{kv_memory_size} (twice, with --draft)",
                      kv_memory * (2 if draft else 1))
     common = dict(dtype=dtype, kv_dtype=kv_dtype, kv_memory=kv_memory, max_num_seqs=max(sizes))
-    with status("loading"), use_settings(settings):
+    with console.status("loading"), use_settings(settings):
         engine = Engine(model, **common)
         spec_engine = Engine(model, draft=draft, num_speculative_tokens=num_speculative_tokens, **common) if draft else None
         kernels = kernel_summary(engine.model)
-    with status("measuring"):
+    with console.status("measuring"):
         result = run_bench(engine, sizes, prompt_tokens, gen_tokens, prefill_tokens, spec_engine)
     result["kernels"] = kernels
     if json_out:

@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from lowbit.cli.common import THREADS_OPTION, apply_threads, console, print_json, progress, status
+from lowbit.cli.common import THREADS_OPTION, apply_threads, console, print_json, progress
 from lowbit.cli.main import app
 
 
@@ -47,7 +47,7 @@ def calibrate_command(
     # from config.json alone, before the text is read or any activation allocated
     source = model_dir(resolve_model(model))
     check_calibration_windows(read_config(source), samples, seqlen, sink_weight=sink_weight, name=source.name)
-    with status("loading model and text"):
+    with console.status("loading model and text"):
         inputs = prepare_calibration(model, data, samples=samples, seqlen=seqlen, seed=seed, sink_weight=sink_weight)
     with progress() as bar:
         task = bar.add_task("calibrate", total=inputs.model.num_layers, info="")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -65,11 +64,6 @@ def progress(transient: bool = False, disable: bool = False) -> Progress | LineP
         transient=transient,
         disable=disable,
     )
-
-
-def status(text: str) -> contextlib.AbstractContextManager:
-    """A spinner on a terminal; nothing in a log, so that a failed start leaves just its one error line."""
-    return console.status(text) if console.is_terminal else contextlib.nullcontext()
 
 
 def _line(text: str) -> None:

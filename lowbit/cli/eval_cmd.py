@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from lowbit.cli.common import THREADS_OPTION, apply_threads, console, print_json, progress, status
+from lowbit.cli.common import THREADS_OPTION, apply_threads, console, print_json, progress
 from lowbit.cli.kernel_options import INT4_ACTIVATIONS_OPTION, KERNEL_OPTION, kernel_line, kernel_settings, kernel_summary
 from lowbit.cli.main import app
 
@@ -37,7 +37,7 @@ def eval_command(
     apply_threads(threads)
     settings = kernel_settings(kernel, int4_activations)
     with use_settings(settings):
-        with status("loading model and text"):
+        with console.status("loading model and text"):
             job = prepare(model, data, ctx=ctx, chunks=chunks, stride=stride, base=base, dtype=dtype)
         kernels = kernel_summary(job.model)
     with progress() as bar:

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from lowbit.cli.common import console, print_json, status
+from lowbit.cli.common import console, print_json
 from lowbit.cli.main import app
 
 
@@ -26,7 +26,7 @@ def inspect_command(
     """Per-layer format, shape, group, bits/weight (scales included) and bytes; totals against bf16."""
     from lowbit.compress.checkpoint_report import inspect_checkpoint
 
-    with status("reading checkpoint"):
+    with console.status("reading checkpoint"):
         report = inspect_checkpoint(checkpoint, base)
     if as_json:
         print_json(report.to_dict())

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from tests.conftest import _byte_tokenizer
+from tests.formats.test_gguf_tiny import _bytes_to_unicode
 
 # ---------------------------------------------------------------------------------------------
 # running the CLI
@@ -217,19 +218,6 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FF, LAYERS = 32, 2, 1, 16, 64, 1
 CALIB_TEXT = ("The quick brown fox jumps over the lazy dog. " * 40).strip()
 
 
-def _byte_alphabet() -> list[str]:
-    """GPT-2's byte-level alphabet in byte order (printable bytes stand for themselves)."""
-    printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-    out, extra = [], 0
-    for b in range(256):
-        if b in printable:
-            out.append(chr(b))
-        else:
-            out.append(chr(256 + extra))
-            extra += 1
-    return out
-
-
 def write_tiny_gguf(path: Path) -> None:
     """A one-layer llama GGUF with a byte-level BPE vocabulary and a mix of tensor types."""
     import gguf
@@ -246,7 +234,7 @@ def write_tiny_gguf(path: Path) -> None:
     w.add_head_count_kv(KV_HEADS)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(10000.0)
-    tokens = ["<|endoftext|>", *_byte_alphabet(), "Ġt", "he", "Ġthe"]
+    tokens = ["<|endoftext|>", *_bytes_to_unicode(), "Ġt", "he", "Ġthe"]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")
     w.add_token_list(tokens)

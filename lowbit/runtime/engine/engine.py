@@ -80,10 +80,6 @@ class EngineStats:
     spec_mean_accepted_length: float  # tokens per target pass on drafted sequences (accepted + 1)
 
 
-def _dtype(dtype) -> torch.dtype:
-    return parse_dtype(dtype)
-
-
 def default_kv_memory(device: torch.device) -> int:
     """A fifth of the memory that is free now (CPU: MemAvailable), capped at 4 GiB on CPU."""
     if device.type == "cuda":
@@ -108,7 +104,7 @@ class Engine:
         from lowbit.runtime.loader import load_model
         from lowbit.runtime.tokenizer import load_tokenizer
 
-        self.dtype = _dtype(dtype)
+        self.dtype = parse_dtype(dtype)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         path = resolve_model(model)
         self.model_path = path
