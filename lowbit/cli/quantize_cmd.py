@@ -88,7 +88,9 @@ def quantize_command(
         [], "--skip", help="Keep modules matching this pattern dense (fnmatch glob, or re:REGEX). Repeatable."
     ),
     quantize_head: bool = typer.Option(
-        False, "--quantize-head", help="Also quantize lm_head (refused when it is tied to the embeddings)."
+        False, "--quantize-head", help="Also quantize lm_head. A head tied to the embeddings stays tied: "
+        "the matrix is quantized once and the embedding rows are read from it (a recipe rule for lm_head "
+        "picks its format, e.g. int8)."
     ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it already exists."),
     threads: Optional[int] = THREADS_OPTION,
@@ -157,5 +159,10 @@ def _print_summary(summary) -> None:
     console.print(
         f"  size          {summary.bytes_before / 1e6:.1f} MB → {summary.bytes_after / 1e6:.1f} MB ({ratio:.2f}× smaller)"
     )
+    if summary.expert_tokens:
+        counts = sorted(c for block in summary.expert_tokens.values() for c in block)
+        idle = sum(c == 0 for c in counts)
+        console.print(f"  experts       {len(summary.expert_tokens)} MoE blocks, {len(counts)} experts: calibration tokens per expert "
+                      f"min {counts[0]}, median {counts[len(counts) // 2]}, max {counts[-1]}; {idle} got none (--json lists each)")
     for note in summary.notes:
         console.print(f"  note: {note}")

@@ -20,7 +20,7 @@ import copy
 import ctypes
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -260,6 +260,8 @@ def calibration_samples(tokenizer, text: str, samples: int, seqlen: int, seed: i
 class LayerStats:
     sites: dict[str, InputStats]  # site name (its first Linear) -> statistics
     site_modules: dict[str, list[str]]  # site name -> the Linears reading that input, in forward order
+    # MoE block (`model.layers.L.mlp`) -> calibration tokens its router sent to each expert
+    expert_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 def _batches(total: int, seqlen: int, batch_tokens: int):
@@ -312,6 +314,19 @@ def collect_stats(
         return hook
 
     handles = [mod.register_forward_pre_hook(hook_for(name)) for name, mod in linears]
+    # MoE blocks (runtime/models/moe.py): count the tokens the router sends to each expert (the
+    # every-expert pass gives every expert statistics; this tells how many tokens it really gets)
+    routed: dict[str, torch.Tensor] = {}
+
+    def count_routes(name: str):
+        def hook(block, args):
+            _, experts = block.route(args[0].reshape(-1, args[0].shape[-1]))
+            counts = torch.bincount(experts.flatten(), minlength=len(block.experts))
+            routed[name] = routed[name] + counts if name in routed else counts
+        return hook
+
+    handles += [mod.register_forward_pre_hook(count_routes(prefix + local)) for local, mod in layer.named_modules()
+                if hasattr(mod, "every_expert") and hasattr(mod, "route")]
     try:
         with torch.inference_mode():
             for start, end in _batches(hidden.shape[0], hidden.shape[1], batch_tokens):
@@ -323,7 +338,8 @@ def collect_stats(
     finally:
         for h in handles:
             h.remove()
-    return LayerStats(sites={s: a.finish() for s, a in accumulators.items()}, site_modules=site_modules)
+    return LayerStats(sites={s: a.finish() for s, a in accumulators.items()}, site_modules=site_modules,
+                      expert_tokens={name: counts.tolist() for name, counts in routed.items()})
 
 
 def propagate(lm: LayerwiseModel, layer: nn.Module, index: int, hidden: torch.Tensor, batch_tokens: int = DEFAULT_BATCH_TOKENS) -> None:

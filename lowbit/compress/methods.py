@@ -53,6 +53,7 @@ class LayerResult:
     notes: list[str] = field(default_factory=list)  # shown in the summary (e.g. "layer 7: RTN fallback")
     # module -> {'indices' int32, 'values' bf16}: weights kept outside the format (compress/outliers.py)
     outliers: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    expert_tokens: dict[str, list[int]] = field(default_factory=dict)  # MoE block -> calibration tokens per expert
 
 
 @dataclass(slots=True)

@@ -7,8 +7,9 @@ shards, so the process holds the output plus one layer — never the float model
 
 What gets quantized: every 2-D `.weight` inside a decoder layer (`...layers.<i>.`) — the attention
 and MLP projections. Embeddings, norms and biases stay as stored; lm_head too unless
-`quantize_head`. A head tied to the embeddings is refused rather than silently untied (which
-would store the matrix twice). Modules that run fused (q/k/v, gate/up) in a format with a
+`quantize_head`. A head tied to the embeddings stays tied: the one matrix is quantized and stored
+once, as lm_head, and the runtime reads embedding rows from it (never untied, which would store
+the matrix twice). Modules that run fused (q/k/v, gate/up) in a format with a
 per-tensor global scale (nvfp4) share one, computed from all of them.
 """
 
@@ -106,6 +107,8 @@ class QuantizeSummary:
     seconds: float
     recipe: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # MoE block -> calibration tokens its router sent to each expert (methods that run calibration text)
+    expert_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def formats(self) -> dict[str, int]:
@@ -153,6 +156,7 @@ class QuantizeSummary:
                 for m in self.modules
             ],
             "notes": self.notes,
+            "expert_tokens": self.expert_tokens,
         }
 
 
@@ -189,6 +193,17 @@ class SourceTensors:
 
     def get(self, name: str) -> torch.Tensor:
         return self._handles[self.file_of[name]].get_tensor(self._stored_name[name])
+
+    def use_embeddings_as_head(self) -> None:
+        """A head tied to the embeddings, to be quantized: the embedding matrix is read as
+        lm_head.weight and written only there (the runtime reads the embedding rows from it:
+        runtime/quant_embedding.py); a stored lm_head.weight copy of it is dropped."""
+        embed, head = "model.embed_tokens.weight", f"{HEAD}.weight"
+        if embed not in self.file_of:
+            raise LowbitError(f"{self.directory}: the head is tied, but there is no {embed} to quantize as it")
+        for table in (self.file_of, self.shapes, self.nbytes, self._stored_name):
+            table.pop(head, None)
+            table[head] = table.pop(embed)
 
 
 @dataclass(slots=True)
@@ -240,10 +255,15 @@ def quantize_model(
 
     source = SourceTensors(source_dir)
     _check_weights_fit(model_config, source, source_dir)
+    if quantize_head and model_config.tie_word_embeddings:
+        source.use_embeddings_as_head()
     linears = _linear_modules(source, quantize_head)
-    if quantize_head:
-        _check_head(config, source)
     specs = _assign(recipe, linears, source)
+    if quantize_head and model_config.tie_word_embeddings and specs.get(HEAD) is None:
+        # a recipe or --skip kept the tied head dense: it stays the embedding table, as stored
+        source = SourceTensors(source_dir)
+        linears.remove(HEAD)
+        specs.pop(HEAD)
     parts = _parts(source.names)
     context = MethodContext(method=method, model_dir=source_dir, config=config,
                             num_layers=sum(p.index is not None for p in parts), options=options)
@@ -251,6 +271,7 @@ def quantize_model(
 
     records: list[ModuleRecord] = []
     notes: list[str] = []
+    expert_tokens: dict[str, list[int]] = {}
     bytes_after = 0
     params = 0
     with atomic_dir(out, overwrite=overwrite) as tmp:
@@ -264,6 +285,8 @@ def quantize_model(
             result = layer_method(work)
             _check_result(part, part_specs, result, tensors)
             notes.extend(result.notes)
+            expert_tokens.update(result.expert_tokens)
+            notes.extend(_unrouted_note(block, counts) for block, counts in result.expert_tokens.items() if 0 in counts)
             for module, qt in result.qtensors.items():
                 writer.add_quantized(module, qt)
                 bytes_after += qt.nbytes
@@ -299,8 +322,14 @@ def quantize_model(
     return QuantizeSummary(
         model=str(model), output=str(out), method=method, modules=records, params=params,
         bytes_before=sum(source.nbytes.values()), bytes_after=bytes_after,
-        seconds=time.perf_counter() - started, recipe=recipe.to_list(), notes=notes,
+        seconds=time.perf_counter() - started, recipe=recipe.to_list(), notes=notes, expert_tokens=expert_tokens,
     )
+
+
+def _unrouted_note(block: str, counts: list[int]) -> str:
+    idle = [str(e) for e, c in enumerate(counts) if c == 0]
+    return (f"{block}: the router sent no calibration tokens to expert{'s' if len(idle) > 1 else ''} {', '.join(idle)}; "
+            "their statistics come from every token run through every expert")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -409,15 +438,6 @@ def _linear_modules(source: SourceTensors, quantize_head: bool) -> list[str]:
     if not modules:
         raise LowbitError(f"{source.directory}: no decoder-layer Linear weights found (expected names like model.layers.0.mlp.down_proj.weight)")
     return modules
-
-
-def _check_head(config: dict, source: SourceTensors) -> None:
-    tied = config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings", True))
-    if tied:
-        raise UsageError(
-            "--quantize-head: lm_head is tied to the token embeddings in this model; quantizing it would untie "
-            "them and store the matrix twice, so lowbit keeps tied heads dense"
-        )
 
 
 def _assign(recipe: Recipe, modules: list[str], source: SourceTensors) -> dict[str, FormatSpec | None]:

@@ -70,9 +70,11 @@ class LayerOutcome:
     outliers: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # module -> packed side matrix
     dense: dict[str, torch.Tensor] = field(default_factory=dict)  # changed dense tensors (AWQ-folded norms, biases)
     notes: list[str] = field(default_factory=list)
+    expert_tokens: dict[str, list[int]] = field(default_factory=dict)  # MoE block -> calibration tokens per expert
 
     def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict]:
-        tensors, meta = {}, {"modules": {}, "outliers": sorted(self.outliers), "dense": sorted(self.dense), "notes": self.notes}
+        tensors, meta = {}, {"modules": {}, "outliers": sorted(self.outliers), "dense": sorted(self.dense), "notes": self.notes,
+                             "expert_tokens": self.expert_tokens}
         for module, qt in self.qtensors.items():
             for part, t in qt.to_tensors().items():
                 tensors[f"{module}.weight.{part}"] = t
@@ -92,7 +94,8 @@ class LayerOutcome:
             qtensors[module] = QTensor.from_tensors(parts, m, where=module)
         outliers = {m: {p: tensors[f"{m}.outliers.{p}"] for p in ("indices", "values")} for m in meta["outliers"]}
         dense = {name: tensors[name] for name in meta["dense"]}
-        return cls(qtensors=qtensors, outliers=outliers, dense=dense, notes=list(meta["notes"]))
+        return cls(qtensors=qtensors, outliers=outliers, dense=dense, notes=list(meta["notes"]),
+                   expert_tokens=dict(meta.get("expert_tokens", {})))
 
 
 def _site_stats(stats: LayerStats) -> dict[str, tuple[str, InputStats]]:
@@ -337,6 +340,7 @@ def make_layer_method(context):
                 stats = collect_stats(lm, layer, i, hidden, write_outputs=False, first_weight=first_weight)
             if not moved:
                 outcome = quantize_layer(layer, prefix, stats, part.specs, options)
+                outcome.expert_tokens = stats.expert_tokens
             if work is not None:
                 work.save_layer(i, *outcome.to_tensors())
                 outcome = LayerOutcome.from_tensors(*work.load_layer(i))
@@ -352,6 +356,7 @@ def make_layer_method(context):
             snapshot(i + 1)
         lm.release_layer(i)
         dense = {n: t.to(part.tensors[n].dtype) if n.endswith("bias") else t for n, t in outcome.dense.items()}
-        return LayerResult(qtensors=outcome.qtensors, dense=dense, notes=outcome.notes, outliers=outcome.outliers)
+        return LayerResult(qtensors=outcome.qtensors, dense=dense, notes=outcome.notes, outliers=outcome.outliers,
+                           expert_tokens=outcome.expert_tokens)
 
     return layer_method

@@ -24,6 +24,13 @@ Per quantized Linear `<m>` (facts from the compressed-tensors package, v0.20):
 config.json "quantization_config": quant_method "compressed-tensors", format, config_groups
 (targets: "Linear" when every quantized layer shares one scheme, else exact module names),
 ignore (Linear modules left dense), quantization_status "compressed".
+
+Mixture-of-experts models keep one Linear per expert, named as the hub checkpoints vLLM loads
+name them: Mixtral `model.layers.L.block_sparse_moe.experts.E.w1/w3/w2` (gate/up/down) and its
+router `block_sparse_moe.gate`; Qwen2/3-MoE and OLMoE `model.layers.L.mlp.experts.E.gate_proj/
+up_proj/down_proj` and `mlp.gate` (lowbit's own spelling). Routers and Qwen2-MoE's
+`shared_expert_gate` stay dense and are listed in `ignore` (a quantized router could send a
+token to other experts; vLLM builds them unquantized). The importer maps Mixtral's names back.
 """
 
 from __future__ import annotations
@@ -177,6 +184,45 @@ def quantization_config(schemes: dict[str, FormatSpec], dense_linears: list[str]
     }
 
 
+# ---------------------------------------------------------------- mixture of experts
+
+_LOWBIT_EXPERT = re.compile(r"^(model\.layers\.\d+)\.mlp\.(experts\.\d+\.(gate|up|down)_proj|gate)(?=\.|$)")
+_MIXTRAL_EXPERT = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.(experts\.\d+\.(w1|w3|w2)|gate)(?=\.|$)")
+_TO_MIXTRAL = {"gate": "w1", "up": "w3", "down": "w2"}
+_FROM_MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_ROUTER = re.compile(r"\.(mlp|block_sparse_moe)\.gate$|\.mlp\.shared_expert_gate$")
+
+
+def _to_mixtral(name: str) -> str:
+    def sub(m: re.Match) -> str:
+        if m.group(2) == "gate":
+            return f"{m.group(1)}.block_sparse_moe.gate"
+        return f"{m.group(1)}.block_sparse_moe.{m.group(2).rsplit('.', 1)[0]}.{_TO_MIXTRAL[m.group(3)]}"
+    return _LOWBIT_EXPERT.sub(sub, name)
+
+
+def _from_mixtral(name: str) -> str:
+    def sub(m: re.Match) -> str:
+        if m.group(2) == "gate":
+            return f"{m.group(1)}.mlp.gate"
+        return f"{m.group(1)}.mlp.{m.group(2).rsplit('.', 1)[0]}.{_FROM_MIXTRAL[m.group(3)]}"
+    return _MIXTRAL_EXPERT.sub(sub, name)
+
+
+def moe_export_layout(config: dict, tensors: dict[str, torch.Tensor], schemes: dict[str, FormatSpec],
+                      dense_linears: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, FormatSpec], list[str]]:
+    """(tensors, schemes, ignore) of an export with the MoE names vLLM loads: Mixtral's experts
+    and router renamed to block_sparse_moe.*, and every router (and shared-expert gate) ignored."""
+    rename = _to_mixtral if config.get("model_type") == "mixtral" else (lambda name: name)
+    tensors = {rename(n): t for n, t in tensors.items()}
+    schemes = {rename(m): spec for m, spec in schemes.items()}
+    routers = [n[: -len(".weight")] for n in tensors if n.endswith(".weight") and _ROUTER.search(n[: -len(".weight")])]
+    for module in routers:
+        if module in schemes:
+            raise LowbitError(f"{module} is a router: compressed-tensors exports keep routers dense")
+    return tensors, schemes, [rename(m) for m in dense_linears] + routers
+
+
 # ---------------------------------------------------------------- import
 
 
@@ -208,6 +254,9 @@ def read_compressed_tensors(directory: Path) -> Checkpoint:
     config = read_config(directory)
     qc = config.pop("quantization_config")
     tensors = read_safetensors(directory)
+    # Mixtral's hub names (block_sparse_moe.experts.E.w1, ...) become lowbit's per-expert names;
+    # the config's targets and ignore are matched against the names as written
+    rename = _from_mixtral if config.get("model_type") == "mixtral" else (lambda name: name)
     ckpt = Checkpoint(config=config, source_dir=directory, kind="compressed-tensors")
     modules = sorted({n.rsplit(".", 1)[0] for n in tensors if n.endswith((".weight_packed", ".weight_scale"))})
     used: set[str] = set()
@@ -220,14 +269,14 @@ def read_compressed_tensors(directory: Path) -> Checkpoint:
         used.update(f"{module}.{p}" for p in parts)
         qt = import_module(module, fmt, args, parts)
         if isinstance(qt, QTensor):
-            ckpt.qtensors[module] = qt
+            ckpt.qtensors[rename(module)] = qt
         else:
             weight, label, reason = qt
-            ckpt.dense[f"{module}.weight"] = weight
-            ckpt.unexpressed[module] = (label, reason)
+            ckpt.dense[f"{rename(module)}.weight"] = weight
+            ckpt.unexpressed[rename(module)] = (label, reason)
     for name, t in tensors.items():
         if name not in used:
-            ckpt.dense[name] = t
+            ckpt.dense[rename(name)] = t
     return ckpt
 
 

@@ -107,6 +107,7 @@ def convert(
     else:
         ckpt = read_checkpoint(source, kind)
         _fold_outliers(ckpt, target, allow_requant, result)
+        _place_tied_head(ckpt, target, result)
         if target == "gguf":
             with atomic_file(output, overwrite=overwrite) as tmp:
                 changes, notes = write_gguf(ckpt, tmp, gguf_type, allow_requant, progress)
@@ -159,6 +160,22 @@ def _fold_outliers(ckpt: Checkpoint, target: str, allow: bool, result: ConvertRe
         result.notes.append(f"added the outlier side matrices of {len(ckpt.outliers)} layers into their weights")
     ckpt.outliers = {}
 
+
+
+def _place_tied_head(ckpt: Checkpoint, target: str, result: ConvertResult) -> None:
+    """A quantized head tied to the embeddings (`quantize --quantize-head` on a tied model) is stored
+    once, as lm_head. GGUF keeps it once too, the way llama.cpp ties: a quantized token_embd and no
+    output.weight. The other targets' loaders (transformers, vLLM) read a dense embedding table, so
+    there it is dequantized into model.embed_tokens.weight: the same values, the file a table larger."""
+    if target == "native" or "lm_head" not in ckpt.qtensors or not ckpt.config.get("tie_word_embeddings", False):
+        return
+    qt = ckpt.qtensors.pop("lm_head")
+    if target == "gguf":
+        ckpt.qtensors["model.embed_tokens"] = qt
+        return
+    ckpt.dense["model.embed_tokens.weight"] = qt.dequantize(torch.float32)
+    result.notes.append(f"the tied head is quantized ({qt.spec.label}); it was dequantized into the embedding table, "
+                        f"which {target} loaders read dense (the same values; {qt.shape[0] * qt.shape[1] * 2 / 1e6:.1f} MB more)")
 
 
 def _projection_values(ckpt: Checkpoint) -> dict[str, torch.Tensor | QTensor]:
@@ -254,6 +271,7 @@ def _write_ct(ckpt: Checkpoint, tmp: Path, allow: bool, result: ConvertResult, d
     out.update(_dense_rest(ckpt, set(schemes)))
     if "lm_head" not in schemes:
         dense_linears.append("lm_head")  # a Linear even when tied to the embeddings: "Linear" must not match it
+    out, schemes, dense_linears = ct.moe_export_layout(ckpt.config, out, schemes, dense_linears)
     _save(tmp, out)
     write_config(tmp, ckpt.config, ct.quantization_config(schemes, dense_linears) if schemes else None)
 

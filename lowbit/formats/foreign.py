@@ -19,9 +19,9 @@ from lowbit.errors import LowbitError
 from lowbit.formats.awq import read_awq
 from lowbit.formats.checkpoint import Checkpoint, read_hf, read_native
 from lowbit.formats.compressed_tensors import read_compressed_tensors
-from lowbit.formats.gguf_arch import arch_spec, unpermute_qk
-from lowbit.formats.gguf_blocks import BLOCK, from_gguf_bytes, permute_rows
-from lowbit.formats.gguf_import import _embeddings_tied, _hf_tensor, _plan_tensors
+from lowbit.formats.gguf_arch import arch_spec, expert_names, is_stacked, model_identity, unpermute_qk
+from lowbit.formats.gguf_blocks import BLOCK, BLOCK_BYTES, from_gguf_bytes, permute_rows
+from lowbit.formats.gguf_import import _embeddings_tied, _plan_tensors, hf_tensors
 from lowbit.formats.gguf_reader import check_finite_tensor, open_gguf
 from lowbit.formats.gptq import read_gptq
 from lowbit.quant.qtensor import QTensor
@@ -78,31 +78,47 @@ def load_foreign(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor 
 
 
 def read_gguf(path: Path) -> Checkpoint:
-    """A GGUF file: Q4_0 / Q8_0 / MXFP4 projections become QTensors, everything else float32."""
+    """A GGUF file: Q4_0 / Q8_0 / MXFP4 projections become QTensors, everything else float32.
+
+    A stacked expert tensor (`blk.L.ffn_up_exps` [experts, rows, columns]) splits into one
+    projection per expert (`model.layers.L.mlp.experts.E.up_proj`): expert E's blocks are the E-th
+    run of rows × blocks, so each expert's QTensor holds its exact codes and scales."""
     gguf = open_gguf(path)
     spec = arch_spec(gguf)
     config = spec.build_config(gguf)
     tied = _embeddings_tied(gguf)
     config["tie_word_embeddings"] = tied
-    config = {"architectures": [spec.hf_class], "model_type": spec.model_type, **config}
+    model_type, hf_class = model_identity(spec, gguf)
+    config = {"architectures": [hf_class], "model_type": model_type, **config}
     ckpt = Checkpoint(config=config, gguf=gguf, kind="gguf")
     for name, hf_name in _plan_tensors(gguf, spec, tied, config):
         info = gguf.info(name)
         part = name.split(".")[-2] if name.startswith("blk.") else ""
-        is_projection = hf_name.endswith("_proj.weight") and len(info.shape) == 2
-        if is_projection and info.type_name in ("Q4_0", "Q8_0", "MXFP4") and info.shape[1] % BLOCK == 0:
-            qt = from_gguf_bytes(gguf.raw_bytes(name), info.type_name, info.shape)
-            for part_name, part_tensor in qt.to_tensors().items():
-                if part_tensor.is_floating_point():  # the blocks' scales: NaN/inf only in a damaged file
-                    check_finite_tensor(part_tensor, f"{name} ({part_name})", gguf.path.name)
-            if spec.permute_qk and part in ("attn_q", "attn_k"):
-                heads = config["num_attention_heads"] if part == "attn_q" else config["num_key_value_heads"]
-                qt = permute_rows(qt, unpermute_qk(torch.arange(info.shape[0]), heads))
-            ckpt.qtensors[hf_name[: -len(".weight")]] = qt
+        stacked = is_stacked(hf_name)
+        is_projection = stacked or (hf_name.endswith("_proj.weight") and len(info.shape) == 2)
+        if is_projection and info.type_name in ("Q4_0", "Q8_0", "MXFP4") and info.shape[-1] % BLOCK == 0:
+            raw = gguf.raw_bytes(name)
+            if stacked:
+                rows, cols = info.shape[1:]
+                size = rows * cols // BLOCK * BLOCK_BYTES[info.type_name]
+                pieces = [(e_name, raw[e * size:(e + 1) * size]) for e, e_name in enumerate(expert_names(hf_name, info.shape[0]))]
+            else:
+                rows, cols = info.shape
+                pieces = [(hf_name, raw)]
+            for piece_name, piece in pieces:
+                qt = from_gguf_bytes(piece, info.type_name, (rows, cols))
+                for part_name, part_tensor in qt.to_tensors().items():
+                    if part_tensor.is_floating_point():  # the blocks' scales: NaN/inf only in a damaged file
+                        check_finite_tensor(part_tensor, f"{name} ({part_name})", gguf.path.name)
+                if spec.permute_qk and part in ("attn_q", "attn_k"):
+                    heads = config["num_attention_heads"] if part == "attn_q" else config["num_key_value_heads"]
+                    qt = permute_rows(qt, unpermute_qk(torch.arange(rows), heads))
+                ckpt.qtensors[piece_name[: -len(".weight")]] = qt
             continue
-        ckpt.dense[hf_name] = _hf_tensor(gguf, spec, config, name)
-        if is_projection and info.type_name not in ("F32", "F16", "BF16", "F64"):
-            ckpt.unexpressed[hf_name[: -len(".weight")]] = (info.type_name, f"GGUF {info.type_name} blocks have no lowbit format")
+        for piece_name, tensor in hf_tensors(gguf, spec, config, name, hf_name):
+            ckpt.dense[piece_name] = tensor
+            if is_projection and info.type_name not in ("F32", "F16", "BF16", "F64"):
+                ckpt.unexpressed[piece_name[: -len(".weight")]] = (info.type_name, f"GGUF {info.type_name} blocks have no lowbit format")
     return ckpt
 
 

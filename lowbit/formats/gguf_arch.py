@@ -31,6 +31,20 @@ _LLAMA_BLOCK = {
     "ffn_down": "mlp.down_proj",
 }
 
+# Mixture-of-experts blocks (llama.cpp's llama arch with experts = Mixtral, qwen2moe, qwen3moe, olmoe):
+# the router, Qwen2-MoE's shared expert and its sigmoid gate. The experts' projections are stacked
+# per kind into one 3-D tensor [experts, rows, columns]; STACKED names them, and
+# `expert_names` gives the per-expert HF names a stacked tensor splits into.
+_MOE_BLOCK = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+STACKED = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_STACKED_HF = {f"mlp.experts.{kind}": gguf_part for gguf_part, kind in STACKED.items()}
+
 # Gemma-3 has four norms per block; llama.cpp's `ffn_norm` is the one *before* the MLP.
 _GEMMA3_BLOCK = {
     **_LLAMA_BLOCK,
@@ -60,19 +74,56 @@ class ArchSpec:
     permute_qk: bool = False
     # Gemma stores norm weights as (1 + w) because its RMSNorm multiplies by (1 + w).
     norm_offset: float = 0.0
+    # Reads llama.cpp's mixture-of-experts tensors (router, stacked experts, shared expert).
+    moe: bool = False
+    # (model_type, HF class) when the file has experts but the architecture name is a dense
+    # family's (llama.cpp's "llama" with expert_count is Mixtral).
+    moe_identity: tuple[str, str] | None = None
+    # OLMoE's q/k norms span the whole projection, not one head
+    qk_norm_full: bool = False
 
 
 def hf_tensor_name(spec: ArchSpec, gguf_name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor, or None for tensors derived from the config."""
+    """The Hugging Face name of a GGUF tensor, or None for tensors derived from the config.
+
+    A stacked expert tensor (`blk.L.ffn_gate_exps.weight`) gets the name of its kind without an
+    expert index (`model.layers.L.mlp.experts.gate_proj.weight`): `expert_names` splits it."""
     if gguf_name in _DERIVED:
         return None
     base, _, suffix = gguf_name.rpartition(".")
     parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in spec.block_map:
-        return f"model.layers.{parts[1]}.{spec.block_map[parts[2]]}.{suffix}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
+        if parts[2] in spec.block_map:
+            return f"model.layers.{parts[1]}.{spec.block_map[parts[2]]}.{suffix}"
+        if spec.moe and parts[2] in _MOE_BLOCK:
+            return f"model.layers.{parts[1]}.{_MOE_BLOCK[parts[2]]}.{suffix}"
+        if spec.moe and parts[2] in STACKED and suffix == "weight":
+            return f"model.layers.{parts[1]}.mlp.experts.{STACKED[parts[2]]}.weight"
     if base in _GLOBAL:
         return f"{_GLOBAL[base]}.{suffix}"
     raise LowbitError(f"GGUF tensor {printable(gguf_name)} has no known counterpart in a {spec.gguf_name} checkpoint")
+
+
+def is_stacked(hf_name: str) -> bool:
+    """Whether `hf_tensor_name` gave this name to a stacked expert tensor."""
+    return hf_name.startswith("model.layers.") and hf_name.split(".", 3)[3].removesuffix(".weight") in _STACKED_HF
+
+
+def expert_names(hf_name: str, experts: int) -> list[str]:
+    """The per-expert HF names of a stacked tensor's name (`...mlp.experts.gate_proj.weight` →
+    `...mlp.experts.0.gate_proj.weight`, ...), in the order of the stacked tensor's first axis."""
+    head, _, kind = hf_name.removesuffix(".weight").rpartition(".")
+    return [f"{head}.{e}.{kind}.weight" for e in range(experts)]
+
+
+def gguf_block_name(hf_part: str) -> str | None:
+    """llama.cpp's block tensor name for a layer's HF module (`self_attn.q_proj` → `attn_q`,
+    `mlp.gate` → `ffn_gate_inp`), None when there is none."""
+    for table in (_LLAMA_BLOCK, _MOE_BLOCK):
+        for gguf_part, hf in table.items():
+            if hf == hf_part:
+                return gguf_part
+    return None
 
 
 def unpermute_qk(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -233,6 +284,63 @@ def _llama_config(gguf: GGUFFile) -> dict[str, Any]:
         attention_bias=gguf.has_tensor("blk.0.attn_q.bias"),
         mlp_bias=gguf.has_tensor("blk.0.ffn_up.bias"),
     )
+    if gguf.arch_get("expert_count"):  # Mixtral: softmax over the experts, top-k renormalized
+        config.update(_expert_counts(gguf, "num_local_experts"), sliding_window=None)
+        config.pop("mlp_bias")
+    return config
+
+
+def _expert_counts(gguf: GGUFFile, key: str) -> dict[str, int]:
+    experts = _arch_int(gguf, "expert_count", low=1)
+    used = _arch_int(gguf, "expert_used_count", low=1)
+    if used > experts:
+        raise LowbitError(f"{gguf.path.name}: expert_used_count {used} exceeds expert_count {experts}")
+    return {key: experts, "num_experts_per_tok": used}
+
+
+def has_experts(spec: ArchSpec, gguf: GGUFFile) -> bool:
+    return spec.moe and bool(gguf.arch_get("expert_count"))
+
+
+def model_identity(spec: ArchSpec, gguf: GGUFFile) -> tuple[str, str]:
+    """(model_type, HF class name) for config.json."""
+    if spec.moe_identity is not None and has_experts(spec, gguf):
+        return spec.moe_identity
+    return spec.model_type, spec.hf_class
+
+
+def _expert_size(gguf: GGUFFile, config: dict[str, Any]) -> int:
+    # llama.cpp's fallback when the key is absent: the dense size shared over the used experts
+    fallback = max(1, config["intermediate_size"] // config["num_experts_per_tok"])
+    return _arch_int(gguf, "expert_feed_forward_length", fallback)
+
+
+# llama.cpp builds every layer of these three as a sparse block and fixes whether the top-k
+# probabilities are renormalized per architecture (qwen2moe and olmoe: no; qwen3moe: yes).
+def _qwen2moe_config(gguf: GGUFFile) -> dict[str, Any]:
+    config = _qwen2_config(gguf)
+    config.update(_expert_counts(gguf, "num_experts"))
+    config.update(
+        moe_intermediate_size=_expert_size(gguf, config),
+        shared_expert_intermediate_size=_arch_int(gguf, "expert_shared_feed_forward_length", config["intermediate_size"]),
+        norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
+        qkv_bias=gguf.has_tensor("blk.0.attn_q.bias"),
+    )
+    return config
+
+
+def _qwen3moe_config(gguf: GGUFFile) -> dict[str, Any]:
+    config = _qwen3_config(gguf)
+    config.update(_expert_counts(gguf, "num_experts"))
+    config.update(moe_intermediate_size=_expert_size(gguf, config), norm_topk_prob=True, decoder_sparse_step=1,
+                  mlp_only_layers=[], use_sliding_window=False)
+    return config
+
+
+def _olmoe_config(gguf: GGUFFile) -> dict[str, Any]:
+    config = _common_config(gguf)
+    config.update(_expert_counts(gguf, "num_experts"))
+    config.update(hidden_act="silu", norm_topk_prob=False, clip_qkv=None, attention_bias=False)
     return config
 
 
@@ -281,7 +389,11 @@ def _gemma3_config(gguf: GGUFFile) -> dict[str, Any]:
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
-    "llama": ArchSpec("llama", "llama", "LlamaForCausalLM", _LLAMA_BLOCK, _llama_config, permute_qk=True),
+    "llama": ArchSpec("llama", "llama", "LlamaForCausalLM", _LLAMA_BLOCK, _llama_config, permute_qk=True,
+                      moe=True, moe_identity=("mixtral", "MixtralForCausalLM")),
+    "qwen2moe": ArchSpec("qwen2moe", "qwen2_moe", "Qwen2MoeForCausalLM", _LLAMA_BLOCK, _qwen2moe_config, moe=True),
+    "qwen3moe": ArchSpec("qwen3moe", "qwen3_moe", "Qwen3MoeForCausalLM", _LLAMA_BLOCK, _qwen3moe_config, moe=True),
+    "olmoe": ArchSpec("olmoe", "olmoe", "OlmoeForCausalLM", _LLAMA_BLOCK, _olmoe_config, moe=True, qk_norm_full=True),
     "qwen2": ArchSpec("qwen2", "qwen2", "Qwen2ForCausalLM", _LLAMA_BLOCK, _qwen2_config),
     "qwen3": ArchSpec("qwen3", "qwen3", "Qwen3ForCausalLM", _LLAMA_BLOCK, _qwen3_config),
     "gemma3": ArchSpec("gemma3", "gemma3_text", "Gemma3ForCausalLM", _GEMMA3_BLOCK, _gemma3_config, norm_offset=1.0),

@@ -7,7 +7,13 @@ requantized from the dequantized weight (llama.cpp's Q4_K reference algorithm, l
 Q4_0/Q8_0/MXFP4) and only with `allow_requant`. Q4_K needs rows of 256: like llama-quantize,
 narrower rows fall back (to Q4_0 here). Norms are F32, embeddings keep their dense dtype.
 Llama's q/k rows are permuted into llama.cpp's interleaved rotary order (Qwen's are not).
-Architectures: llama (incl. Mistral-style), qwen2, qwen3.
+Architectures: llama (incl. Mistral-style and Mixtral), qwen2, qwen3, and the MoE families
+qwen2moe (shared expert: ffn_*_shexp, ffn_gate_inp_shexp), qwen3moe and olmoe. Every MoE
+family stacks each kind of expert projection into blk.L.ffn_{gate,up,down}_exps [experts, rows,
+columns] and calls the router ffn_gate_inp; llama.cpp builds every layer of them as a sparse
+block and fixes per architecture whether top-k probabilities are renormalized, so models it
+would run differently (a dense layer among sparse ones, the other renormalization, OLMoE with
+grouped k/v heads, whose k norm llama.cpp sizes to the hidden width) are refused up front.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import torch
 
 from lowbit.errors import LowbitError, UsageError
 from lowbit.formats.checkpoint import Checkpoint
-from lowbit.formats.gguf_arch import _GLOBAL, _LLAMA_BLOCK, llama3_rope_divisors, permute_qk
+from lowbit.formats.gguf_arch import _GLOBAL, gguf_block_name, llama3_rope_divisors, permute_qk
 from lowbit.formats.gguf_blocks import exact_gguf_type, gguf_spec, to_gguf_bytes
 from lowbit.formats.gguf_tokenizer import _PRE_TOKENIZERS
 from lowbit.formats.gguf_q4k import QK_K, dequantize_q4_k, quantize_q4_k
@@ -32,11 +38,13 @@ from lowbit.quant.qtensor import QTensor
 from lowbit.quant.rtn import quantize_rtn, tensor_relative_error
 
 GGUF_TYPES = ("bf16", "q8_0", "q4_0", "q4_k", "mxfp4")
-_ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-# A Mixtral expert's projection, and its router: llama.cpp stacks each kind over the experts into
-# one 3-D tensor blk.L.ffn_{gate,up,down}_exps [experts, rows, columns] and calls the router ffn_gate_inp.
+_ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+         "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
+_MOE_ARCHS = ("qwen2moe", "qwen3moe", "olmoe")
+# An expert's projection: llama.cpp stacks each kind over the experts into one 3-D tensor
+# blk.L.ffn_{gate,up,down}_exps [experts, rows, columns].
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
-_ROUTER = re.compile(r"^model\.layers\.(\d+)\.mlp\.gate\.weight$")
+_DENSE_MLP = re.compile(r"^model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight$")
 _FILE_TYPE = {"BF16": 32, "Q8_0": 7, "Q4_0": 2, "Q4_K": 15, "MXFP4": 38}  # llama_ftype (MOSTLY_*)
 
 
@@ -55,10 +63,9 @@ def gguf_name(hf_name: str) -> str | None:
     suffix = parts[-1]
     base = ".".join(parts[:-1])
     if base.startswith("model.layers."):
-        layer, rest = parts[2], ".".join(parts[3:-1])
-        for gguf_part, hf_part in _LLAMA_BLOCK.items():
-            if hf_part == rest:
-                return f"blk.{layer}.{gguf_part}.{suffix}"
+        layer, gguf_part = parts[2], gguf_block_name(".".join(parts[3:-1]))
+        if gguf_part is not None:
+            return f"blk.{layer}.{gguf_part}.{suffix}"
     for gguf_part, hf_part in _GLOBAL.items():
         if hf_part == base:
             return f"{gguf_part}.{suffix}"
@@ -120,9 +127,11 @@ def write_gguf(
     model_type = config.get("model_type")
     arch = _ARCH.get(model_type)
     if arch is None:
-        raise LowbitError(f"GGUF export supports llama, mistral, qwen2 and qwen3 models, not '{model_type}'")
+        raise LowbitError(f"GGUF export supports llama, mistral, mixtral, qwen2, qwen3, qwen2_moe, qwen3_moe and olmoe models, not '{model_type}'")
     forced = parse_gguf_type(gguf_type)
     tensors = ckpt.tensors()
+    if arch in _MOE_ARCHS:
+        _check_llama_cpp_moe(arch, config, tensors)
     projections = set(ckpt.linear_weights())
     plan: dict[str, tuple[str, str | None]] = {}
     problems = []
@@ -142,14 +151,17 @@ def write_gguf(
     tied = _tied(ckpt)
     changes: list[LayerChange] = []
     names = [n for n in tensors if not (tied and n == "lm_head.weight")]
+    if tied and arch in ("qwen2moe", "olmoe"):
+        # llama.cpp's qwen2moe and olmoe require an output matrix: a tied head is written out
+        tensors = {**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"]}
+        names.append("lm_head.weight")
     experts: dict[tuple[int, str], dict[int, str]] = {}  # (layer, kind) -> expert -> tensor name
     for done, hf_name in enumerate(sorted(names, key=_order), start=1):
         match = _EXPERT.match(hf_name)
         if match:
             experts.setdefault((int(match[1]), match[3]), {})[int(match[2])] = hf_name
             continue
-        router = _ROUTER.match(hf_name)
-        target = f"blk.{router[1]}.ffn_gate_inp.weight" if router else gguf_name(hf_name)
+        target = gguf_name(hf_name)
         if target is None:
             continue
         value = tensors[hf_name]
@@ -204,6 +216,22 @@ def _add_experts(writer, layer: int, kind: str, by_expert: dict[int, str], tenso
     writer.add_tensor(f"blk.{layer}.ffn_{kind}_exps.weight", np.ascontiguousarray(np.stack(rows)),
                       raw_dtype=getattr(gguf.GGMLQuantizationType, types.pop()))
     return changes
+
+
+def _check_llama_cpp_moe(arch: str, config: dict, tensors: dict) -> None:
+    """Refuse what llama.cpp's qwen2moe / qwen3moe / olmoe graphs would compute differently."""
+    dense = sorted({int(m[1]) for m in map(_DENSE_MLP.match, tensors) if m})
+    if dense:
+        raise LowbitError(f"layer {dense[0]} has a dense MLP (decoder_sparse_step / mlp_only_layers): "
+                          f"llama.cpp's {arch} builds every layer as a sparse block, so it cannot be exported")
+    norm, llama_cpp_norm = bool(config.get("norm_topk_prob", False)), arch == "qwen3moe"
+    if norm != llama_cpp_norm:
+        raise LowbitError(f"norm_topk_prob {str(norm).lower()}: llama.cpp's {arch} {'always' if llama_cpp_norm else 'never'} "
+                          "renormalizes the top-k probabilities, so it would run this model differently")
+    heads = int(config["num_attention_heads"])
+    if arch == "olmoe" and int(config.get("num_key_value_heads", heads)) != heads:
+        raise LowbitError("olmoe with num_key_value_heads != num_attention_heads: llama.cpp sizes OLMoE's k norm "
+                          "to the hidden width, so it cannot load this model")
 
 
 def _order(name: str):
@@ -266,15 +294,20 @@ def _write_metadata(writer, ckpt: Checkpoint, arch: str, plan: dict) -> list[str
     writer.add_embedding_length(int(config["hidden_size"]))
     writer.add_block_count(int(config["num_hidden_layers"]))
     writer.add_feed_forward_length(int(config["intermediate_size"]))
-    if config.get("num_local_experts"):  # Mixtral: llama.cpp's llama architecture with experts
-        writer.add_expert_count(int(config["num_local_experts"]))
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    if experts:  # Mixtral (llama.cpp's llama architecture with experts) and the MoE architectures
+        writer.add_expert_count(int(experts))
         writer.add_expert_used_count(int(config["num_experts_per_tok"]))
+    if arch in ("qwen2moe", "qwen3moe"):  # olmoe's experts are feed_forward_length wide
+        writer.add_expert_feed_forward_length(int(config["moe_intermediate_size"]))
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(int(config["shared_expert_intermediate_size"]))
     writer.add_head_count(heads)
     writer.add_head_count_kv(int(config.get("num_key_value_heads", heads)))
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
     writer.add_rope_freq_base(_rope_theta(config))
-    if head_dim != int(config["hidden_size"]) // heads or arch == "qwen3":
+    if head_dim != int(config["hidden_size"]) // heads or arch in ("qwen3", "qwen3moe"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     scaling = _rope_scaling(config)

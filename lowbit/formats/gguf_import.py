@@ -1,7 +1,10 @@
 """GGUF → Hugging Face directory: config.json, generation_config.json, safetensors, tokenizer.
 
 Weights are dequantized one tensor at a time by lowbit's reader, renamed and un-permuted
-here, cast to the requested dtype and written in shards of at most 2 GB.
+here, cast to the requested dtype and written in shards of at most 2 GB. A mixture-of-experts
+file's stacked expert tensors (blk.L.ffn_{gate,up,down}_exps [experts, rows, columns]) are split
+into transformers' per-expert weights (model.layers.L.mlp.experts.E.{gate,up,down}_proj), their
+shapes checked against the expert count and widths first.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from safetensors.torch import save_file
 from lowbit.errors import LowbitError
 from lowbit.quant.dtypes import parse_dtype
 from lowbit.formats.atomic import atomic_dir, check_output_path
-from lowbit.formats.gguf_arch import ArchSpec, arch_spec, hf_tensor_name, unpermute_qk
+from lowbit.formats.gguf_arch import ArchSpec, arch_spec, expert_names, hf_tensor_name, is_stacked, model_identity, unpermute_qk
 from lowbit.formats.gguf_reader import GGUFFile, open_gguf
 from lowbit.formats.gguf_tokenizer import end_of_generation_ids, write_tokenizer_files
 
@@ -49,7 +52,7 @@ def convert_gguf(
     names = _plan_tensors(gguf, spec, tied, config)
     with atomic_dir(out_dir, overwrite=overwrite) as tmp:
         _write_weights(gguf, spec, config, names, torch_dtype, tmp, progress)
-        _write_config(spec, config, torch_dtype, tmp)
+        _write_config(model_identity(spec, gguf), config, torch_dtype, tmp)
         write_tokenizer_files(gguf, tmp)
         _write_generation_config(gguf, config, tmp)
     return out_dir
@@ -76,14 +79,22 @@ def _plan_tensors(gguf: GGUFFile, spec: ArchSpec, tied: bool, config: dict[str, 
         plan.append((name, hf_name))
     if not any(hf == "model.embed_tokens.weight" for _, hf in plan):
         raise LowbitError(f"{gguf.path.name} has no token_embd.weight tensor")
-    _check_shapes(gguf, config, plan)
+    _check_shapes(gguf, config, plan, spec.qk_norm_full)
     return plan
 
 
-def _expected_shapes(config: dict[str, Any]) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+def expert_count(config: dict[str, Any]) -> int:
+    """The number of experts of an imported MoE config (0 for a dense model)."""
+    return int(config.get("num_local_experts") or config.get("num_experts") or 0)
+
+
+def _expected_shapes(config: dict[str, Any], qk_norm_full: bool = False) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
     """(shapes of the model-wide tensors, shapes of each layer's tensors by suffix) that config implies."""
     h, v, ff, d = config["hidden_size"], config["vocab_size"], config["intermediate_size"], config["head_dim"]
     q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
+    experts, expert_ff = expert_count(config), int(config.get("moe_intermediate_size") or ff)
+    shared = int(config.get("shared_expert_intermediate_size") or 0)
+    q_norm, k_norm = ((q,), (kv,)) if qk_norm_full else ((d,), (d,))
     model = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
     layer = {
         "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
@@ -91,15 +102,23 @@ def _expected_shapes(config: dict[str, Any]) -> tuple[dict[str, tuple[int, ...]]
         "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
         "self_attn.o_proj.weight": (h, q), "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
         "self_attn.v_proj.bias": (kv,), "self_attn.o_proj.bias": (h,),
-        "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
+        "self_attn.q_norm.weight": q_norm, "self_attn.k_norm.weight": k_norm,
         "mlp.gate_proj.weight": (ff, h), "mlp.up_proj.weight": (ff, h), "mlp.down_proj.weight": (h, ff),
         "mlp.gate_proj.bias": (ff,), "mlp.up_proj.bias": (ff,), "mlp.down_proj.bias": (h,),
     }
+    if experts:
+        layer.update({
+            "mlp.gate.weight": (experts, h),
+            "mlp.experts.gate_proj.weight": (experts, expert_ff, h), "mlp.experts.up_proj.weight": (experts, expert_ff, h),
+            "mlp.experts.down_proj.weight": (experts, h, expert_ff),
+            "mlp.shared_expert.gate_proj.weight": (shared, h), "mlp.shared_expert.up_proj.weight": (shared, h),
+            "mlp.shared_expert.down_proj.weight": (h, shared), "mlp.shared_expert_gate.weight": (1, h),
+        })
     return model, layer
 
 
-def _check_shapes(gguf: GGUFFile, config: dict[str, Any], plan: list[tuple[str, str]]) -> None:
-    model, layer = _expected_shapes(config)
+def _check_shapes(gguf: GGUFFile, config: dict[str, Any], plan: list[tuple[str, str]], qk_norm_full: bool) -> None:
+    model, layer = _expected_shapes(config, qk_norm_full)
     layers = config["num_hidden_layers"]
     seen = set()
     for name, hf_name in plan:
@@ -111,11 +130,24 @@ def _check_shapes(gguf: GGUFFile, config: dict[str, Any], plan: list[tuple[str, 
             expected = layer.get(suffix)
         else:
             expected = model.get(hf_name)
-        shape = gguf.info(name).shape
-        if expected is not None and tuple(shape) != expected:
+        shape = tuple(gguf.info(name).shape)
+        if expected == (1, shape[0]) and len(shape) == 1:
+            shape = expected  # the shared expert's gate: [hidden] or [1, hidden], llama.cpp takes either
+        if expected is not None and shape != expected:
             raise LowbitError(f"{gguf.path.name}: tensor {name} has shape {list(shape)}, the metadata implies {list(expected)}")
     if len(seen) != layers:
         raise LowbitError(f"{gguf.path.name}: block_count is {layers}, but tensors exist for {len(seen)} layer(s)")
+
+
+def hf_tensors(gguf: GGUFFile, spec: ArchSpec, config: dict[str, Any], name: str, hf_name: str) -> list[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) pairs one GGUF tensor becomes: one, or one per expert of a stacked tensor."""
+    if is_stacked(hf_name):
+        stacked = gguf.tensor(name)
+        return list(zip(expert_names(hf_name, stacked.shape[0]), stacked.unbind(0)))
+    weight = _hf_tensor(gguf, spec, config, name)
+    if hf_name.endswith("shared_expert_gate.weight") and weight.dim() == 1:
+        weight = weight[None]
+    return [(hf_name, weight)]
 
 
 def _hf_tensor(gguf: GGUFFile, spec: ArchSpec, config: dict[str, Any], name: str) -> torch.Tensor:
@@ -149,15 +181,16 @@ def _write_weights(
         save_file(current, str(path), metadata={"format": "pt"})
         written.append((path, list(current)))
 
-    for done, (name, hf_name) in enumerate(plan, start=1):
-        tensor = _hf_tensor(gguf, spec, config, name).to(dtype).contiguous()
-        size = tensor.numel() * tensor.element_size()
-        if current and current_bytes + size > SHARD_BYTES:
-            flush()
-            current, current_bytes = {}, 0
-        current[hf_name] = tensor
-        current_bytes += size
-        total_bytes += size
+    for done, (name, plan_name) in enumerate(plan, start=1):
+        for hf_name, tensor in hf_tensors(gguf, spec, config, name, plan_name):
+            tensor = tensor.to(dtype).contiguous()
+            size = tensor.numel() * tensor.element_size()
+            if current and current_bytes + size > SHARD_BYTES:
+                flush()
+                current, current_bytes = {}, 0
+            current[hf_name] = tensor
+            current_bytes += size
+            total_bytes += size
         if progress is not None:
             progress(done, len(plan), name)
     flush()
@@ -173,8 +206,9 @@ def _write_weights(
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _write_config(spec: ArchSpec, config: dict[str, Any], dtype: torch.dtype, out: Path) -> None:
-    full = {"architectures": [spec.hf_class], "model_type": spec.model_type, **config}
+def _write_config(identity: tuple[str, str], config: dict[str, Any], dtype: torch.dtype, out: Path) -> None:
+    model_type, hf_class = identity
+    full = {"architectures": [hf_class], "model_type": model_type, **config}
     full["torch_dtype"] = _DTYPE_NAMES[dtype]
     (out / "config.json").write_text(json.dumps(full, indent=2) + "\n")
 

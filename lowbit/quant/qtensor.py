@@ -91,6 +91,23 @@ class QTensor:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return get_format(self.spec).dequantize(self, dtype=dtype)
 
+    @property
+    def row_aligned(self) -> bool:
+        """Whether every part is indexed by output row first (or holds one value for the tensor), so
+        `rows` can cut any set of rows out without decoding the rest. Not so: fp8 2-D blocks and nf4's
+        double-quantized scale runs, which span rows."""
+        n = self.shape[0]
+        return all(t.shape[0] == n or t.numel() == 1 for t in self.parts().values())
+
+    def rows(self, index: torch.Tensor) -> QTensor:
+        """The QTensor of rows `index` (a 1-D long tensor) of a row-aligned QTensor."""
+        if not self.row_aligned:
+            raise LowbitError(f"{self.spec.label}: its parts span rows, so rows cannot be cut out")
+        n = self.shape[0]
+        cut = {name: (t.index_select(0, index) if t.shape[0] == n and t.numel() != 1 else t)
+               for name, t in self.parts().items()}
+        return QTensor(spec=self.spec, shape=(int(index.numel()), self.shape[1]), **cut)
+
     def to(self, device: torch.device | str) -> QTensor:
         moved = {name: t.to(device) for name, t in self.parts().items()}
         return QTensor(spec=self.spec, shape=self.shape, **moved)

@@ -80,7 +80,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     with torch.device("meta"):
         model = build_model(config)
     # A lowbit quantized checkpoint: its Linears become QuantLinears (runtime/quant_linear.py).
-    quantized_parts = attach_native(model, path, config.tie_word_embeddings, device)
+    quantized_parts = attach_native(model, path, config.tie_word_embeddings, device, dtype)
     expected = dict(model.state_dict(keep_vars=True))
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)

@@ -109,19 +109,25 @@ def attach_quantized(
         setattr(parent, leaf, new)
 
 
-def attach_native(model: nn.Module, path, tied_head: bool, device: torch.device | str = "cpu") -> set[str]:
+def attach_native(model: nn.Module, path, tied_head: bool, device: torch.device | str = "cpu",
+                  dtype: torch.dtype = torch.float32) -> set[str]:
     """If `path` is a lowbit native checkpoint, swap in a QuantLinear for every quantized module and
-    return the safetensors names of their packed parts (the loader skips those); else an empty set."""
+    return the safetensors names of their packed parts (the loader skips those); else an empty set.
+    A quantized head that config.json ties to the embeddings also becomes the embedding table
+    (runtime/quant_embedding.py): the checkpoint stores that matrix once, as lm_head."""
     from lowbit.formats.native import NativeReader, is_native
     from lowbit.quant.outlier_matrix import sparse_outliers
     from lowbit.runtime.moe_weights import rename
+    from lowbit.runtime.quant_embedding import QuantEmbedding
 
     if not is_native(path):
         return set()
     reader = NativeReader(path)
-    if tied_head and "lm_head" in reader.modules:
-        raise LowbitError(f"{path}: lm_head is quantized but config.json ties it to the embeddings")
     attach_quantized(model, reader.modules, reader.quantized, device)
+    if tied_head and "lm_head" in reader.modules:
+        if "lm_head" in reader.outlier_meta:
+            raise LowbitError(f"{path}: a tied lm_head with kept outliers cannot also be the embedding table")
+        model.model.embed_tokens = QuantEmbedding(reader.quantized("lm_head"), dtype, device)
     for module in reader.outlier_meta:
         shape = tuple(reader.module_meta[module]["shape"])
         model.get_submodule(rename(module)).set_outliers(sparse_outliers(reader.outliers(module), shape))

@@ -56,7 +56,6 @@ def test_human_summary_and_recipe_with_skip(tiny_float_model, tmp_path, run_cli)
         (["--format", "int4", "--method", "gptq"], 2, "needs exactly one of --calib"),
         (["--format", "int4", "--calib", "stats.safetensors"], 2, "go with --method"),
         (["--group-size", "64"], 2, "--format"),
-        (["--format", "int4", "--quantize-head"], 2, "tied"),
         (["--format", "int4", "--recipe", "missing.yaml"], 2, "recipe file not found"),
     ],
 )

@@ -107,9 +107,43 @@ def test_tied_embeddings_stay_tied(tiny_float_model, tmp_path):
         assert not [k for k in f.keys() if k.startswith("lm_head")]
     model = load_model(tmp_path / "q")
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    with pytest.raises(UsageError, match="tied"):
-        quantize_model(src, "nf4", out_dir=tmp_path / "q2", quantize_head=True)
-    assert not (tmp_path / "q2").exists()
+
+
+# int8 and int4 cut rows out of the QTensor; nf4-dq and fp8 2-D blocks span rows (a decoded table)
+@pytest.mark.parametrize("fmt", ["int8", "int4-g32", "nf4-dq", "fp8-block32", "gemma3:int4-asym-g32"])
+def test_quantized_tied_head_is_stored_once_and_is_the_embedding(fmt, tiny_float_model, tmp_path, reference_kernels):
+    family, _, fmt = fmt.rpartition(":")
+    src = tiny_float_model(family or "llama", tie=True)
+    plain = quantize_model(src, fmt, out_dir=tmp_path / "plain")
+    summary = quantize_model(src, fmt, out_dir=tmp_path / "q", quantize_head=True)
+    with safe_open(str(tmp_path / "q" / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    assert not [n for n in names if n.startswith("model.embed_tokens")] and "lm_head.weight.qweight" in names
+    embed_bytes = 258 * 64 * 2
+    head = next(m for m in summary.modules if m.name == "lm_head")
+    assert head.format == summary.modules[0].format and summary.bytes_after == plain.bytes_after - embed_bytes + head.bytes_after
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["tie_word_embeddings"] is True
+
+    model = load_model(tmp_path / "q")
+    assert type(model.lm_head).__name__ == "QuantLinear" and type(model.model.embed_tokens).__name__ == "QuantEmbedding"
+    # reference: a dense tied model whose one matrix is the dequantized head
+    twin = dequantized_twin(src, tmp_path / "q", tmp_path / "dense")
+    tensors = load_file(twin / "model.safetensors")
+    tensors["model.embed_tokens.weight"] = tensors.pop("lm_head.weight")
+    save_file(tensors, twin / "model.safetensors")
+    dense = load_model(twin)
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS), dense(IDS), rtol=1e-5, atol=1e-5)
+
+
+def test_a_tied_head_kept_dense_by_skip_stays_the_embedding(tiny_float_model, tmp_path):
+    src = tiny_float_model("llama", tie=True)
+    quantize_model(src, "int8", out_dir=tmp_path / "q", quantize_head=True, skip=["lm_head"])
+    with safe_open(str(tmp_path / "q" / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    assert "model.embed_tokens.weight" in names and not [n for n in names if n.startswith("lm_head")]
+    model = load_model(tmp_path / "q")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
 def test_quantize_head_of_untied_model(tiny_float_model, tmp_path, reference_kernels):

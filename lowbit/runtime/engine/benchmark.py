@@ -64,7 +64,9 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes a decode step streams: all weights except the embedding table (only rows are read),
     unless the lm_head shares it."""
     total = weight_bytes(model)
-    embed = model.model.embed_tokens.weight
+    embed = getattr(model.model.embed_tokens, "weight", None)
+    if embed is None:
+        return total  # a quantized tied head (runtime/quant_embedding.py): counted once, as the head
     head = getattr(model.lm_head, "weight", None)
     if head is None or head.data_ptr() != embed.data_ptr():
         total -= embed.numel() * embed.element_size()

@@ -97,7 +97,9 @@ class CausalLM(nn.Module):
         self.lm_head = make_linear(config.hidden_size, config.vocab_size, False)
 
     def tie_weights(self) -> None:
-        self.lm_head.weight = self.model.embed_tokens.weight
+        if isinstance(self.model.embed_tokens, nn.Embedding):
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # else a quantized tied head: embed_tokens already reads its rows from lm_head's QTensor
 
     def new_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
         weight = self.model.norm.weight  # the compute dtype (the embedding table may be kept in bf16)
