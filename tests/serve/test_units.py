@@ -51,8 +51,14 @@ def test_metrics_render_without_engine_has_every_series():
 def test_request_validation_names_the_parameter():
     req = parse_completion({"model": "m", "prompt": [[5, 6, 7]], "max_tokens": 3, "top_k": -1, "stop": "x"})
     assert req.prompt_ids == [5, 6, 7] and req.sampling == {"top_k": 0, "stop": ("x",)}
+    scoring = parse_completion({"prompt": "a", "echo": True, "logprobs": 1, "max_tokens": 0})
+    assert scoring.wants_prompt_logprobs and scoring.max_tokens == 0
+    assert scoring.sampling_params(0, prompt_logprobs=True).prompt_logprobs == 1
+    choices = parse_completion({"prompt": "a", "n": 2, "best_of": 3, "seed": 5})
+    assert (choices.n, choices.best_of) == (2, 3) and choices.sampling_params(4, seed_offset=2).seed == 7
+    assert choices.sampling_params(4).logprobs == 0  # best_of ranks by logprob
     with pytest.raises(APIError) as err:
-        parse_completion({"prompt": "a", "echo": True, "logprobs": 1})
+        parse_completion({"prompt": "a", "echo": "yes"})
     assert err.value.param == "echo"
     with pytest.raises(APIError) as err:
         parse_chat({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})

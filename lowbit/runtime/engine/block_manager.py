@@ -124,17 +124,20 @@ class BlockManager:
             self.free_ids.append(self._evict_lru())
 
     # -- allocation ---------------------------------------------------------------------------
-    def can_allocate(self, seq: Sequence) -> bool:
-        hits = self.match_prefix(seq)
+    def can_allocate(self, seq: Sequence, use_prefix_cache: bool = True) -> bool:
+        hits = self.match_prefix(seq) if use_prefix_cache else []
         # Hit blocks already in use cost nothing; cached (evictable) hits leave the free pool.
         shared = sum(1 for b in hits if self.blocks[b].ref_count > 0)
         return self.num_free_blocks >= self.blocks_needed(seq.num_tokens) - shared
 
-    def allocate(self, seq: Sequence) -> None:
-        """Give seq blocks for all its tokens, reusing cached prefix blocks; sets num_cached_tokens."""
+    def allocate(self, seq: Sequence, use_prefix_cache: bool = True) -> None:
+        """Give seq blocks for all its tokens, reusing cached prefix blocks; sets num_cached_tokens.
+
+        use_prefix_cache=False computes every token afresh (a sequence that wants its prompt's
+        logits); its blocks are still registered once computed, for others to reuse."""
         if seq.block_table:
             raise RuntimeError(f"{seq!r} already holds blocks")
-        hits = self.match_prefix(seq)
+        hits = self.match_prefix(seq) if use_prefix_cache else []
         for block_id in hits:  # claim the hits first so the evictions below cannot take them
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -145,8 +148,9 @@ class BlockManager:
         seq.num_cached_tokens = len(hits) * self.block_size
         seq.num_computed_tokens = seq.num_cached_tokens
         seq.num_hashed_blocks = len(hits)
-        self.num_query_tokens += seq.num_tokens
-        self.num_hit_tokens += seq.num_cached_tokens
+        if use_prefix_cache:
+            self.num_query_tokens += seq.num_tokens
+            self.num_hit_tokens += seq.num_cached_tokens
 
     def can_append(self, seq: Sequence, num_lookahead: int = 0) -> bool:
         """Whether slots exist (or can be made) for all tokens plus num_lookahead draft tokens."""

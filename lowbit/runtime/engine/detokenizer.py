@@ -26,8 +26,9 @@ class IncrementalDetokenizer:
         self.stop = stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
 
-    def add(self, token_id: int) -> bool:
-        """Append one generated token; True when a stop string has now appeared."""
+    def add(self, token_id: int, check_stop: bool = True) -> bool:
+        """Append one generated token; True when a stop string has now appeared (looked for only
+        when check_stop: min_tokens holds stop strings back)."""
         self.ids.append(token_id)
         decode = self.tokenizer.decode
         before = decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
@@ -37,7 +38,7 @@ class IncrementalDetokenizer:
         self.prefix, self.read = self.read, len(self.ids)
         search_from = max(0, len(self.text) - self.holdback)
         self.text += after[len(before) :]
-        hits = [at for at in (self.text.find(s, search_from) for s in self.stop) if at >= 0]
+        hits = [at for at in (self.text.find(s, search_from) for s in self.stop) if at >= 0] if check_stop else []
         if hits:
             self.text = self.text[: min(hits)]
             return True

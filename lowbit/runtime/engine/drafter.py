@@ -42,11 +42,12 @@ class NgramDrafter:
 def choose(logits: torch.Tensor, seqs) -> tuple[list[int], list[torch.Tensor | None]]:
     """Draw one token per row from the row's processed distribution; return the tokens and,
     for non-greedy rows, that distribution (what the rejection rule needs as p_draft)."""
-    if all(s.params.greedy and s.params.repetition_penalty == 1.0 for s in seqs):
+    if all(s.params.greedy and not s.params.changes_logits for s in seqs):
         return logits.argmax(dim=-1).tolist(), [None] * len(seqs)
     tokens, probs = [], []
     for row, seq in enumerate(seqs):
-        x = process_logits(logits[row : row + 1], [seq.params], [seq.token_ids])
+        # the target's knobs (bias, penalties) on the draft too: a closer draft is accepted more often
+        x = process_logits(logits[row : row + 1], [seq.params], [seq.token_ids], [seq.output_token_ids])
         if seq.params.greedy:
             tokens.append(int(x.argmax()))
             probs.append(None)

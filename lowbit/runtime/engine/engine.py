@@ -9,7 +9,9 @@
 Each `step()` is one scheduler plan run as ONE model forward (prefill chunks and decodes mixed,
 flattened); with a drafter, the decodes first get k draft tokens and the forward verifies them.
 Outputs carry the new token ids and the new text (incremental detokenization, stop strings cut
-and never streamed). See docs/engine.md.
+and never streamed). With `SamplingParams.prompt_logprobs`, the prompt's log-probs come from the
+same forwards as its prefill chunks (the sequence skips the prefix cache: they are recomputed, not
+stored) and ride on the request's first output. See docs/engine.md.
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ from lowbit.kernels.cpu_f32 import use_invariant_linears
 from lowbit.runtime.engine.block_manager import BlockManager
 from lowbit.runtime.engine.detokenizer import IncrementalDetokenizer
 from lowbit.runtime.engine.drafter import ModelDrafter, NgramDrafter, parse_draft
-from lowbit.runtime.engine.model_runner import ModelRunner, Work
+from lowbit.runtime.engine.model_runner import ModelRunner, PromptLogprob, Work
 from lowbit.runtime.engine.paged_cache import PagedKVCache, kv_bytes_per_token
-from lowbit.runtime.engine.sampler import Sampler, _logprobs, process_logits
+from lowbit.runtime.engine.sampler import Sampler, _logprobs, _uses_outputs, process_logits
 from lowbit.runtime.engine.scheduler import Scheduler
 from lowbit.runtime.engine.sequence import SamplingParams, Sequence
 from lowbit.runtime.engine.speculative import AdaptiveK, SpecStats, rejection_sample
@@ -48,6 +50,9 @@ class RequestOutput:
     num_prompt_tokens: int
     num_generated_tokens: int
     num_cached_tokens: int
+    # With SamplingParams.prompt_logprobs, on the first output only: None for the first prompt
+    # token (nothing predicts it), then one PromptLogprob per prompt token.
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 @dataclass(slots=True)
@@ -61,6 +66,7 @@ class Completion:
     finish_reason: str | None
     logprobs: list[LogprobEntry] | None
     num_cached_tokens: int
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 @dataclass(slots=True)
@@ -155,7 +161,9 @@ class Engine:
         eos = set(self.tokenizer.eos_ids) | set(self.config.eos_token_ids)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, eos, self.max_model_len)
         self.scheduler.stop_checker = self._check_stop
-        self.sampler = Sampler()
+        self.scheduler.needs_prompt_logits = self._needs_prompt_logits
+        self.sampler = Sampler(eos)
+        self.guided = None  # guided.GuidedDecoding, made at the first structured-output request
         if draft_kind == "ngram":
             self.drafter = NgramDrafter()
         elif draft_model is not None:
@@ -168,20 +176,30 @@ class Engine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._reported: dict[str, int] = {}
         self._adaptive: dict[str, AdaptiveK] = {}
+        # prompt log-probs being computed: entry i is prompt token i + 1's (filled chunk by chunk)
+        self._prompt_lps: dict[str, list[PromptLogprob]] = {}
         self._ids = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
 
     # -- public API ---------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None,
+                    share_prefix_with: str | None = None) -> None:
+        """Queue a request. share_prefix_with: the id of a running request with the same prompt (the
+        other sequences of an n > 1 request); this one waits for its prefill and reuses its blocks."""
         params = params if params is not None else SamplingParams()
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise UsageError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                              f"maximum model length {self.max_model_len}")
         if prompt_ids and (min(prompt_ids) < 0 or max(prompt_ids) >= self.config.vocab_size):
             raise UsageError(f"prompt token ids must be in [0, {self.config.vocab_size})")
+        matcher = self._check_logit_extras(params)
         seq = Sequence(request_id, prompt_ids, params)
-        self.scheduler.add(seq)
+        self.scheduler.add(seq, share_prefix_with)
+        if matcher is not None:
+            self.guided.matchers[request_id] = matcher
+        if params.prompt_logprobs is not None:
+            self._prompt_lps[request_id] = []
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, seq.token_ids, params.stop)
         self._reported[request_id] = 0
         self.prompt_tokens_total += seq.num_prompt_tokens
@@ -224,6 +242,8 @@ class Engine:
                 c.text += out.text_delta
                 if out.logprobs is not None:
                     c.logprobs = (c.logprobs or []) + out.logprobs
+                if out.prompt_logprobs is not None:
+                    c.prompt_logprobs = out.prompt_logprobs
                 if out.finished:
                     c.finish_reason = out.finish_reason
                     c.num_cached_tokens = out.num_cached_tokens
@@ -244,8 +264,29 @@ class Engine:
         return outputs
 
     # -- internals ----------------------------------------------------------------------------
+    def _check_logit_extras(self, params: SamplingParams):
+        """logit_bias ids against the vocabulary; a guided request's matcher (compiling its schema)."""
+        vocab = self.config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise UsageError(f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary [0, {vocab})")
+        if params.guided_json is None:
+            return None
+        if self.guided is None:
+            from lowbit.runtime.engine.guided import GuidedDecoding
+
+            self.guided = self.sampler.guided = GuidedDecoding(self.tokenizer, vocab, self.scheduler.eos_token_ids)
+        return self.guided.start(params.guided_json)
+
     def _check_stop(self, seq: Sequence) -> bool:
-        return self._detok[seq.request_id].add(seq.last_token)
+        # stop strings count only from min_tokens on (vLLM's rule); the grammar ends a guided output
+        stopped = self._detok[seq.request_id].add(seq.last_token, seq.num_output_tokens >= seq.params.min_tokens)
+        if self.guided is not None and self.guided.advance(seq.request_id, seq.last_token):
+            return True
+        return stopped
+
+    def _needs_prompt_logits(self, seq: Sequence) -> bool:
+        # until its prompt log-probs are delivered (a preempted sequence then uses the cache again)
+        return seq.request_id in self._prompt_lps
 
     def _output(self, seq: Sequence, logprobs: list) -> RequestOutput:
         rid = seq.request_id
@@ -258,15 +299,22 @@ class Engine:
         lps = None
         if seq.params.logprobs is not None:
             lps = [(lp.logprob, lp.top) for lp in logprobs[: len(new_ids)] if lp is not None]
+        prompt_lps = None
+        done = self._prompt_lps.get(rid)
+        if done is not None and len(done) == seq.num_prompt_tokens - 1:  # complete: the first output after prefill
+            prompt_lps = [None, *done]
+            del self._prompt_lps[rid]
         if finished:
-            for table in (self._detok, self._reported, self._adaptive):
+            for table in (self._detok, self._reported, self._adaptive, self._prompt_lps):
                 table.pop(rid, None)
+            if self.guided is not None:
+                self.guided.forget(rid)
             if self.drafter is not None:
                 self.drafter.forget(rid)
         else:
             self._reported[rid] = before + len(new_ids)
         return RequestOutput(rid, new_ids, text, finished, seq.finish_reason if finished else None, lps,
-                             seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens)
+                             seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens, prompt_lps)
 
     def _draft_len(self, seq: Sequence) -> int:
         # k adapts within [1, num_speculative_tokens]: a verify's cost grows with its rows (on CPU in
@@ -285,7 +333,7 @@ class Engine:
             drafting = []
             for i, item in enumerate(items):
                 seq = item.seq
-                if item.num_new_tokens == 1 and item.samples:
+                if item.num_new_tokens == 1 and item.samples and seq.params.guided_json is None:  # guided: never drafted
                     k = self._draft_len(seq)
                     if k > 0 and bm.can_append(seq, k):
                         bm.append_slot(seq, k)
@@ -299,8 +347,22 @@ class Engine:
         for item, d in zip(items, drafts):
             seq = item.seq
             tokens = seq.token_ids[item.start : item.start + item.num_new_tokens - len(d)] + d
-            works.append(Work(seq.block_table, item.start, tokens, (1 + len(d)) if item.samples else 0))
-        logits = self.runner.run(works)
+            work = Work(seq.block_table, item.start, tokens, (1 + len(d)) if item.samples else 0)
+            if seq.request_id in self._prompt_lps and not d:
+                # rows start.. predict the prompt tokens after them; the prompt's last row predicts
+                # the first generated token, so it is sampled, not scored
+                end = min(item.start + item.num_new_tokens + 1, seq.num_prompt_tokens)
+                if end > item.start + 1:
+                    work.prompt_targets = seq.token_ids[item.start + 1 : end]
+                    work.prompt_top = seq.params.prompt_logprobs
+            works.append(work)
+        run = self.runner.forward(works)
+        logits = run.logits
+        for item, work, got in zip(items, works, run.prompt_logprobs):
+            if got is not None:
+                done = self._prompt_lps[item.seq.request_id]
+                del done[item.start :]  # a prefill restarted after preemption overwrites its entries
+                done.extend(got)
         if logits is not None and not bool(torch.isfinite(logits.sum())):
             # argmax over NaN is token 0 and sampling is undefined: never emit text from such logits.
             # One sum is NaN/inf exactly when some logit is (sane logits are far from overflowing it),
@@ -335,17 +397,20 @@ class Engine:
         p, k = seq.params, len(drafts)
         histories = ([seq.token_ids + drafts[:j] for j in range(k + 1)] if p.repetition_penalty != 1.0
                      else [[]] * (k + 1))
+        # position j sees the drafts before it as generated (penalties, min_tokens), as a plain step would
+        outputs = [seq.output_token_ids + drafts[:j] for j in range(k + 1)] if _uses_outputs(p) else None
+        eos = self.sampler.eos_token_ids
         if p.greedy:
-            if p.repetition_penalty == 1.0:
+            if not p.changes_logits:
                 target = logits.argmax(dim=-1).tolist()
             else:
-                target = process_logits(logits, [p] * (k + 1), histories).argmax(dim=-1).tolist()
+                target = process_logits(logits, [p] * (k + 1), histories, outputs, eos_ids=eos).argmax(dim=-1).tolist()
             accepted = 0
             while accepted < k and drafts[accepted] == target[accepted]:
                 accepted += 1
             emitted = drafts[:accepted] + [target[accepted]]
         else:
-            target_probs = process_logits(logits, [p] * (k + 1), histories).softmax(dim=-1)
+            target_probs = process_logits(logits, [p] * (k + 1), histories, outputs, eos_ids=eos).softmax(dim=-1)
             tokens, num_accepted = rejection_sample(
                 torch.tensor([drafts], device=logits.device), target_probs[None],
                 None if draft_probs is None else draft_probs[None],

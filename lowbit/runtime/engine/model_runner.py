@@ -5,6 +5,13 @@ start.. (writing their KV through the block table) and return the logits of its 
 `num_logits` tokens (0: a prefill chunk that samples nothing, 1: a normal sample, 1 + k: a
 speculative verify). All items go through the model as one sequence [1, T]; the paged cache's
 attention keeps them apart. The lm_head runs only on the rows whose logits are wanted.
+
+Prompt log-probs: a prefill chunk may also name `prompt_targets`, the prompt tokens its first
+rows predict (row i predicts token start + i + 1). For those rows the runner returns, per row,
+the target's log-probability, its rank and the `prompt_top` most likely tokens, computed slice by
+slice (`PROMPT_ROWS` rows of logits at a time) in the same forward, so a long prompt never holds
+[T, V] logits. The log-softmax is float64 over the float32 logits, as `lowbit eval` scores tokens
+(runtime/evaluate.py), so the two agree to the forward's own rounding.
 """
 
 from __future__ import annotations
@@ -13,8 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
+from lowbit.errors import LowbitError
 from lowbit.runtime.engine.paged_attention import build_metadata
 from lowbit.runtime.engine.paged_cache import PagedKVCache
+
+PROMPT_ROWS = 64  # rows of [rows, V] logits alive at once while scoring a prompt
 
 
 @dataclass(slots=True)
@@ -23,6 +33,24 @@ class Work:
     start: int
     token_ids: list[int]
     num_logits: int
+    prompt_targets: list[int] | None = None  # tokens start+1 .. predicted by the first rows
+    prompt_top: int = 0  # most likely alternatives returned per prompt row
+
+
+@dataclass(slots=True)
+class PromptLogprob:
+    """One prompt token's log-probability under the tokens before it."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: list[tuple[int, float]]  # the prompt_top most likely (token id, logprob), most likely first
+
+
+@dataclass(slots=True)
+class RunOutput:
+    logits: torch.Tensor | None  # [sum of num_logits, V] in work order
+    prompt_logprobs: list[list[PromptLogprob] | None]  # per work: one entry per prompt target
 
 
 class ModelRunner:
@@ -33,12 +61,16 @@ class ModelRunner:
         self.softcap = model.config.final_logit_softcapping
         self.num_forwards = 0
 
-    @torch.inference_mode()
     def run(self, works: list[Work]) -> torch.Tensor | None:
         """Logits [sum of num_logits, V] in work order (None when no item wants logits)."""
+        return self.forward(works).logits
+
+    @torch.inference_mode()
+    def forward(self, works: list[Work]) -> RunOutput:
         ids: list[int] = []
         positions: list[int] = []
         rows: list[int] = []
+        prompt_rows: list[tuple[int, int]] = []  # (first row in the flat batch, number of targets) per work
         plan = []
         max_position = 0
         for w in works:
@@ -48,6 +80,10 @@ class ModelRunner:
             positions += range(w.start, w.start + n)
             if w.num_logits:
                 rows += range(row + n - w.num_logits, row + n)
+            targets = len(w.prompt_targets) if w.prompt_targets else 0
+            if targets > n:
+                raise ValueError(f"{targets} prompt targets for a chunk of {n} tokens")
+            prompt_rows.append((row, targets))
             plan.append((w.block_table, w.start, n))
             max_position = max(max_position, w.start + n - 1)
         cache = self.cache
@@ -60,12 +96,37 @@ class ModelRunner:
         finally:
             cache.meta = None
         self.num_forwards += 1
+        prompt = [self._prompt_logprobs(h[row : row + count], w.prompt_targets, w.prompt_top) if count else None
+                  for w, (row, count) in zip(works, prompt_rows)]
         if not rows:
-            return None
+            return RunOutput(None, prompt)
         if len(rows) != h.shape[0]:
             h = h[torch.tensor(rows, device=self.device)]
+        return RunOutput(self._logits(h), prompt)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
         # float32 logits (exact for bf16 ones): torch's CPU argmax/softmax over bf16 is much slower
         logits = self.model.lm_head(h).float()
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+    def _prompt_logprobs(self, h: torch.Tensor, targets: list[int], top: int) -> list[PromptLogprob]:
+        out: list[PromptLogprob] = []
+        for lo in range(0, len(targets), PROMPT_ROWS):
+            hi = min(lo + PROMPT_ROWS, len(targets))
+            logp = self._logits(h[lo:hi]).double().log_softmax(dim=-1)
+            tgt = torch.tensor(targets[lo:hi], device=logp.device)
+            chosen = logp.gather(1, tgt[:, None])
+            if not bool(torch.isfinite(chosen).all()):
+                raise LowbitError("the model's prompt log-probabilities are NaN or inf (corrupt weights, or "
+                                  "activations that overflow)")
+            # rank: 1 + the tokens strictly more likely (ties share the better rank, as vLLM counts)
+            ranks = (logp > chosen).sum(dim=-1) + 1
+            if top:
+                top_vals, top_ids = logp.topk(top, dim=-1)
+                top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+            for j, (token, lp, rank) in enumerate(zip(targets[lo:hi], chosen[:, 0].tolist(), ranks.tolist())):
+                alternatives = list(zip(top_ids[j], top_vals[j])) if top else []
+                out.append(PromptLogprob(token, lp, rank, alternatives))
+        return out

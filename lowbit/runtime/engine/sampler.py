@@ -1,13 +1,24 @@
 """Batched sampling from logits[B, V] with each row's own SamplingParams.
 
-Processing order (Hugging Face's): repetition penalty -> temperature -> top-k -> top-p -> min-p,
-then a draw. Greedy rows (temperature 0) take the argmax after the repetition penalty.
+Processing order (vLLM's; the last five are Hugging Face's):
+  structured-output mask -> min_tokens -> logit_bias -> repetition penalty -> presence/frequency
+  penalties -> temperature -> top-k -> top-p -> min-p, then a draw.
+Greedy rows (temperature 0) take the argmax after the penalties; a greedy row with none of the
+logit-changing knobs (SamplingParams.changes_logits) takes the plain argmax (the fast path).
+- structured output: a guided row's disallowed tokens go to -inf (masks from guided.py).
+- min_tokens: while a row has generated fewer tokens, its stop_token_ids and EOS (unless
+  ignore_eos) go to -inf. Not on guided rows: there the grammar decides where the output ends.
+- logit_bias {token id: b} adds b to those logits (OpenAI: -100 bans a token, 100 forces it).
 - repetition penalty, over prompt + generated ids: a positive logit is divided by it, a negative
   one multiplied (so a penalty > 1 always makes a seen token less likely).
+- presence/frequency penalties, over the GENERATED ids only (OpenAI's and vLLM's rule):
+  logit -= frequency_penalty * count + presence_penalty * (count > 0).
 - top-k keeps exactly k tokens (ties at the k-th value broken by sort order).
 - top-p keeps the smallest most-likely set whose mass reaches p: a token stays when the mass of
   the tokens ranked above it is < p (computed after top-k, on the renormalised distribution).
 - min-p drops tokens whose probability is < min_p times the most likely token's.
+Each feature is one batched tensor op over the rows that use it (index lists built from the
+rows' token ids, never a loop over the vocabulary).
 
 The draw is an exponential race: argmax(p / q) with q ~ Exp(1) is a sample from p. A seeded row
 draws its q from its own torch.Generator (on the Sequence), so a seed gives the same tokens
@@ -15,8 +26,8 @@ whatever else is in the batch; unseeded rows share torch's global generator. Gen
 the logits' device, so CPU and GPU runs of one seed differ.
 
 Logprobs are from the RAW model distribution (log-softmax of the logits before any penalty,
-temperature or filter), as vLLM does by default and OpenAI's API reports: they describe the
-model, not the sampling knobs.
+bias, mask, temperature or filter), as vLLM does by default and OpenAI's API reports: they
+describe the model, not the sampling knobs.
 """
 
 from __future__ import annotations
@@ -41,24 +52,90 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
+# (rows, bool[len(rows), V]) — True where a guided row may take the token (guided.py builds it)
+AllowedTokens = tuple[list[int], torch.Tensor]
+
+
+def _pairs(rows_ids: list[tuple[int, list[int]]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, token id) tensors for every id of every listed row."""
+    r = [row for row, ids in rows_ids for _ in ids]
+    t = [tok for _, ids in rows_ids for tok in ids]
+    return torch.tensor(r, device=device, dtype=torch.long), torch.tensor(t, device=device, dtype=torch.long)
+
+
+def apply_allowed(x: torch.Tensor, allowed: AllowedTokens | None) -> None:
+    if allowed is not None and allowed[0]:
+        rows, mask = allowed
+        index = torch.tensor(rows, device=x.device)
+        x[index] = x[index].masked_fill(~mask.to(x.device), float("-inf"))
+
+
+def apply_min_tokens(x: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]],
+                     eos_ids: frozenset[int], guided_rows: set[int]) -> None:
+    V = x.shape[1]
+    banned = []
+    for row, (p, out) in enumerate(zip(params, outputs)):
+        if len(out) < p.min_tokens and row not in guided_rows:
+            ids = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_ids)
+            banned.append((row, [t for t in sorted(ids) if t < V]))
+    if banned:
+        x[_pairs(banned, x.device)] = float("-inf")
+
+
+def apply_logit_bias(x: torch.Tensor, params: list[SamplingParams]) -> None:
+    rows = [(row, p.logit_bias) for row, p in enumerate(params) if p.logit_bias]
+    if rows:
+        r, t = _pairs([(row, list(bias)) for row, bias in rows], x.device)
+        b = torch.tensor([v for _, bias in rows for v in bias.values()], device=x.device, dtype=x.dtype)
+        x.index_put_((r, t), b, accumulate=True)
+
+
 def apply_repetition_penalty(logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]]) -> None:
     """In place, on the rows whose penalty is not 1."""
-    for row, (p, history) in enumerate(zip(params, histories)):
-        if p.repetition_penalty == 1.0 or not history:
-            continue
-        ids = torch.tensor(sorted(set(history)), device=logits.device, dtype=torch.long)
-        seen = logits[row, ids]
-        logits[row, ids] = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
+    rows = [(row, sorted(set(h))) for row, (p, h) in enumerate(zip(params, histories))
+            if p.repetition_penalty != 1.0 and h]
+    if not rows:
+        return
+    r, t = _pairs(rows, logits.device)
+    penalty = torch.tensor([params[row].repetition_penalty for row, ids in rows for _ in ids],
+                           device=logits.device, dtype=logits.dtype)
+    seen = logits[r, t]
+    logits[r, t] = torch.where(seen > 0, seen / penalty, seen * penalty)
 
 
-def process_logits(logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]]) -> torch.Tensor:
-    """float32 logits after penalty, temperature and the filters (removed tokens at -inf).
+def apply_presence_frequency(x: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]]) -> None:
+    rows = [(row, out) for row, (p, out) in enumerate(zip(params, outputs))
+            if (p.presence_penalty != 0 or p.frequency_penalty != 0) and out]
+    if not rows:
+        return
+    V = x.shape[1]
+    r, t = _pairs(rows, x.device)
+    keys, counts = (r * V + t).unique(return_counts=True)  # one (row, token) per key, with its count
+    r, t = keys // V, keys % V
+    freq = torch.tensor([p.frequency_penalty for p in params], device=x.device, dtype=x.dtype)
+    pres = torch.tensor([p.presence_penalty for p in params], device=x.device, dtype=x.dtype)
+    x[r, t] -= freq[r] * counts.to(x.dtype) + pres[r]
 
+
+def process_logits(logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
+                   outputs: list[list[int]] | None = None, *, eos_ids=frozenset(),
+                   allowed: AllowedTokens | None = None) -> torch.Tensor:
+    """float32 logits after mask, bias, penalties, temperature and the filters (removed tokens at -inf).
+
+    histories[i]: row i's prompt + generated ids (repetition penalty); outputs[i]: its generated
+    ids only (presence/frequency penalties, min_tokens), None = nothing generated yet; eos_ids:
+    what min_tokens holds back besides stop_token_ids; allowed: the guided rows' masks.
     softmax of the result is the distribution a non-greedy row samples from; the speculative
     rejection rule needs exactly this as p_target.
     """
     x = logits.float().clone()
+    outputs = outputs if outputs is not None else [[]] * len(params)
+    apply_allowed(x, allowed)
+    if any(p.min_tokens for p in params):
+        apply_min_tokens(x, params, outputs, frozenset(eos_ids), set(allowed[0]) if allowed else set())
+    apply_logit_bias(x, params)
     apply_repetition_penalty(x, params, histories)
+    apply_presence_frequency(x, params, outputs)
     B, V = x.shape
     dev = x.device
     temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=dev)
@@ -84,16 +161,18 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams], histories
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
-           generators: list[torch.Generator | None] | None = None) -> SamplerOutput:
-    """One token per row. histories[i] = the row's prompt + generated ids (for the penalty)."""
+           generators: list[torch.Generator | None] | None = None, outputs: list[list[int]] | None = None, *,
+           eos_ids=frozenset(), allowed: AllowedTokens | None = None) -> SamplerOutput:
+    """One token per row. histories[i] = the row's prompt + generated ids (repetition penalty);
+    outputs, eos_ids and allowed as in process_logits."""
     B = logits.shape[0]
-    if len(params) != B or len(histories) != B:
+    if len(params) != B or len(histories) != B or (outputs is not None and len(outputs) != B):
         raise ValueError(f"{B} logit rows but {len(params)} params and {len(histories)} histories")
     generators = generators or [None] * B
-    if all(p.greedy and p.repetition_penalty == 1.0 for p in params):
+    if allowed is None and all(p.greedy and not p.changes_logits for p in params):
         chosen = logits.argmax(dim=-1)
     else:
-        x = process_logits(logits, params, histories)
+        x = process_logits(logits, params, histories, outputs, eos_ids=eos_ids, allowed=allowed)
         chosen = x.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
@@ -124,12 +203,20 @@ def _logprobs(logits: torch.Tensor, params: list[SamplingParams], token_ids: lis
 
 
 class Sampler:
-    """sample() over Sequences: gathers params and histories, keeps each seeded row's generator."""
+    """sample() over Sequences: gathers params, histories and outputs, keeps each seeded row's
+    generator; with `guided` (a guided.GuidedDecoding), masks the guided rows."""
+
+    def __init__(self, eos_token_ids=(), guided=None):
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.guided = guided
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         params = [s.params for s in seqs]
         histories = [s.token_ids if s.params.repetition_penalty != 1.0 else [] for s in seqs]
-        return sample(logits, params, histories, [self.generator(s, logits.device) for s in seqs])
+        outputs = [s.output_token_ids if _uses_outputs(s.params) else [] for s in seqs]
+        allowed = self.guided.allowed(seqs, logits.shape[1]) if self.guided is not None else None
+        return sample(logits, params, histories, [self.generator(s, logits.device) for s in seqs], outputs,
+                      eos_ids=self.eos_token_ids, allowed=allowed)
 
     @staticmethod
     def generator(seq: Sequence, device) -> torch.Generator | None:
@@ -138,3 +225,7 @@ class Sampler:
         if seq.generator is None:
             seq.generator = torch.Generator(device=device).manual_seed(seq.params.seed)
         return seq.generator
+
+
+def _uses_outputs(p: SamplingParams) -> bool:
+    return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.min_tokens > 0

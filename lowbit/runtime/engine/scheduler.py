@@ -14,6 +14,16 @@ arrived running sequence is preempted: its blocks are freed (its computed full b
 the prefix cache), it goes back to the FRONT of the waiting queue, and on readmission it is
 prefilled again over prompt + generated tokens, mostly from the prefix cache if nothing evicted
 them. No new sequence is admitted in a step that preempted.
+
+Two engine hooks shape admission:
+  - `needs_prompt_logits(seq)`: such a sequence skips the prefix-cache lookup, so every prompt
+    token is computed and its log-prob can be read off the forward (its blocks are still
+    registered for others);
+  - `add(seq, share_prefix_with=parent)`: the sequences of one request with n > 1 share its
+    prompt. A sibling waits (at the head it blocks the queue, as any head does) until the parent
+    has finished its prefill and registered its blocks, then is admitted on prefix-cache hits,
+    so the prompt's KV is computed once. The parent is always ahead of its siblings (added
+    first; a preempted parent goes back to the front), so the wait always ends.
 """
 
 from __future__ import annotations
@@ -72,13 +82,20 @@ class Scheduler:
         self.requests: dict[str, Sequence] = {}  # unfinished sequences by request id
         # Engine hook for stop strings: called after each appended token, True finishes ("stop").
         self.stop_checker: Callable[[Sequence], bool] | None = None
+        # Engine hook: True for a sequence whose prompt must be computed in full (prompt logprobs).
+        self.needs_prompt_logits: Callable[[Sequence], bool] | None = None
+        self._prefix_parent: dict[str, Sequence] = {}  # waiting sibling's request id -> its parent
         self.num_preemptions = 0
         self._arrivals = itertools.count()
         self._aborts: set[str] = set()
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, share_prefix_with: str | None = None) -> None:
+        """Queue seq; with share_prefix_with (the id of a queued or running request), seq is not
+        admitted before that request's prefill is done, so it reuses its cached prompt blocks."""
         if seq.request_id in self.requests:
             raise UsageError(f"request id {seq.request_id!r} is already in use")
+        # a parent already finished (or unknown) holds nothing back: its blocks are cached, if any
+        parent = self.requests.get(share_prefix_with) if share_prefix_with is not None else None
         bm = self.block_manager
         if bm.blocks_needed(seq.num_tokens + 1) > bm.num_blocks:
             raise LowbitError(f"a prompt of {seq.num_tokens} tokens does not fit the KV cache "
@@ -87,6 +104,8 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.requests[seq.request_id] = seq
         self.waiting.append(seq)
+        if parent is not None:
+            self._prefix_parent[seq.request_id] = parent
 
     def abort(self, request_id: str) -> None:
         """Finish a request with reason "abort"; its blocks are freed at the next schedule()."""
@@ -133,9 +152,10 @@ class Scheduler:
 
         # 3. admissions, strictly FCFS.
         while (not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
-               and bm.can_allocate(self.waiting[0])):
+               and not self._held(self.waiting[0])
+               and bm.can_allocate(self.waiting[0], self._use_prefix_cache(self.waiting[0]))):
             seq = self.waiting.popleft()
-            bm.allocate(seq)  # sets num_computed_tokens to the cached prefix
+            bm.allocate(seq, self._use_prefix_cache(seq))  # sets num_computed_tokens to the cached prefix
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -143,7 +163,7 @@ class Scheduler:
             budget -= n
 
         # Nothing runs and the head cannot be admitted: it outgrew the whole pool while running.
-        if not self.running and not out.items and not out.preempted and self.waiting:
+        if not self.running and not out.items and not out.preempted and self.waiting and not self._held(self.waiting[0]):
             seq = self.waiting[0]
             self._finish(seq, "length")
             out.finished.append(seq)
@@ -180,6 +200,19 @@ class Scheduler:
         return finished
 
     # -- internals ----------------------------------------------------------------------------
+    def _use_prefix_cache(self, seq: Sequence) -> bool:
+        return self.needs_prompt_logits is None or not self.needs_prompt_logits(seq)
+
+    def _held(self, seq: Sequence) -> bool:
+        """A sibling whose parent has not finished its prefill yet (see the module docstring)."""
+        parent = self._prefix_parent.get(seq.request_id)
+        if parent is None:
+            return False
+        if parent.is_finished or parent.num_output_tokens > 0:  # prefill done: its full blocks are cached
+            del self._prefix_parent[seq.request_id]
+            return False
+        return True
+
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
@@ -209,6 +242,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.requests.pop(seq.request_id, None)
+        self._prefix_parent.pop(seq.request_id, None)
 
     def _apply_aborts(self, out: SchedulerOutput) -> None:
         for request_id in self._aborts:

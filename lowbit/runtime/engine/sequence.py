@@ -30,6 +30,12 @@ class SamplingParams:
 
     temperature 0 means greedy. top_k 0, top_p 1 and min_p 0 switch those filters off.
     logprobs=None returns none; logprobs=n returns the chosen token's and the n most likely.
+    prompt_logprobs=n does the same for every prompt token after the first (None: none).
+    logit_bias {token id: bias in [-100, 100]} is added to those logits; presence_penalty and
+    frequency_penalty (in [-2, 2], OpenAI's) are over the GENERATED tokens only; min_tokens holds
+    back EOS and stop_token_ids (and stop strings) until that many tokens were generated.
+    guided_json: a JSON Schema (JSON text) the output must match; masks the logits per step
+    (lowbit/runtime/engine/guided.py). See sampler.py for the order all of these are applied in.
     """
 
     temperature: float = 1.0
@@ -43,6 +49,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
     ignore_eos: bool = False
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    guided_json: str | None = None
 
     def __post_init__(self) -> None:
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
@@ -62,6 +74,34 @@ class SamplingParams:
         _check(all(0 <= t < 2**31 for t in self.stop_token_ids), "stop token ids must be in [0, 2**31)")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        _check(self.prompt_logprobs is None
+               or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+               f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+        self._check_logit_extras()
+
+    def _check_logit_extras(self) -> None:
+        # OpenAI's ranges; token ids are checked against the vocabulary by Engine.add_request
+        if self.logit_bias is not None:
+            _check(isinstance(self.logit_bias, dict), "logit_bias must be a mapping of token id -> bias")
+            _check(all(_is_int(t) and 0 <= t < 2**31 for t in self.logit_bias),
+                   "logit_bias keys must be token ids in [0, 2**31)")
+            _check(all(_finite(b) and -100 <= b <= 100 for b in self.logit_bias.values()),
+                   "logit_bias values must be numbers in [-100, 100]")
+            self.logit_bias = {t: float(b) for t, b in self.logit_bias.items()} or None
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_finite(value) and -2 <= value <= 2, f"{name} must be a number in [-2, 2], got {value}")
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+               f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        _check(self.guided_json is None or isinstance(self.guided_json, str),
+               "guided_json must be a JSON Schema as JSON text")
+
+    @property
+    def changes_logits(self) -> bool:
+        """True when something besides temperature and the filters changes the logits, so a greedy
+        row cannot take the plain argmax."""
+        return (self.repetition_penalty != 1.0 or self.logit_bias is not None or self.presence_penalty != 0
+                or self.frequency_penalty != 0 or self.min_tokens > 0 or self.guided_json is not None)
 
     @property
     def greedy(self) -> bool:

@@ -63,28 +63,38 @@ class ServerConfig:
 
 
 class Tracker:
-    """One admitted request: its output queue, its latency figures, and its single cleanup."""
+    """One admitted request: its output queue, its latency figures, and its single cleanup.
 
-    def __init__(self, server: Server, request_id: str, loop: asyncio.AbstractEventLoop):
+    A request with n > 1 (or best_of) is several engine requests (`engine_ids`) sharing this one
+    queue; outputs carry their engine id, and the request is done when all of them are."""
+
+    def __init__(self, server: Server, request_id: str, loop: asyncio.AbstractEventLoop, engine_ids: list[str]):
         self.server = server
         self.request_id = request_id
+        self.engine_ids = engine_ids
+        self.open = set(engine_ids)  # engine requests not finished yet
         self.stream = RequestStream(loop)
         self.arrival = time.perf_counter()
-        self.last_token_time: float | None = None
-        self.finished = False
+        self.first_token = False
+        self.last_token_time: dict[str, float] = {}
+        self.rejected = False
         self.closed = False
 
+    @property
+    def finished(self) -> bool:
+        return not self.open
+
     async def outputs(self, disconnect_aware: bool = False) -> AsyncIterator[Any]:
-        """RequestOutputs until the finished one; raises on engine failure or a vanished client."""
-        while not self.finished:
+        """RequestOutputs until the last finished one; raises on engine failure or a vanished client."""
+        while self.open:
             item = await self.stream.queue.get()
             if item is _DISCONNECTED:
                 raise ClientDisconnect()
             if isinstance(item, RequestRejected):
-                self.finished = True  # never entered the engine: nothing to abort
+                self.rejected = True  # close() aborts the siblings that did enter the engine
                 raise bad_request(str(item))
             if isinstance(item, EngineFailure):
-                self.finished = True  # the engine loop aborted it already
+                self.open.clear()  # the engine loop aborted them already
                 stopping = isinstance(item, EngineStopping)
                 if stopping:
                     self.server.metrics.finished["abort"] += 1  # ended by the shutdown: counted as aborts
@@ -98,26 +108,32 @@ class Tracker:
         metrics = self.server.metrics
         n = len(out.new_token_ids)
         if n:
-            if self.last_token_time is None:
-                metrics.ttft.observe(now - self.arrival)
+            last = self.last_token_time.get(out.request_id)
+            if last is None:
+                if not self.first_token:
+                    self.first_token = True
+                    metrics.ttft.observe(now - self.arrival)
                 if n > 1:  # several tokens at once (speculation): spread the gap over them
                     metrics.itl.observe(0.0, n - 1)
             else:
-                metrics.itl.observe((now - self.last_token_time) / n, n)
-            self.last_token_time = now
+                metrics.itl.observe((now - last) / n, n)
+            self.last_token_time[out.request_id] = now
         if out.finished:
-            self.finished = True
-            metrics.e2e.observe(now - self.arrival)
+            self.open.discard(out.request_id)
             metrics.finished[out.finish_reason or "stop"] += 1
+            if not self.open:
+                metrics.e2e.observe(now - self.arrival)
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
         self.server.metrics.in_flight -= 1
-        if not self.finished:
-            self.server.engine_loop.abort(self.request_id)
-            self.server.metrics.finished["abort"] += 1
+        for engine_id in self.open:  # aborting an id the engine never took is a no-op
+            self.server.engine_loop.abort(engine_id)
+            if not self.rejected:
+                self.server.metrics.finished["abort"] += 1
+        self.open.clear()
 
 
 class Server:
@@ -208,6 +224,62 @@ class Server:
             card["max_model_len"] = engine.max_model_len
         return JSONResponse({"object": "list", "data": [card]})
 
+    # -- tokenizer endpoints (vLLM's shapes; lm-eval's remote tokenizer uses all three) ----------
+    async def tokenize(self, request: Request) -> Response:
+        try:
+            self.authorize(request)
+            engine = self.require_ready()
+            body = protocol.parse_json_body(await self.read_body(request))
+            self._check_model(body)
+            req = protocol.parse_tokenize(body)
+            ids = await asyncio.to_thread(_tokenize_only, engine.tokenizer, req)
+        except APIError as exc:
+            return self.error_response(exc)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        except LowbitError as exc:
+            return self.error_response(bad_request(str(exc)))
+        strs = [engine.tokenizer.backend.id_to_token(t) for t in ids] if req.return_token_strs else None
+        return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
+                             "token_strs": strs})
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            self.authorize(request)
+            engine = self.require_ready()
+            body = protocol.parse_json_body(await self.read_body(request))
+            self._check_model(body)
+            ids = protocol.parse_detokenize(body)
+            bad = next((t for t in ids if not 0 <= t < _vocab_size(engine)), None)
+            if bad is not None:
+                raise bad_request(f"token id {protocol.show(bad)} is outside the vocabulary "
+                                  f"[0, {_vocab_size(engine)})", "tokens")
+            text = await asyncio.to_thread(engine.tokenizer.decode, ids)
+        except APIError as exc:
+            return self.error_response(exc)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        return JSONResponse({"prompt": text})
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        try:
+            self.authorize(request)
+            engine = self.require_ready()
+        except APIError as exc:
+            return self.error_response(exc)
+        tok = engine.tokenizer
+        info: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": engine.max_model_len,
+                                "add_bos_token": tok.add_bos, "chat_template": tok.chat_template}
+        for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            info[key] = tok.special_tokens.get(key)  # present even when None: clients test for the key
+        return JSONResponse(info)
+
+    def _check_model(self, body: dict[str, Any]) -> None:
+        model = body.get("model")
+        if model is not None and model != self.config.model_name:
+            raise APIError(404, f"model {protocol.show(model)} does not exist; this server serves "
+                                f"{self.config.model_name!r}", param="model", code="model_not_found")
+
     async def completions(self, request: Request) -> Response:
         return await self.generate(request, chat=False)
 
@@ -225,25 +297,34 @@ class Server:
                                     f"{self.config.model_name!r}", param="model", code="model_not_found")
             prompt_ids, prompt_text = await asyncio.to_thread(_tokenize, engine.tokenizer, req)
             _check_token_ids(prompt_ids, _vocab_size(engine))
+            protocol.check_logit_bias(req, _vocab_size(engine))
             room = engine.max_model_len - len(prompt_ids)
             if req.max_tokens is None:
                 max_tokens = protocol.DEFAULT_COMPLETION_MAX_TOKENS if not chat else room
                 max_tokens = min(max_tokens, room)
             else:
                 max_tokens = req.max_tokens
-            if room < 1 or max_tokens > room:
+            # max_tokens 0 still runs one sampled token in the engine (then dropped): it needs the room
+            if room < 1 or max(max_tokens, 1) > room:
                 raise bad_request(f"the prompt has {len(prompt_ids)} tokens and max_tokens is {max_tokens}, "
                                   f"more than the context of {engine.max_model_len} tokens allows",
                                   "max_tokens" if room >= 1 else ("messages" if chat else "prompt"),
                                   "context_length_exceeded")
-            params = req.sampling_params(max_tokens)
+            # One engine sequence per choice (best_of of them); the first computes the prompt's
+            # logprobs when asked (the others would only repeat them) and the others wait for its
+            # prefill, then reuse its prompt blocks from the prefix cache. Sequence i's seed is seed + i.
+            params = [req.sampling_params(max_tokens, seed_offset=i, prompt_logprobs=i == 0 and req.wants_prompt_logprobs)
+                      for i in range(req.best_of)]
             if self.metrics.in_flight >= self.config.max_in_flight:
                 raise APIError(429, f"the server is at its limit of {self.config.max_in_flight} requests "
                                     f"(--max-running + --max-queue); retry later", type="rate_limit_error",
                                code="queue_full")
             request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-            tracker = Tracker(self, request_id, asyncio.get_running_loop())
-            self.engine_loop.submit(request_id, prompt_ids, params, tracker.stream)
+            engine_ids = [request_id] if req.best_of == 1 else [f"{request_id}-{i}" for i in range(req.best_of)]
+            tracker = Tracker(self, request_id, asyncio.get_running_loop(), engine_ids)
+            for i, (engine_id, p) in enumerate(zip(engine_ids, params)):
+                self.engine_loop.submit(engine_id, prompt_ids, p, tracker.stream,
+                                        share_prefix_with=engine_ids[0] if i else None)
             self.metrics.in_flight += 1
         except APIError as exc:
             return self.error_response(exc)
@@ -254,7 +335,7 @@ class Server:
         except LowbitError as exc:  # a chat template that refuses the messages, for one
             return self.error_response(bad_request(str(exc)))
 
-        answer = Answer(self, req, tracker, engine.tokenizer, prompt_ids, prompt_text)
+        answer = Answer(self, req, tracker, engine.tokenizer, prompt_ids, prompt_text, max_tokens)
         if req.stream:
             return SSEResponse(answer.events(), tracker, media_type="text/event-stream",
                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -276,18 +357,50 @@ class SSEResponse(StreamingResponse):
             self.tracker.close()
 
 
+@dataclass(slots=True)
+class Choice:
+    """What one engine sequence of a request has produced so far."""
+
+    index: int
+    text: list[str]
+    entries: list  # (token text, logprob, top) per reported token
+    cumulative_logprob: float = 0.0
+    last: Any = None  # the latest RequestOutput
+
+
 class Answer:
-    """Turns a request's RequestOutputs into OpenAI's JSON, whole or as SSE chunks."""
+    """Turns a request's RequestOutputs into OpenAI's JSON, whole or as SSE chunks.
+
+    max_tokens 0 (echo or prompt_logprobs only) ran one token in the engine; it is dropped here,
+    so the answer is the prompt alone, finish_reason "length"."""
 
     def __init__(self, server: Server, req: GenerationRequest, tracker: Tracker, tokenizer,
-                 prompt_ids: list[int], prompt_text: str | None):
+                 prompt_ids: list[int], prompt_text: str | None, max_tokens: int):
         self.server = server
         self.req = req
         self.tracker = tracker
         self.tokenizer = tokenizer
         self.prompt_ids = prompt_ids
         self.prompt_text = prompt_text
+        self.score_only = max_tokens == 0
         self.created = protocol.now()
+        self.choices = {engine_id: Choice(i, [], []) for i, engine_id in enumerate(tracker.engine_ids)}
+        self.prompt_logprobs = None  # the PromptLogprob list, once the first sequence has it
+
+    def _record(self, out) -> tuple[Choice, str, list]:
+        """Fold one output into its choice; returns (choice, new text, new logprob entries)."""
+        choice = self.choices[out.request_id]
+        choice.last = out
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        if self.score_only:
+            return choice, "", []
+        if out.logprobs:
+            choice.cumulative_logprob += sum(lp for lp, _ in out.logprobs)
+        entries = self._entries(out)
+        choice.text.append(out.text_delta)
+        choice.entries += entries
+        return choice, out.text_delta, entries
 
     def _entries(self, out) -> list[tuple[str, float, list[tuple[str, float]]]]:
         if self.req.logprobs is None or not out.logprobs:
@@ -296,24 +409,63 @@ class Answer:
         return [(decode([tid]), lp, [(decode([t]), l) for t, l in top])
                 for tid, (lp, top) in zip(out.new_token_ids, out.logprobs)]
 
+    def _prompt_entries(self) -> list[tuple[str, float | None, list[tuple[str, float]] | None]]:
+        """The echoed prompt's tokens for the legacy logprobs shape (the first has no logprob)."""
+        decode, top_n = self.tokenizer.decode, self.req.logprobs or 0
+        lps = self.prompt_logprobs or [None] * len(self.prompt_ids)
+        out = []
+        for tid, e in zip(self.prompt_ids, lps):
+            if e is None:
+                out.append((decode([tid]), None, None))
+            else:
+                out.append((decode([tid]), e.logprob, [(decode([t]), l) for t, l in e.top[:top_n]]))
+        return out
+
     def _echo_text(self) -> str:
         if not self.req.echo:
             return ""
         return self.prompt_text if self.prompt_text is not None else self.tokenizer.decode(self.prompt_ids)
 
+    def _echo_logprobs(self) -> dict[str, Any] | None:
+        if not (self.req.echo and self.req.logprobs is not None):
+            return None
+        return protocol.completion_logprobs(self._prompt_entries(), 0)
+
+    def _vllm_prompt_logprobs(self) -> list | None:
+        if self.req.prompt_logprobs is None or self.prompt_logprobs is None:
+            return None
+        top = self.req.prompt_logprobs
+        trimmed = [e if e is None or len(e.top) <= top else _with_top(e, top) for e in self.prompt_logprobs]
+        return protocol.vllm_prompt_logprobs(trimmed, self.tokenizer.decode)
+
+    def _finish_reason(self, choice: Choice) -> str | None:
+        return "length" if self.score_only else choice.last.finish_reason
+
     def _envelope(self, kind: str) -> dict[str, Any]:
         return {"id": self.tracker.request_id, "object": kind, "created": self.created,
                 "model": self.server.config.model_name}
 
+    def _usage(self) -> dict[str, Any]:
+        lasts = [c.last for c in self.choices.values() if c.last is not None]
+        generated = 0 if self.score_only else sum(o.num_generated_tokens for o in lasts)
+        # every sequence generated is counted (best_of's too); the prompt once, with the first
+        # sequence's cache hits (the others reuse its blocks)
+        return protocol.usage(len(self.prompt_ids), generated, lasts[0].num_cached_tokens if lasts else 0)
+
+    def _returned(self) -> list[Choice]:
+        """The n choices answered: all of them, or with best_of > n the n with the highest
+        cumulative logprob (vLLM's rule), most likely first."""
+        choices = list(self.choices.values())
+        if self.req.best_of > self.req.n:
+            choices = sorted(choices, key=lambda c: c.cumulative_logprob, reverse=True)[: self.req.n]
+        return choices
+
     # -- whole ----------------------------------------------------------------------------------
     async def whole(self, request: Request) -> Response:
         watcher = asyncio.ensure_future(_watch_disconnect(request, self.tracker.stream))
-        text, entries, last = [], [], None
         try:
             async for out in self.tracker.outputs():
-                text.append(out.text_delta)
-                entries += self._entries(out)
-                last = out
+                self._record(out)
         except APIError as exc:
             return self.server.error_response(exc)
         except ClientDisconnect:
@@ -321,63 +473,97 @@ class Answer:
         finally:
             watcher.cancel()
             self.tracker.close()
-        body = "".join(text)
-        use = protocol.usage(last.num_prompt_tokens, last.num_generated_tokens, last.num_cached_tokens)
+        use = self._usage()
         if self.req.chat:
-            logprobs = protocol.chat_logprobs(entries) if self.req.logprobs is not None else None
-            choice = {"index": 0, "message": {"role": "assistant", "content": body, "refusal": None},
-                      "logprobs": logprobs, "finish_reason": last.finish_reason}
-            return JSONResponse({**self._envelope("chat.completion"), "choices": [choice], "usage": use})
-        echo = self._echo_text()
-        logprobs = protocol.completion_logprobs(entries, len(echo)) if self.req.logprobs is not None else None
-        choice = {"index": 0, "text": echo + body, "logprobs": logprobs, "finish_reason": last.finish_reason}
-        return JSONResponse({**self._envelope("text_completion"), "choices": [choice], "usage": use})
+            body = {**self._envelope("chat.completion"), "choices": [
+                {"index": i, "message": {"role": "assistant", "content": "".join(c.text), "refusal": None},
+                 "logprobs": protocol.chat_logprobs(c.entries) if self.req.logprobs is not None else None,
+                 "finish_reason": self._finish_reason(c)}
+                for i, c in enumerate(self._returned())], "usage": use}
+            prompt_lps = self._vllm_prompt_logprobs()
+            if prompt_lps is not None:
+                body["prompt_logprobs"] = prompt_lps  # vLLM puts a chat request's at the top level
+            return JSONResponse(body)
+        echo, echo_lps, prompt_lps = self._echo_text(), self._echo_logprobs(), self._vllm_prompt_logprobs()
+        choices = []
+        for i, c in enumerate(self._returned()):
+            logprobs = None
+            if self.req.logprobs is not None:
+                logprobs = protocol.join_logprobs(echo_lps, protocol.completion_logprobs(c.entries, len(echo)))
+            choice = {"index": i, "text": echo + "".join(c.text), "logprobs": logprobs,
+                      "finish_reason": self._finish_reason(c)}
+            if prompt_lps is not None:
+                choice["prompt_logprobs"] = prompt_lps
+            choices.append(choice)
+        return JSONResponse({**self._envelope("text_completion"), "choices": choices, "usage": use})
 
     # -- streamed -------------------------------------------------------------------------------
     async def events(self) -> AsyncIterator[str]:
+        """Chunks of every choice as its tokens come (best_of > n is never streamed: protocol.py)."""
         chat, usage_on = self.req.chat, self.req.include_usage
         kind = "chat.completion.chunk" if chat else "text_completion"
-        offset = 0
+        offsets = {c.index: 0 for c in self.choices.values()}
 
-        def chunk(delta_text: str | None, finish: str | None, entries, role: bool = False) -> str:
+        def chunk(index: int, delta_text: str | None, finish: str | None, entries, role: bool = False,
+                  logprobs: dict | None = None) -> str:
             if chat:
                 delta: dict[str, Any] = {"role": "assistant"} if role else {}
                 if delta_text is not None:
                     delta["content"] = delta_text
-                logprobs = protocol.chat_logprobs(entries) if entries else None
-                choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+                lps = protocol.chat_logprobs(entries) if entries else None
+                choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish}
             else:
-                logprobs = protocol.completion_logprobs(entries, offset) if entries else None
-                choice = {"index": 0, "text": delta_text or "", "logprobs": logprobs, "finish_reason": finish}
+                if logprobs is None and entries:
+                    logprobs = protocol.completion_logprobs(entries, offsets[index])
+                choice = {"index": index, "text": delta_text or "", "logprobs": logprobs, "finish_reason": finish}
             payload = {**self._envelope(kind), "choices": [choice]}
             if usage_on:
                 payload["usage"] = None
             return _sse(payload)
 
+        # the echo goes first; with its logprobs it waits for the first sequence's prompt logprobs,
+        # which come with that sequence's first output (before any sibling's: they wait for its prefill)
+        echo_pending = not chat and self.req.echo
+
+        def echo_chunks() -> list[str]:
+            echo = self._echo_text()
+            out = [chunk(c.index, echo, None, [], logprobs=self._echo_logprobs()) for c in self.choices.values()]
+            for index in offsets:
+                offsets[index] += len(echo)
+            return out
+
         try:
             if chat:
-                yield chunk("", None, [], role=True)
-            elif self.req.echo:
-                echo = self._echo_text()
-                yield chunk(echo, None, [])
-                offset += len(echo)
-            last = None
+                for c in self.choices.values():
+                    yield chunk(c.index, "", None, [], role=True)
+            elif echo_pending and not self.req.wants_prompt_logprobs:
+                for event in echo_chunks():
+                    yield event
+                echo_pending = False
             async for out in self.tracker.outputs():
-                last = out
-                entries = self._entries(out)
-                if not out.text_delta and not entries and not out.finished:
+                choice, text, entries = self._record(out)
+                if echo_pending:
+                    for event in echo_chunks():
+                        yield event
+                    echo_pending = False
+                if not text and not entries and not out.finished:
                     continue  # a prefill chunk or held-back bytes: nothing to say yet
-                yield chunk(out.text_delta, out.finish_reason if out.finished else None, entries)
-                offset += len(out.text_delta)
-            if usage_on and last is not None:
-                use = protocol.usage(last.num_prompt_tokens, last.num_generated_tokens, last.num_cached_tokens)
-                yield _sse({**self._envelope(kind), "choices": [], "usage": use})
+                finish = self._finish_reason(choice) if out.finished else None
+                yield chunk(choice.index, text, finish, entries)
+                offsets[choice.index] += len(text)
+            if usage_on:
+                yield _sse({**self._envelope(kind), "choices": [], "usage": self._usage()})
         except APIError as exc:
             self.server.metrics.errors[exc.status] += 1
             yield _sse(exc.body())
         finally:
             self.tracker.close()
         yield "data: [DONE]\n\n"
+
+
+def _with_top(entry, top: int):
+    """A PromptLogprob with only its `top` first alternatives (the engine computed the widest asked)."""
+    return type(entry)(entry.token_id, entry.logprob, entry.rank, entry.top[:top])
 
 
 def _sse(payload: dict[str, Any]) -> str:
@@ -409,6 +595,20 @@ def _tokenize(tokenizer, req: GenerationRequest) -> tuple[list[int], str | None]
     if not ids:
         raise bad_request("the prompt encodes to no tokens", "prompt")
     return ids, req.prompt_text
+
+
+def _tokenize_only(tokenizer, req: protocol.TokenizeRequest) -> list[int]:
+    if req.messages is not None:
+        try:
+            text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt)
+        except LowbitError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - client data tripping the template: a 400, as in generate
+            reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+            raise bad_request(f"the chat template cannot render these messages: {reason}", "messages") from None
+        return tokenizer.encode(text, add_bos=req.add_special_tokens and tokenizer.add_bos)
+    # add_special_tokens: the tokenizer's own BOS rule (as /v1/completions tokenizes); false: none
+    return tokenizer.encode(req.prompt, add_bos=None if req.add_special_tokens else False)
 
 
 def _vocab_size(engine) -> int:
@@ -448,6 +648,9 @@ def create_app(config: ServerConfig, engine_loop: EngineLoop) -> Starlette:
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+        Route("/tokenize", server.tokenize, methods=["POST"]),
+        Route("/detokenize", server.detokenize, methods=["POST"]),
+        Route("/tokenizer_info", server.tokenizer_info, methods=["GET"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan)
     # No 307 from /v1/completions/ to /v1/completions: its Location is built from the client's Host

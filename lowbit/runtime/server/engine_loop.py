@@ -60,6 +60,7 @@ class _Add:
     prompt_ids: list[int]
     params: Any
     stream: RequestStream
+    share_prefix_with: str | None = None
 
 
 @dataclass(slots=True)
@@ -94,11 +95,13 @@ class EngineLoop:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, request_id: str, prompt_ids: list[int], params, stream: RequestStream) -> None:
+    def submit(self, request_id: str, prompt_ids: list[int], params, stream: RequestStream,
+               share_prefix_with: str | None = None) -> None:
+        """share_prefix_with: an earlier request id with the same prompt (the choices of n > 1)."""
         with self._lock:
             if self.state != "ready":
                 raise EngineFailure(f"the engine is {self.state}")
-            self._commands.put(_Add(request_id, prompt_ids, params, stream))
+            self._commands.put(_Add(request_id, prompt_ids, params, stream, share_prefix_with))
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
@@ -164,7 +167,8 @@ class EngineLoop:
     def _apply(self, engine, command) -> None:
         if isinstance(command, _Add):
             try:
-                engine.add_request(command.request_id, command.prompt_ids, command.params)
+                engine.add_request(command.request_id, command.prompt_ids, command.params,
+                                   share_prefix_with=command.share_prefix_with)
             except LowbitError as exc:  # UsageError included: the request's fault, not the engine's
                 command.stream.put(RequestRejected(_one_line(exc)))
                 return

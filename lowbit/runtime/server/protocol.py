@@ -24,6 +24,7 @@ from lowbit.runtime.engine.sequence import MAX_LOGPROBS, SamplingParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 64  # n and best_of: each choice is one sequence in the engine's running batch
 # top_k and token counts go into int64 tensors (and make no sense past a vocabulary or a context):
 # a bigger value must be a 400 here, not an overflow that stops the engine thread.
 MAX_INT_PARAM = 2**31 - 1
@@ -65,10 +66,29 @@ class GenerationRequest:
     include_usage: bool = False
     echo: bool = False
     logprobs: int | None = None  # top-n alternatives per token; None = no logprobs
+    prompt_logprobs: int | None = None  # vLLM's: top-n alternatives per prompt token; None = none
+    n: int = 1  # choices returned
+    best_of: int = 1  # sequences generated, of which the n with the highest cumulative logprob are returned
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """echo with logprobs (the legacy shape) or vLLM's prompt_logprobs."""
+        return self.prompt_logprobs is not None or (self.echo and self.logprobs is not None)
+
+    def sampling_params(self, max_tokens: int, seed_offset: int = 0, prompt_logprobs: bool = False) -> SamplingParams:
+        """Engine params for one sequence: seed_offset is added to a seed (sequence i of a request with
+        n > 1 draws with seed + i); prompt_logprobs asks for the prompt's logprobs (one sequence per
+        request does). max_tokens is at least 1 in the engine (0 is answered by dropping the token)."""
+        sampling = dict(self.sampling)
+        if seed_offset and sampling.get("seed") is not None:
+            sampling["seed"] = (sampling["seed"] + seed_offset) % 2**63
+        logprobs = self.logprobs
+        if self.best_of > self.n and logprobs is None:
+            logprobs = 0  # ranking needs each token's logprob
+        top = max(self.logprobs or 0, self.prompt_logprobs or 0)
         try:
-            return SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs, **self.sampling)
+            return SamplingParams(max_tokens=max(max_tokens, 1), logprobs=logprobs,
+                                  prompt_logprobs=top if prompt_logprobs else None, **sampling)
         except UsageError as exc:
             message = str(exc)
             first = message.split()[0] if message else None
@@ -76,7 +96,8 @@ class GenerationRequest:
 
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "max_tokens",
-                    "stop", "stop_token_ids", "logprobs", "ignore_eos")
+                    "stop", "stop_token_ids", "logprobs", "ignore_eos", "logit_bias", "presence_penalty",
+                    "frequency_penalty", "min_tokens")
 
 
 def show(value: Any) -> str:
@@ -149,13 +170,15 @@ def parse_completion(body: dict[str, Any]) -> GenerationRequest:
         if not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS:
             raise bad_request(f"logprobs must be an integer in [0, {MAX_LOGPROBS}]", "logprobs")
         req.logprobs = logprobs
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
     if body.get("suffix") is not None:
         raise bad_request("suffix is not supported", "suffix")
-    _check_best_of(body)
-    req.max_tokens = _max_tokens(body, "max_tokens")
+    req.prompt_logprobs = _prompt_logprobs(body)
+    # max_tokens 0: score the prompt only (lm-eval's loglikelihood requests), so it needs echo or
+    # prompt_logprobs, else the answer would be empty
+    req.max_tokens = _max_tokens(body, "max_tokens", 0 if req.echo or req.prompt_logprobs is not None else 1,
+                                 " (0 only with echo or prompt_logprobs: then the prompt is the answer)")
     _common(body, req)
+    _choices(body, req)
     return req
 
 
@@ -176,20 +199,13 @@ def parse_chat(body: dict[str, Any]) -> GenerationRequest:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     req.max_tokens = _max_tokens(body, name)
+    req.prompt_logprobs = _prompt_logprobs(body)
     _common(body, req)
+    _choices(body, req)
     return req
 
 
 def _common(body: dict[str, Any], req: GenerationRequest) -> None:
-    n = body.get("n", 1)
-    if n is not None and n != 1:
-        raise bad_request("n > 1 is not supported: send n separate requests (with different seeds)", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = body.get(name)
-        if value not in (None, 0, 0.0):
-            raise bad_request(f"{name} is not supported (use repetition_penalty)", name)
-    if body.get("logit_bias"):
-        raise bad_request("logit_bias is not supported", "logit_bias")
     req.stream = _bool(body, "stream")
     options = body.get("stream_options")
     if options is not None:
@@ -202,7 +218,7 @@ def _common(body: dict[str, Any], req: GenerationRequest) -> None:
             raise bad_request("stream_options.include_usage must be true or false", "stream_options")
         req.include_usage = bool(include)
     sampling: dict[str, Any] = {}
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
         value = body.get(name)
         if value is not None:
             number = _finite_float(value)
@@ -235,7 +251,77 @@ def _common(body: dict[str, Any], req: GenerationRequest) -> None:
         sampling["stop_token_ids"] = tuple(stop_ids)
     if body.get("ignore_eos") is not None:
         sampling["ignore_eos"] = _bool(body, "ignore_eos")
+    min_tokens = body.get("min_tokens")
+    if min_tokens is not None:
+        if not _is_int(min_tokens) or not 0 <= min_tokens <= MAX_INT_PARAM:
+            raise bad_request(f"min_tokens must be an integer in [0, {MAX_INT_PARAM}], got {show(min_tokens)}",
+                              "min_tokens")
+        sampling["min_tokens"] = min_tokens  # <= max_tokens: SamplingParams checks it
+    bias = _logit_bias(body.get("logit_bias"))
+    if bias:
+        sampling["logit_bias"] = bias
+    schema = _response_format(body.get("response_format"))
+    if schema is not None:
+        sampling["guided_json"] = schema
     req.sampling = sampling
+
+
+def _logit_bias(value: Any) -> dict[int, float] | None:
+    """OpenAI's {"token id as a string": bias in [-100, 100]} as {id: bias}."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad_request("logit_bias must be an object mapping token ids (as strings) to numbers in [-100, 100]",
+                          "logit_bias")
+    bias = {}
+    for key, b in value.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10) or int(key) > MAX_INT_PARAM:
+            raise bad_request(f"logit_bias keys must be token ids, got {show(key)}", "logit_bias")
+        number = _finite_float(b)
+        if number is None or not -100 <= number <= 100:
+            raise bad_request(f"logit_bias[{show(key)}] must be a number in [-100, 100], got {show(b)}", "logit_bias")
+        bias[int(key)] = number
+    return bias
+
+
+def check_logit_bias(req: GenerationRequest, vocab_size: int) -> None:
+    """logit_bias ids must be in the model's vocabulary (known only once the engine is)."""
+    bias = req.sampling.get("logit_bias") or {}
+    bad = next((t for t in bias if t >= vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab_size})", "logit_bias")
+
+
+def _response_format(value: Any) -> str | None:
+    """response_format -> the JSON Schema (as JSON text) the output must match, or None for text."""
+    from lowbit.runtime.engine import guided
+
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return guided.JSON_OBJECT_SCHEMA
+    if kind != "json_schema":
+        raise bad_request("response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                          "{\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\"}}", "response_format")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad_request("response_format.json_schema must be an object with name and schema", "response_format")
+    if spec.get("name") is not None and not isinstance(spec["name"], str):
+        raise bad_request("response_format.json_schema.name must be a string", "response_format")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise bad_request("response_format.json_schema.strict must be true or false", "response_format")
+    if spec.get("schema") is None:
+        raise bad_request("response_format.json_schema.schema is required (the JSON Schema to follow)",
+                          "response_format")
+    try:
+        text = guided.schema_text(spec["schema"])
+        guided.check_schema(text)
+    except UsageError as exc:
+        raise bad_request(f"response_format.json_schema.schema: {exc}", "response_format") from None
+    return text
 
 
 def _model(body: dict[str, Any]) -> str | None:
@@ -263,19 +349,40 @@ def _message(m: Any, i: int) -> dict[str, Any]:
     return {**m, "content": content}
 
 
-def _max_tokens(body: dict[str, Any], name: str) -> int | None:
+def _max_tokens(body: dict[str, Any], name: str, least: int = 1, zero_hint: str = "") -> int | None:
     value = body.get(name)
     if value is None:
         return None
-    if not _is_int(value) or not 1 <= value <= MAX_INT_PARAM:
-        raise bad_request(f"{name} must be an integer in [1, {MAX_INT_PARAM}], got {show(value)}", name)
+    if not _is_int(value) or not least <= value <= MAX_INT_PARAM:
+        why = zero_hint if value == 0 else ""
+        raise bad_request(f"{name} must be an integer in [{least}, {MAX_INT_PARAM}], got {show(value)}{why}", name)
     return value
 
 
-def _check_best_of(body: dict[str, Any]) -> None:
+def _prompt_logprobs(body: dict[str, Any]) -> int | None:
+    value = body.get("prompt_logprobs")
+    if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+        raise bad_request(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {show(value)}",
+                          "prompt_logprobs")
+    return value
+
+
+def _choices(body: dict[str, Any], req: GenerationRequest) -> None:
+    """n and best_of (vLLM's rule: best_of >= n sequences, the n most likely returned)."""
+    for name in ("n", "best_of"):
+        value = body.get(name)
+        if value is not None and (not _is_int(value) or not 1 <= value <= MAX_CHOICES):
+            raise bad_request(f"{name} must be an integer in [1, {MAX_CHOICES}], got {show(value)}", name)
+    req.n = body.get("n") or 1
     best_of = body.get("best_of")
-    if best_of not in (None, 1):
-        raise bad_request("best_of > 1 is not supported", "best_of")
+    req.best_of = req.n if best_of is None else best_of
+    if req.best_of < req.n:
+        raise bad_request(f"best_of ({req.best_of}) must be at least n ({req.n})", "best_of")
+    if req.best_of > req.n and req.stream:
+        raise bad_request("best_of > n cannot be streamed: the best sequences are known only at the end",
+                          "best_of")
+    if req.prompt_logprobs is not None and req.stream:  # as vLLM (echo with logprobs does stream)
+        raise bad_request("prompt_logprobs cannot be streamed", "prompt_logprobs")
 
 
 def _bool(body: dict[str, Any], name: str) -> bool:
@@ -303,6 +410,45 @@ def _finite_float(x: Any) -> float | None:
     return number if math.isfinite(number) else None
 
 
+@dataclass(slots=True)
+class TokenizeRequest:
+    """vLLM's /tokenize body: a prompt, or chat messages rendered by the chat template."""
+
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True  # prompt: the tokenizer's BOS rule; messages: default false (the template writes BOS)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+def parse_tokenize(body: dict[str, Any]) -> TokenizeRequest:
+    req = TokenizeRequest()
+    if "messages" in body and body.get("prompt") is None:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise bad_request("messages must be a non-empty list of {role, content} objects", "messages")
+        req.messages = [_message(m, i) for i, m in enumerate(messages)]
+        req.add_special_tokens = False
+        if body.get("add_generation_prompt") is not None:
+            req.add_generation_prompt = _bool(body, "add_generation_prompt")
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise bad_request("prompt must be a string (or send messages)", "prompt")
+        req.prompt = prompt
+    if body.get("add_special_tokens") is not None:
+        req.add_special_tokens = _bool(body, "add_special_tokens")
+    req.return_token_strs = _bool(body, "return_token_strs")
+    return req
+
+
+def parse_detokenize(body: dict[str, Any]) -> list[int]:
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(_is_int(t) and 0 <= t <= MAX_INT_PARAM for t in tokens):
+        raise bad_request("tokens must be a list of token ids", "tokens")
+    return tokens
+
+
 # -- responses --------------------------------------------------------------------------------
 def now() -> int:
     return int(time.time())
@@ -317,17 +463,41 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
 
 
-def completion_logprobs(entries: list[tuple[str, float, list[tuple[str, float]]]], text_offset: int) -> dict[str, Any]:
-    """The legacy completions shape: parallel lists. entries = (token text, logprob, top [(text, lp)])."""
+def completion_logprobs(entries: list[tuple[str, float | None, list[tuple[str, float]] | None]],
+                        text_offset: int) -> dict[str, Any]:
+    """The legacy completions shape: parallel lists. entries = (token text, logprob, top [(text, lp)]);
+    the first echoed prompt token has logprob and top None (nothing predicts it)."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     offset = text_offset
     for text, lp, top in entries:
         tokens.append(text)
         token_logprobs.append(lp)
-        top_logprobs.append(dict(top))
+        top_logprobs.append(dict(top) if top is not None else None)
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def join_logprobs(first: dict[str, Any] | None, second: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Two legacy logprobs objects one after the other (the echoed prompt's, then the completion's)."""
+    if first is None or second is None:
+        return first if second is None else second
+    return {key: first[key] + second[key] for key in first}
+
+
+def vllm_prompt_logprobs(entries: list, decode) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: None for the first token, then {token id: {logprob, rank,
+    decoded_token}} holding the prompt token and the top alternatives (rank 1 = most likely)."""
+    out: list[dict[str, Any] | None] = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        item = {str(e.token_id): {"logprob": e.logprob, "rank": e.rank, "decoded_token": decode([e.token_id])}}
+        for rank, (token, lp) in enumerate(e.top, 1):
+            item.setdefault(str(token), {"logprob": lp, "rank": rank, "decoded_token": decode([token])})
+        out.append(item)
+    return out
 
 
 def chat_logprobs(entries: list[tuple[str, float, list[tuple[str, float]]]]) -> dict[str, Any]:
