@@ -289,11 +289,11 @@ _paths = st.one_of(
     st.sampled_from(["/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/",
                      "/v1", "/v1/", "/v1/completions/", "//v1/models", "/v1/../health", "/v1/models?x=1",
                      "/%ff%fe", "/v1/%00", "/" + "a" * 3000, "/v1/models/tiny", "/docs", "/v2/completions",
-                     "*", "/v1/completions?stream=true"]),
+                     "*", "/v1/completions?stream=true", "/tokenize", "/detokenize", "/tokenizer_info"]),
     st.from_regex(r"\A/[A-Za-z0-9._~%/?=&-]{0,40}\Z"),
 )
 _KNOWN = {"/health": "GET", "/metrics": "GET", "/v1/models": "GET", "/v1/completions": "POST",
-          "/v1/chat/completions": "POST"}
+          "/v1/chat/completions": "POST", "/tokenize": "POST", "/detokenize": "POST", "/tokenizer_info": "GET"}
 
 
 @settings(FUZZ, max_examples=200)
