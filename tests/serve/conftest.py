@@ -130,3 +130,22 @@ def module_server(tmp_path_factory, tiny_model_dir):
         yield proc.wait_ready()
     finally:
         proc.kill()
+
+
+# The shared module server, its openai client and the tiny model's tokenizer, for the modules that
+# talk to `module_server` (a module that starts its own server defines its own `server`).
+@pytest.fixture(scope="module")
+def server(module_server):
+    return module_server
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from lowbit.runtime.tokenizer import load_tokenizer
+
+    return load_tokenizer(tiny_model_dir)

@@ -17,23 +17,6 @@ NO_EOS = {"ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def server(module_server):
-    return module_server
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    from lowbit.runtime.tokenizer import load_tokenizer
-
-    return load_tokenizer(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
 def hf_greedy(tiny_model_dir):
     """(prompt ids, n) -> (n greedy ids, their log-softmax rows) from transformers."""
     from transformers import AutoModelForCausalLM

@@ -31,16 +31,6 @@ JSON_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "verdict", 
 
 
 @pytest.fixture(scope="module")
-def server(module_server):
-    return module_server
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
-
-
-@pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     from lowbit.runtime.engine.engine import Engine
 

@@ -6,7 +6,6 @@ those fields is a 400 naming the field."""
 from __future__ import annotations
 
 import json
-import math
 
 import openai
 import pytest
@@ -15,23 +14,6 @@ import torch
 MODEL = "tiny"
 PROMPT = "Hello world, the quick brown fox jumps over the lazy dog. A server answers many clients"
 NO_EOS = {"ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def server(module_server):
-    return module_server
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    from lowbit.runtime.tokenizer import load_tokenizer
-
-    return load_tokenizer(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
