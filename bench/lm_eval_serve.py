@@ -30,40 +30,19 @@ import glob
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from servers import free_port, wait_ready  # noqa: E402
 ROOT = HERE.parent
 TASKS = HERE / "lm_eval_tasks"
 RESULT = HERE / "results" / "lm_eval_serve.json"
 TOLERANCE = 1e-3  # the 0.1 %
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(base: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"lowbit serve exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    sys.exit(f"lowbit serve not ready after {timeout} s")
 
 
 def run_lm_eval(lm_eval: str, base: str, model: str, out: Path) -> dict:

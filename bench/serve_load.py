@@ -19,14 +19,17 @@ import http.client
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlparse
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from servers import free_port, wait_ready  # noqa: E402
 
 PROMPTS = [
     "The history of the city begins",
@@ -142,21 +145,6 @@ def peak_rss_mib(pid: int | None) -> float | None:
     return None
 
 
-def wait_ready(url: str, proc: subprocess.Popen | None, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"server at {url} not ready after {timeout} s")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", help="A running server, e.g. http://127.0.0.1:8000")
@@ -174,9 +162,7 @@ def main() -> None:
 
     proc, pid = None, args.pid
     if args.model:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "lowbit", "serve", args.model, "--port", str(port), *shlex.split(args.serve_args)]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

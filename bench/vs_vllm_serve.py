@@ -27,8 +27,6 @@ import argparse
 import json
 import os
 import platform
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,16 +35,13 @@ import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from servers import free_port, stop, wait_ready  # noqa: E402
+
 RESULT = HERE / "results" / "vs_vllm_serve.json"
 CACHE = Path(os.environ.get("LOWBIT_HOME", Path.home() / ".cache" / "lowbit")) / "vs_vllm"
 MAX_MODEL_LEN = 2048
 KV_GIB = 2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(cmd: list[str]) -> None:
@@ -85,37 +80,12 @@ def server_command(kind: str, model: Path, port: int, threads: int, args) -> tup
     return cmd, env
 
 
-def wait_ready(base: str, proc: subprocess.Popen, log: Path, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode} before it was ready; see {log}")
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise SystemExit(f"server not ready after {timeout:.0f} s; see {log}")
-
-
 def warm_up(base: str) -> None:
     body = json.dumps({"model": "model", "messages": [{"role": "user", "content": "Hello there"}],
                        "max_tokens": 8, "temperature": 0}).encode()
     req = urllib.request.Request(base + "/v1/chat/completions", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=600) as r:
         r.read()
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def guidellm(args, base: str, tokenizer: Path, out: Path) -> None:
@@ -156,7 +126,7 @@ def measure(kind: str, model: Path, args) -> list[dict]:
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     try:
-        wait_ready(base, proc, log)
+        wait_ready(base, proc, log=log)
         warm_up(base)
         report = Path(tempfile.mkdtemp()) / "guidellm.json"
         guidellm(args, base, model, report)
