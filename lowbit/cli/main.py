@@ -70,6 +70,7 @@ COMMAND_MODULES = [
     "quantize",
     "inspect",
     "calibrate",
+    "distill",
     "generate",
     "bench",
     "serve",

@@ -1,0 +1,104 @@
+"""Quantization recovery by distillation on the demo model: KLD before/after beside the file bytes.
+
+Makes README command 1's checkpoint (SmolLM2-135M, int4 sym g64, GPTQ on 128 × 512 tokens of
+wiki-calib) unless it is there, scores it (`lowbit eval --data wiki-eval --chunks 10 --base
+smollm2-135m`, ctx 2048, text the training never sees), runs `lowbit distill` on wiki-calib with
+the stated budget, scores the result the same way, and prints KLD against whole-checkpoint bytes
+beside llama.cpp's Q4_K_M of this model (105.5 MB, KLD 0.054: the issue's figures).
+
+    python bench/distill.py [--work DIR] [--samples 64] [--seqlen 512] [--block-steps 20] [--steps 100]
+        [--batch 1] [--lr 2e-4] [--threads 2] [--chunks 10] [--student DIR] [--quantize-head] [--json]
+
+The budget is what bounds the time: on 2 cores the block stage costs about 4 s a layer at
+--samples 8 --block-steps 2 and an end-to-end step about 3-6 s at --batch 1 --seqlen 512.
+Without --quantize-head the tied embedding/head stays bf16 (57 MB of the file), so the int4 files
+are 111-116 MB whatever the training does; with it the one tied matrix is int4 g64 too and its
+scales train with the rest (the embedding reads the head's rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results" / "distill.json"
+Q4_K_M_BYTES, Q4_K_M_KLD = 105.5e6, 0.054  # llama.cpp's Q4_K_M of SmolLM2-135M (issue 27's figures)
+
+
+def lowbit(*args: str) -> dict:
+    """`lowbit ARGS --json` → its JSON summary (stderr, the progress lines, passes through)."""
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "lowbit", *args, "--json"], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    if done.returncode:
+        sys.exit(f"lowbit {' '.join(args)} failed ({done.returncode})")
+    out = json.loads(done.stdout)
+    out["_wall_s"] = round(time.perf_counter() - started, 1)
+    return out
+
+
+def directory_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work", type=Path, default=Path("bench-distill"))
+    ap.add_argument("--student", type=Path, help="an existing quantized student (default: make README command 1's)")
+    ap.add_argument("--samples", type=int, default=64)
+    ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--block-steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--lr", type=float, default=2e-4)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--chunks", type=int, default=10, help="wiki-eval chunks of 2048 tokens for the KLDs")
+    ap.add_argument("--quantize-head", action="store_true",
+                    help="quantize the tied embedding/head too (int4 g64, one matrix; `lowbit quantize --quantize-head`)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    threads = ["--threads", str(args.threads)]
+    head = ["--quantize-head"] if args.quantize_head else []
+    student = args.student or args.work / ("smollm2-int4-head" if head else "smollm2-int4")
+    if not student.is_dir():
+        lowbit("quantize", "smollm2-135m", "--format", "int4", "--group-size", "64", "--method", "gptq", "--data", "wiki-calib",
+               "--samples", "128", "--seqlen", "512", "-o", str(student), *head, *threads)
+    score = ["--data", "wiki-eval", "--chunks", str(args.chunks), "--base", "smollm2-135m", *threads]
+    before = lowbit("eval", str(student), *score)
+    out = args.work / f"{student.name}-distilled-s{args.samples}-b{args.block_steps}-e{args.steps}"
+    run = lowbit("distill", "smollm2-135m", "--data", "wiki-calib", "--student", str(student), "-o", str(out), "--overwrite",
+                 "--samples", str(args.samples), "--seqlen", str(args.seqlen), "--block-steps", str(args.block_steps),
+                 "--steps", str(args.steps), "--batch", str(args.batch), "--lr", str(args.lr),
+                 "--eval-data", "wiki-eval", "--eval-chunks", "2", *threads)
+    after = lowbit("eval", str(out), *score)
+    rows = [
+        ("int4 g64 GPTQ" + (" + int4 head" if head else " (README command 1)"), directory_bytes(student),
+         before["kld"]["mean"], before["kld"]["err"]),
+        (f"  + distill ({args.block_steps} steps/layer, {args.steps} end-to-end)", directory_bytes(out),
+         after["kld"]["mean"], after["kld"]["err"]),
+        ("llama.cpp Q4_K_M (issue's figures)", int(Q4_K_M_BYTES), Q4_K_M_KLD, None),
+    ]
+    result = {"budget": {k: getattr(args, k) for k in ("samples", "seqlen", "block_steps", "steps", "batch", "lr", "threads",
+                                                        "quantize_head")},
+              "distill_seconds": run["seconds"], "distill": run,
+              "rows": [{"checkpoint": r[0].strip(), "bytes": r[1], "kld": r[2], "kld_err": r[3]} for r in rows]}
+    results = RESULTS.with_name("distill-head.json") if head else RESULTS
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps(result, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    print(f"distill: {run['seconds']:.0f} s for {run['tokens_seen']} tokens seen ({args.samples} x {args.seqlen} windows, "
+          f"{args.block_steps} steps/layer, {args.steps} end-to-end at batch {args.batch}, lr {args.lr}, {args.threads} threads)")
+    print(f"{'checkpoint':<52} {'MB':>7} {'KLD (wiki-eval, ctx 2048)':>26}")
+    for name, size, kld, err in rows:
+        print(f"{name:<52} {size / 1e6:7.1f} {kld:>12.4f}" + (f" ± {err:.4f}" if err is not None else ""))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""What every kind of distillation shares: the teacher's pass over the windows, the end-to-end
+loop on KL(teacher || student), the optimizer, the held-out score, and the NaN policy."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from lowbit.compress.distill.layers import embed, head_logits, propagate
+from lowbit.compress.distill.losses import kl_divergence
+from lowbit.compress.distill.state import restore_optimizer, save_state
+from lowbit.compress.distill.windows import Windows, step_indices
+from lowbit.errors import LowbitError
+from lowbit.runtime.evaluate import chunk_windows, evaluate_tokens
+
+# Zero points are in code units (0..15 for 4 bits) and only move when they cross a half: they get
+# this many times the learning rate of the multipliers and norms.
+ZERO_LR_FACTOR = 10.0
+TRAIN_KLD_STEPS = 10  # the reported train KLD: the mean loss of the last this many steps
+
+# progress(stage, done, total, loss): stage "block" / "teacher" (done = layers) or "distill" (done = steps)
+ProgressFn = Callable[[str, int, int, "float | None"], None]
+
+
+class NanLoss(LowbitError):
+    pass
+
+
+def trainable(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    return {n: p for n, p in module.named_parameters() if p.requires_grad}
+
+
+def make_optimizer(params: dict[str, torch.nn.Parameter], lr: float) -> torch.optim.Adam:
+    plain = [p for n, p in params.items() if not n.endswith(".zeros")]
+    zeros = [p for n, p in params.items() if n.endswith(".zeros")]
+    groups = [{"params": plain, "lr": lr}]
+    if zeros:
+        groups.append({"params": zeros, "lr": lr * ZERO_LR_FACTOR})
+    # foreach=False: the per-parameter loop, whose arithmetic does not depend on how tensors are grouped
+    return torch.optim.Adam(groups, lr=lr, foreach=False)
+
+
+def finite(params: dict[str, torch.nn.Parameter]) -> bool:
+    return all(bool(torch.isfinite(p).all()) for p in params.values())
+
+
+@torch.no_grad()
+def teacher_pass(teacher, ids: torch.Tensor, on_layer: Callable[[int, int], None] | None = None
+                 ) -> tuple[torch.Tensor, list[float]]:
+    """(the teacher's last hidden states on the windows [S, T, D], each layer's importance).
+
+    Importance of a layer: 1 − the mean cosine between its input and output hidden states over
+    every position but the first (the attention sink, whose huge activations would decide it):
+    how much the layer changes what passes through it. A layer near 0 is the first to drop."""
+    h = embed(teacher, ids)
+    importance = []
+    layers = teacher.config.num_hidden_layers
+    for i in range(layers):
+        out = propagate(teacher, i, h)
+        cos = torch.nn.functional.cosine_similarity(h[:, 1:].double(), out[:, 1:].double(), dim=-1)
+        importance.append(float(1.0 - cos.mean()))
+        h = out
+        if on_layer is not None:
+            on_layer(i + 1, layers)
+    return h, importance
+
+
+def heldout_kld(student, teacher, windows: Windows, seqlen: int, chunks: int) -> float:
+    """`lowbit eval --base`'s mean KLD on the held-out windows (second half of each scored)."""
+    planned = chunk_windows(len(windows.heldout), seqlen, chunks)
+    was_training = student.training
+    result = evaluate_tokens(student.eval(), windows.heldout, planned, bos_id=windows.bos_id, base_model=teacher)
+    student.train(was_training)
+    return float(result.kld.mean)
+
+
+def autocast(enabled: bool):
+    """bf16 autocast of the student's matmuls on the CPU (`--bf16`); losses stay float32."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
+
+
+def end_to_end(student, teacher, teacher_final: torch.Tensor, ids: torch.Tensor, *, steps: int, lr: float, batch: int,
+               seed: int, save_every: int, work_path, done: int, losses: list[float], opt_state,
+               on_progress: ProgressFn | None, bf16: bool = False) -> int:
+    """Steps done..steps of Adam on KL(teacher || student), the teacher's logits made from its last
+    hidden states by its head; the state saved every `save_every` steps and at the end."""
+    params = trainable(student)
+    if steps == 0 or done >= steps:
+        return max(steps, done)
+    optimizer = make_optimizer(params, lr)
+    if opt_state:
+        restore_optimizer(optimizer, opt_state)
+    last_good = done
+    for step in range(done, steps):
+        rows = step_indices(step, batch, ids.shape[0], seed)
+        with torch.no_grad():
+            target = head_logits(teacher, teacher_final[rows])
+        with autocast(bf16):
+            logits = student(ids[rows])
+        loss = kl_divergence(logits, target)
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            raise NanLoss(f"the KL loss became {value} at step {step + 1} (--lr {lr} too high?): stopped; the last "
+                          f"good state (step {last_good}) is kept in {work_path} and a rerun resumes from it "
+                          "(with a lower --lr if you like); nothing was written to the output")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(value)
+        if ((step + 1) % save_every == 0 or step + 1 == steps) and finite(params):
+            save_state(work_path, params, optimizer, {"stage": "e2e", "done": step + 1, "losses": losses})
+            last_good = step + 1
+        if on_progress is not None:
+            window = losses[-TRAIN_KLD_STEPS:]
+            on_progress("distill", step + 1, steps, sum(window) / len(window))
+    return steps
+
+
+def train_kld(losses: list[float]) -> float | None:
+    tail = losses[-TRAIN_KLD_STEPS:]
+    return sum(tail) / len(tail) if tail else None
