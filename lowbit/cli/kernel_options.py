@@ -9,10 +9,10 @@ import typer
 KERNEL_HELP = (
     "Kernel path for every quantized layer, instead of the best one per layer (default; $LOWBIT_KERNEL if set): "
     "reference (dequantize to float32, then matmul: float32 numerics, slow), cpu (the best CPU path), cpu-int4dot, "
-    "cpu-int4, cpu-int8, cpu-bf16, cpu-lut, cpu-int8dot (8-bit codes with int8 activations, only when named), triton "
-    "(CUDA). The automatic CPU paths round activations to bf16 (cpu-int4, cpu-int8, cpu-bf16, and cpu-int4dot's bf16 "
-    "route) or to int8 (cpu-int4dot, see --int4-activations); cpu-lut and reference compute in float32. "
-    "LOWBIT_NO_NATIVE=1 turns the C kernels off (cpu-int4dot, cpu-bf16, cpu-lut): torch's int4/int8 ops or the "
+    "cpu-int4, cpu-int8f, cpu-int8, cpu-bf16, cpu-lut, cpu-int8dot (8-bit codes with int8 activations, only when named), "
+    "triton (CUDA). The automatic CPU paths round activations to bf16 (cpu-int4, cpu-int8, cpu-bf16, and cpu-int4dot's "
+    "bf16 route) or to int8 (cpu-int4dot, see --int4-activations); cpu-int8f, cpu-lut and reference compute in float32. "
+    "LOWBIT_NO_NATIVE=1 turns the C kernels off (cpu-int4dot, cpu-int8f, cpu-bf16, cpu-lut): torch's int4/int8 ops or the "
     "reference run instead. A path that cannot run a layer is an error. `lowbit doctor` lists what runs here."
 )
 INT4_ACTIVATIONS_HELP = (

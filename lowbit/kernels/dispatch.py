@@ -7,6 +7,8 @@ weight (`supports(qt) -> reason | None`), repacks it (`prepare`) and multiplies 
   cpu-int4dot  CPU with AVX512-BF16 or -VNNI, integer 4-bit codes,
                groups of 32k or one per row                       (kernels/cpu_int4dot.py, batch-invariant)
   cpu-int4     CPU, int4 with a group torch's op accepts          (kernels/cpu.py, torch's int4 op)
+  cpu-int8f    CPU with AVX-512, symmetric int8 (per channel, or
+               groups of 16k), float32 activations                (kernels/cpu_int8.py, batch-invariant)
   cpu-int8     CPU, per-channel int8, K % 32 == 0                 (kernels/cpu.py, torch's int8 op)
   cpu-bf16     CPU with AVX512-BF16, other 4-bit formats          (kernels/cpu_bf16.py, bf16 dot products)
   cpu-lut      CPU, any 4-bit or 8-bit format                     (kernels/cpu_lut.py, compiled C kernel)
@@ -17,7 +19,7 @@ weight (`supports(qt) -> reason | None`), repacks it (`prepare`) and multiplies 
 On a CUDA device the choice is triton; on a CPU the first automatic CPU path whose `supports`
 has no objection, else reference. A path can be forced by name, in this order of precedence:
 `prepare(..., path=)`, the `KernelSettings` in effect (`use_settings`, which the CLI's `--kernel`
-sets), then `LOWBIT_KERNEL`: reference | cpu | cpu-int4dot | cpu-int4 | cpu-int8 | cpu-bf16 |
+sets), then `LOWBIT_KERNEL`: reference | cpu | cpu-int4dot | cpu-int4 | cpu-int8f | cpu-int8 | cpu-bf16 |
 cpu-lut | cpu-int8dot | triton ("cpu" means the best CPU path). A forced path that cannot run the
 weight raises a one-line LowbitError with the reason instead of silently running another.
 
@@ -41,12 +43,12 @@ from dataclasses import dataclass
 import torch
 
 from lowbit.errors import LowbitError, UsageError
-from lowbit.kernels import cpu, cpu_bf16, cpu_int4dot, cpu_lut, layout
+from lowbit.kernels import cpu, cpu_bf16, cpu_int4dot, cpu_int8, cpu_lut, layout
 from lowbit.kernels.prepared import PreparedWeight
 from lowbit.kernels.reference import reference_matmul
 from lowbit.quant.qtensor import QTensor
 
-PATHS = ("reference", "cpu", "cpu-int4dot", "cpu-int4", "cpu-int8", "cpu-bf16", "cpu-lut", "cpu-int8dot", "triton")
+PATHS = ("reference", "cpu", "cpu-int4dot", "cpu-int4", "cpu-int8f", "cpu-int8", "cpu-bf16", "cpu-lut", "cpu-int8dot", "triton")
 ENV = "LOWBIT_KERNEL"
 ACTIVATIONS_ENV = cpu_int4dot.ACTIVATIONS_ENV
 INT4_ACTIVATIONS = ("int8", "bf16")
@@ -320,6 +322,26 @@ class TorchInt4Path(KernelPath):
 
 
 @dataclass(frozen=True, slots=True)
+class Int8FloatPath(KernelPath):
+    """Symmetric int8 codes times float32 activations (kernels/cpu_int8.py, native/int8_gemv.c)."""
+
+    def unavailable(self):
+        return None if cpu_int8.available() else _native_reason("int8_gemv.c", ("avx512f",))
+
+    def runs(self, qt):
+        return cpu_int8.supports(qt)
+
+    def supports(self, qt):
+        return cpu_int8.why_not(qt) or self.unavailable()
+
+    def prepare(self, qt, device):
+        return cpu_int8.prepare(qt)
+
+    def matmul(self, x2, pw, bias):
+        return _finish(cpu_int8.matmul(x2, pw), bias, x2.dtype)
+
+
+@dataclass(frozen=True, slots=True)
 class TorchInt8Path(KernelPath):
     """torch's `_weight_int8pack_mm` in bf16, per-channel int8 (kernels/cpu.py)."""
 
@@ -430,6 +452,7 @@ TABLE: tuple[KernelPath, ...] = (
     TritonPath("triton", "cuda"),
     Int4DotPath("cpu-int4dot", "cpu"),
     TorchInt4Path("cpu-int4", "cpu"),
+    Int8FloatPath("cpu-int8f", "cpu"),
     TorchInt8Path("cpu-int8", "cpu"),
     Bf16Path("cpu-bf16", "cpu"),
     LutPath("cpu-lut", "cpu"),

@@ -46,6 +46,7 @@ NO_NATIVE_ENV = "LOWBIT_NO_NATIVE"
 SOURCES: dict[str, str] = {
     "lut_gemv": "cpu-lut",
     "bf16_gemv": "cpu-bf16",
+    "int8_gemv": "cpu-int8f",
     "int4_dot": "cpu-int4dot (bf16 activations)",
     "int4_vnni": "cpu-int4dot (int8 activations), cpu-int8dot",
     "paged_decode": "the C paged decode attention",

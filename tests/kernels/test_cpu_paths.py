@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from lowbit.errors import LowbitError, UsageError
-from lowbit.kernels import choose_path, cpu_bf16, cpu_int4dot, cpu_lut, prepare, qmatmul
-from lowbit.native import bf16_gemv, int4_dot, int4_vnni, lut_gemv
+from lowbit.kernels import choose_path, cpu_bf16, cpu_int4dot, cpu_int8, cpu_lut, prepare, qmatmul
+from lowbit.native import bf16_gemv, int4_dot, int4_vnni, int8_gemv, lut_gemv
 from tests.kernels.cases import BF16_TOL, FP32_TOL, ROWS, SHAPES, SPECS, oracle, quantized, rel_err
 
 # Paths that round activations (and scales) to bf16; the others compute in float32.
@@ -39,6 +39,8 @@ def test_automatic_path_matches_oracle(label):
         assert path == "cpu-int4dot"
     elif cpu_bf16.supports(qt):  # 4-bit formats on a CPU with AVX512-BF16
         assert path == "cpu-bf16"
+    elif cpu_int8.supports(qt):  # int8 on a CPU with AVX-512
+        assert path == "cpu-int8f"
     else:  # 8-bit formats (int8 at K=200 too: torch's int8 op needs K % 32 == 0)
         assert path == "cpu-lut"
 
@@ -91,7 +93,7 @@ def test_lut_kernel_for_every_element_kind(label):
 @pytest.mark.parametrize("label", ["int4-asym-g64", "nf4", "nvfp4", "fp8-e5m2", "int8-g128"])
 def test_portable_build_without_avx512(label, monkeypatch):
     # The scalar C code is what runs on CPUs without AVX-512; build it here and check it too.
-    for binding in (lut_gemv, bf16_gemv, int4_dot, int4_vnni):
+    for binding in (lut_gemv, bf16_gemv, int4_dot, int4_vnni, int8_gemv):
         lib = binding.library(portable=True)
         if lib is None:
             pytest.skip("no C compiler")
@@ -119,7 +121,8 @@ def test_large_batch_uses_dequantized_weight_exactly():
     assert qmatmul(x, pw).shape == (2, 5, 40)
 
 
-def test_torch_int8_op_only_where_k_allows():
+def test_torch_int8_op_only_where_k_allows(monkeypatch):
+    monkeypatch.setattr(cpu_int8, "available", lambda: False)  # else cpu-int8f runs int8 (tests/kernels/test_cpu_int8.py)
     assert prepare(quantized("int8", 16, 192), "cpu").path == "cpu-int8"
     assert prepare(quantized("int8", 16, 200), "cpu").path == "cpu-lut"
 

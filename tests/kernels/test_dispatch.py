@@ -21,7 +21,7 @@ needs_both_routes = pytest.mark.skipif(not (cpu_int4dot.bf16_available() and cpu
 
 def test_table_is_best_first_and_names_every_path():
     names = [p.name for p in TABLE]
-    assert names == ["triton", "cpu-int4dot", "cpu-int4", "cpu-int8", "cpu-bf16", "cpu-lut", "cpu-int8dot", "reference"]
+    assert names == ["triton", "cpu-int4dot", "cpu-int4", "cpu-int8f", "cpu-int8", "cpu-bf16", "cpu-lut", "cpu-int8dot", "reference"]
     assert set(PATHS) == set(names) | {"cpu"}  # "cpu" is the alias for the best CPU path
     assert [p.name for p in TABLE if not p.automatic] == ["cpu-int8dot"]
     with pytest.raises(AttributeError):
