@@ -16,7 +16,8 @@ from lowbit.errors import UsageError
 def bench(
     model: str = typer.Argument(..., help="Model: a directory, a demo name (smollm2-135m) or a hub id."),
     draft: Optional[str] = typer.Option(
-        None, "--draft", help="Also measure speculative decoding with 'ngram', 'self:int4' or a draft model."),
+        None, "--draft", help="Also measure speculative decoding with 'ngram', 'self:int4', "
+        "'self:layers=N' (the model's first N layers + its head) or a draft model."),
     num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", help="Draft tokens per step (adapts)."),
     batches: str = typer.Option("1,4,16,64", "--batches", help="Comma-separated decode batch sizes."),
     prompt_tokens: int = typer.Option(32, "--prompt-tokens", help="Prompt length of the decode runs."),

@@ -23,6 +23,14 @@ def eval_command(
     base: Optional[str] = typer.Option(
         None, "--base", help="Base model to compare against on the same chunks: adds KL divergence, same-top %, RMS Δp."
     ),
+    early_exit: Optional[str] = typer.Option(
+        None, "--early-exit", help="Exit layers, e.g. 12,20: each position takes the first exit (final norm + head "
+        "on that layer's hidden state) whose confidence is above --exit-threshold. KLD is against the full model "
+        "itself unless --base is given. See docs/early_exit.md."),
+    exit_threshold: float = typer.Option(1.0, "--exit-threshold", help="Exit confidence threshold in [0, 1] "
+                                         "(1 = never exit: the full model)."),
+    exit_confidence: str = typer.Option("top1", "--exit-confidence", help="top1 (top-1 probability) or margin "
+                                        "(top-1 minus top-2 probability)."),
     dtype: str = typer.Option("f32", "--dtype", help="Compute dtype: f32 (default, needed for small KLDs) or bf16 (float32, bfloat16 mean the same)."),
     kernel: Optional[str] = KERNEL_OPTION,
     int4_activations: Optional[str] = INT4_ACTIVATIONS_OPTION,
@@ -34,12 +42,18 @@ def eval_command(
     from lowbit.kernels.dispatch import use_settings
     from lowbit.runtime.evaluate import prepare, run
 
+    from lowbit.runtime.early_exit import check_confidence, check_threshold, wrap_eval_job
+
     apply_threads(threads)
     settings = kernel_settings(kernel, int4_activations)
+    if early_exit is not None:  # before any loading
+        check_threshold(exit_threshold)
+        check_confidence(exit_confidence)
     with use_settings(settings):
         with console.status("loading model and text"):
             job = prepare(model, data, ctx=ctx, chunks=chunks, stride=stride, base=base, dtype=dtype)
         kernels = kernel_summary(job.model)
+        early = wrap_eval_job(job, early_exit, exit_threshold, exit_confidence) if early_exit is not None else None
     with progress() as bar:
         task = bar.add_task("eval", total=len(job.windows), info="")
 
@@ -48,10 +62,18 @@ def eval_command(
 
         report = run(job, on_window)
 
+    exits = None
+    if early is not None:
+        exits = {"layers": list(early.settings.layers), "threshold": early.settings.threshold,
+                 "confidence": early.settings.confidence, **early.stats.as_dict()}
     if as_json:
-        print_json({**_as_json(report), "kernels": kernels})
+        print_json({**_as_json(report), **({"early_exit": exits} if exits else {}), "kernels": kernels})
     else:
         _print_summary(report)
+        if exits:
+            rates = ", ".join(f"{k}: {100 * v:.1f} %" for k, v in exits["exit_rate"].items())
+            console.print(f"early exit ({exits['confidence']} > {exits['threshold']}): {rates}; "
+                          f"{exits['mean_layers']:.2f} of {exits['num_layers']} layers per token")
         line = kernel_line(kernels)
         if line:
             console.print(line)

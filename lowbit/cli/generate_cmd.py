@@ -38,8 +38,15 @@ def generate(
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for reproducible sampling."),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable); not included in the output."),
     draft: Optional[str] = typer.Option(
-        None, "--draft", help="Speculative decoding: 'ngram', 'self:int4' (quantized copy) or a draft model."),
+        None, "--draft", help="Speculative decoding: 'ngram', 'self:int4' (quantized copy), 'self:layers=N' (the "
+        "model's first N layers + its head, sharing the model's KV cache) or a draft model."),
     num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", help="Draft tokens per step (adapts)."),
+    early_exit: Optional[str] = typer.Option(
+        None, "--early-exit", help="Exit layers, e.g. 12,20: a token whose exit confidence is above --exit-threshold "
+        "is emitted from that layer and the later layers are skipped (approximate; docs/early_exit.md)."),
+    exit_threshold: float = typer.Option(1.0, "--exit-threshold", help="Exit confidence threshold in [0, 1] "
+                                         "(1 = never exit: the full model)."),
+    exit_confidence: str = typer.Option("top1", "--exit-confidence", help="top1 or margin (top-1 minus top-2)."),
     dtype: str = typer.Option("f32", "--dtype", help="Compute dtype: f32 (default), bf16 or f16 (float32, bfloat16, float16 mean the same)."),
     kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="Quantized KV cache: int8 or fp8."),
     threads: Optional[int] = THREADS_OPTION,
@@ -62,17 +69,15 @@ def generate(
 
     # before the model loads: with at least one prompt token, a --max-tokens of the whole context cannot fit
     check_positions("--max-tokens", max_tokens + 1, model_positions(model), spelled=f"--max-tokens {max_tokens} + the prompt")
+    if early_exit is not None:
+        if kv_dtype is not None:
+            raise UsageError("--kv-dtype does not combine with --early-exit (it decodes over a float KV cache)")
+        return _generate_early_exit(model, text, params, chat, system, dtype, early_exit, exit_threshold,
+                                    exit_confidence, draft, json_out, settings)
     with use_settings(settings):
         engine = Engine(model, dtype=dtype, kv_dtype=kv_dtype, draft=draft, num_speculative_tokens=num_speculative_tokens,
                         max_num_seqs=1, kv_memory=None)
-    tok = engine.tokenizer
-    if chat:
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-        rendered = tok.apply_chat_template(messages, add_generation_prompt=True)
-        bos = tok.special_tokens.get("bos_token")
-        prompt_ids = tok.encode(rendered, add_bos=not (bos and rendered.startswith(bos)))
-    else:
-        prompt_ids = tok.encode(text)
+    prompt_ids = encode_prompt(engine.tokenizer, text, chat, system)
     start = time.perf_counter()
     engine.add_request("generate", prompt_ids, params)
     pieces, ids, first, last = [], [], None, None
@@ -106,3 +111,53 @@ def generate(
     if draft:
         note += f", mean accepted length {stats.spec_mean_accepted_length:.2f}"
     console.print(f"[dim]{note}[/dim]")
+
+
+def encode_prompt(tok, text: str, chat: bool, system: str | None) -> list[int]:
+    if not chat:
+        return tok.encode(text)
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    rendered = tok.apply_chat_template(messages, add_generation_prompt=True)
+    bos = tok.special_tokens.get("bos_token")
+    return tok.encode(rendered, add_bos=not (bos and rendered.startswith(bos)))
+
+
+def _generate_early_exit(model, text, params, chat, system, dtype, layers, threshold, confidence, draft,
+                         json_out, settings) -> None:
+    from lowbit.formats.resolve import resolve_model
+    from lowbit.kernels.dispatch import use_settings
+    from lowbit.quant.dtypes import parse_dtype
+    from lowbit.runtime.early_exit import check_confidence, check_threshold, generate_with_exits, settings_for
+    from lowbit.runtime.loader import load_model
+    from lowbit.runtime.tokenizer import load_tokenizer
+
+    check_threshold(threshold)
+    check_confidence(confidence)
+    if draft is not None:
+        raise UsageError("--early-exit and --draft do not combine (for exact self-speculation use --draft self:layers=N)")
+    path = resolve_model(model)
+    tok = load_tokenizer(path)
+    with use_settings(settings):
+        import torch
+
+        lm = load_model(path, parse_dtype(dtype), "cuda" if torch.cuda.is_available() else "cpu")
+        exits = settings_for(lm, layers, threshold, confidence)
+        prompt_ids = encode_prompt(tok, text, chat, system)
+
+        def stream(delta: str) -> None:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+
+        g = generate_with_exits(lm, tok, prompt_ids, params, exits, None if json_out else stream)
+    decode_tok_s = (len(g.token_ids) - 1) / g.decode_s if len(g.token_ids) > 1 and g.decode_s > 0 else 0.0
+    info = {"layers": list(exits.layers), "threshold": exits.threshold, "confidence": exits.confidence,
+            **g.stats.as_dict()}
+    if json_out:
+        print_json({"text": g.text, "token_ids": g.token_ids, "finish_reason": g.finish_reason,
+                    "num_prompt_tokens": len(prompt_ids), "num_generated_tokens": len(g.token_ids),
+                    "ttft_s": g.ttft_s, "decode_tok_s": decode_tok_s, "early_exit": info})
+        return
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    console.print(f"[dim]{len(g.token_ids)} tokens, {decode_tok_s:.1f} tok/s, finish: {g.finish_reason}, "
+                  f"{info['mean_layers']:.2f} of {info['num_layers']} layers per token[/dim]")

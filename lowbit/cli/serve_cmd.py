@@ -25,7 +25,7 @@ def serve_command(
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
                                                     help="The model id clients send (default: MODEL as given)."),
     draft: Optional[str] = typer.Option(None, "--draft", help="Speculative decoding draft: another model, "
-                                        "self:FORMAT (a quantized copy of MODEL) or ngram."),
+                                        "self:FORMAT (a quantized copy of MODEL), self:layers=N (its first N layers + its head) or ngram."),
     max_running: int = typer.Option(64, "--max-running", help="Most requests decoded together in one batch."),
     max_queue: int = typer.Option(256, "--max-queue", help="Most requests waiting beyond --max-running; "
                                   "more get HTTP 429 at once."),

@@ -139,3 +139,28 @@ def load_draft_model(arg: str, target_tokenizer, dtype: torch.dtype, device) -> 
     model = load_model(path, dtype, device)
     fuse_projections(model)
     return quantize_draft_head_(model, device)
+
+
+def layer_prefix(model: nn.Module, num_layers: int, adapter: nn.Module | None = None) -> nn.Module:
+    """A view of `model` that runs only its first `num_layers` decoder layers, then the model's own
+    final norm and head: the same module objects (no weight is copied), so it drafts over the
+    target's KV cache of those layers (drafter.LayerPrefixDrafter).
+
+    adapter: the hook for a trained exit adapter (lowbit distill): a module applied to the normed
+    hidden state before the head; None uses the head as it is."""
+    import copy
+
+    total = model.config.num_hidden_layers
+    if not 1 <= num_layers < total:
+        raise UsageError(f"--draft self:layers={num_layers}: the draft's layer count must be between 1 and "
+                         f"{total - 1} (the model has {total} layers)")
+    inner = copy.copy(model.model)
+    inner._modules = dict(inner._modules)  # our own children table: the target's stays untouched
+    inner.layers = nn.ModuleList(list(model.model.layers)[:num_layers])
+    inner.layer_rotary = model.model.layer_rotary[:num_layers]
+    view = copy.copy(model)
+    view._modules = dict(view._modules)
+    view.model = inner
+    if adapter is not None:
+        view.lm_head = nn.Sequential(adapter, model.lm_head)
+    return view

@@ -10,6 +10,13 @@ bookkeeping of their own: whenever the target computes a token the draft compute
 prefill items of each step are mirrored into the draft's first pass). `done[request]` counts
 the positions the draft has computed; it can trail the target by one token after a fully
 accepted draft (the last draft token is proposed, never fed back), and the next pass catches up.
+
+`self:layers=N` (LayerPrefixDrafter): the target's own first N layers + its final norm and head
+draft, reading and writing the TARGET's paged KV of those layers. That is exact and needs no
+cache of its own: a layer's KV at a position depends only on the tokens up to it through the layers
+below, so the draft's KV of layers < N IS the target's; every slot the draft writes (the
+sequence's last token and the drafted positions) is rewritten by the target's verify pass of the
+same step before anything else reads it, so a rejected draft leaves nothing stale behind.
 """
 
 from __future__ import annotations
@@ -59,6 +66,26 @@ def choose(logits: torch.Tensor, seqs) -> tuple[list[int], list[torch.Tensor | N
     return tokens, probs
 
 
+def draft_tokens(runner: ModelRunner, works: list[Work], drafting) -> list[tuple[list[int], torch.Tensor | None]]:
+    """Run `works` (the last one per drafting sequence yields its first draft logits), then feed
+    each draft back one token at a time until every sequence has its k drafts."""
+    drafts = [[] for _ in drafting]
+    probs = [[] for _ in drafting]
+    active = list(range(len(drafting)))
+    step = 0
+    while active:
+        logits = runner.run(works).float()  # the draft may run in bf16; its probabilities are float32
+        tokens, dists = choose(logits, [drafting[i][0] for i in active])
+        for i, t, p in zip(active, tokens, dists):
+            drafts[i].append(t)
+            probs[i].append(p)
+        step += 1
+        active = [i for i in active if drafting[i][1] > step]
+        works = [Work(drafting[i][0].block_table, drafting[i][0].num_tokens - 1 + step, [drafts[i][-1]], 1)
+                 for i in active]
+    return [(d, None if p[0] is None else torch.stack(p)) for d, p in zip(drafts, probs)]
+
+
 class ModelDrafter:
     kind = "model"
 
@@ -86,25 +113,9 @@ class ModelDrafter:
             if works:
                 self.runner.run(works)
             return []
-        drafts = [[] for _ in drafting]
-        probs = [[] for _ in drafting]
-        active = list(range(len(drafting)))
-        step = 0
-        while active:
-            logits = self.runner.run(works).float()  # the draft may run in bf16; its probabilities are float32
-            tokens, dists = choose(logits, [drafting[i][0] for i in active])
-            for i, t, p in zip(active, tokens, dists):
-                drafts[i].append(t)
-                probs[i].append(p)
-            step += 1
-            active = [i for i in active if drafting[i][1] > step]
-            works = [Work(drafting[i][0].block_table, drafting[i][0].num_tokens - 1 + step, [drafts[i][-1]], 1)
-                     for i in active]
-        for (seq, k), d in zip(drafting, drafts):
+        out = draft_tokens(self.runner, works, drafting)
+        for (seq, _), (d, _) in zip(drafting, out):
             self.done[seq.request_id] = seq.num_tokens - 1 + len(d)
-        out = []
-        for d, p in zip(drafts, probs):
-            out.append((d, None if p[0] is None else torch.stack(p)))
         return out
 
     def sync(self, seq) -> None:
@@ -117,12 +128,45 @@ class ModelDrafter:
         self.done.pop(request_id, None)
 
 
-def parse_draft(draft: str | None) -> tuple[str, str | None]:
-    """'ngram' -> ('ngram', None); 'self:int4' -> ('self', 'int4'); a path or name -> ('model', it)."""
+class LayerPrefixDrafter:
+    """`self:layers=N`: the target's first N layers + final norm + head (draft_models.layer_prefix)
+    draft over the target's own KV cache (see the module docstring): only the sequence's last
+    token and the drafts run, nothing is mirrored or caught up."""
+
+    kind = "layers"
+
+    def __init__(self, view, cache: PagedKVCache):
+        self.model = view
+        self.runner = ModelRunner(view, cache)
+
+    def propose(self, items, drafting):
+        if not drafting:
+            return []
+        works = [Work(seq.block_table, seq.num_tokens - 1, [seq.token_ids[-1]], 1) for seq, _ in drafting]
+        return draft_tokens(self.runner, works, drafting)
+
+    def sync(self, seq) -> None:
+        pass
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+
+LAYERS_PREFIX = "self:layers="
+
+
+def parse_draft(draft: str | None) -> tuple[str, str | int | None]:
+    """'ngram' -> ('ngram', None); 'self:layers=12' -> ('layers', 12); 'self:int4' -> ('self', 'int4');
+    a path or name -> ('model', it). The layer count is checked against the model by the engine."""
     if draft is None:
         return "none", None
     if draft == "ngram":
         return "ngram", None
+    if draft.startswith(LAYERS_PREFIX):
+        count = draft[len(LAYERS_PREFIX) :]
+        if not count.strip().lstrip("-").isdigit():
+            raise UsageError(f"--draft {draft}: the layer count must be an integer, e.g. self:layers=12")
+        return "layers", int(count)
     if draft.startswith("self:"):
         fmt = draft[len("self:") :]
         if not fmt:

@@ -27,7 +27,7 @@ from lowbit.quant.dtypes import parse_dtype
 from lowbit.kernels.cpu_f32 import use_invariant_linears
 from lowbit.runtime.engine.block_manager import BlockManager
 from lowbit.runtime.engine.detokenizer import IncrementalDetokenizer
-from lowbit.runtime.engine.drafter import ModelDrafter, NgramDrafter, parse_draft
+from lowbit.runtime.engine.drafter import LayerPrefixDrafter, ModelDrafter, NgramDrafter, parse_draft
 from lowbit.runtime.engine.model_runner import ModelRunner, PromptLogprob, Work
 from lowbit.runtime.engine.paged_cache import PagedKVCache, kv_bytes_per_token
 from lowbit.runtime.engine.sampler import Sampler, _logprobs, _uses_outputs, process_logits
@@ -131,7 +131,13 @@ class Engine:
         # A draft's precision only moves its acceptance rate, never the output (the target
         # verifies every token), so a float32 target drafts in bf16: the fast kernels' dtype.
         self.draft_dtype = torch.bfloat16 if self.dtype is torch.float32 else self.dtype
-        if draft_kind == "self":
+        if draft_kind == "layers":
+            from lowbit.runtime.engine.draft_models import layer_prefix
+
+            # the target's own first layers over its own KV: no weights, no cache of its own
+            draft_model = layer_prefix(self.model, draft_arg)
+            self.draft_dtype = self.dtype
+        elif draft_kind == "self":
             from lowbit.runtime.engine.draft_models import quantized_copy
 
             draft_model = quantized_copy(path, draft_arg, self.draft_dtype, self.device)
@@ -141,7 +147,7 @@ class Engine:
             draft_model = load_draft_model(draft_arg, self.tokenizer, self.draft_dtype, self.device)
 
         bytes_per_token = kv_bytes_per_token(self.config, self.dtype, kv_dtype)
-        if draft_model is not None:
+        if draft_model is not None and draft_kind != "layers":
             bytes_per_token += kv_bytes_per_token(draft_model.config, self.draft_dtype, None)
         limit = self.config.max_position_embeddings
         if kv_memory is None:
@@ -166,6 +172,8 @@ class Engine:
         self.guided = None  # guided.GuidedDecoding, made at the first structured-output request
         if draft_kind == "ngram":
             self.drafter = NgramDrafter()
+        elif draft_kind == "layers":
+            self.drafter = LayerPrefixDrafter(draft_model, self.cache)
         elif draft_model is not None:
             draft_cache = PagedKVCache(draft_model.config, num_blocks, block_size, self.draft_dtype, self.device)
             self.drafter = ModelDrafter(draft_model, draft_cache)
