@@ -5,11 +5,11 @@
 The markdown table (with the command line and date) goes to bench/results/int8_activations.md,
 replacing it, unless --out names another file; --json prints the rows on stdout instead.
 
-Rows: the prefill route (bf16 weights and torch's GEMM: what `lowbit eval` and every prompt use),
-and the decode kernel (cpu-int4dot, what every generated token uses) over all rows of each chunk
-with bf16 activations (`LOWBIT_INT4_ACTIVATIONS=bf16`, native/int4_dot.c) and with int8 ones
-(the default on VNNI CPUs, native/int4_vnni.c). KLD is against the float model (--base), so the
-int8 row's excess over the bf16 row is what quantizing the activations costs.
+Rows: the exact route (`--kernel reference`: float32 dequantize-then-matmul, nothing rounded but
+the weights), and the int4 kernel (cpu-int4dot: what every prompt and generated token uses) with
+bf16 activations (`LOWBIT_INT4_ACTIVATIONS=bf16`, native/int4_dot.c) and with int8 ones (the
+default on VNNI CPUs, native/int4_vnni.c). KLD is against the float model (--base), so a row's
+excess over the exact row is what rounding the activations costs.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -26,31 +25,21 @@ import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
-ROUTES = (("prefill GEMM (bf16 weights)", None, False), ("decode kernel, bf16 activations", "bf16", True),
-          ("decode kernel, int8 activations", "int8", True))
+# (label, kernel path, int4 activations)
+ROUTES = (("exact (reference kernel, float32)", "reference", None), ("int4 kernel, bf16 activations", None, "bf16"),
+          ("int4 kernel, int8 activations", None, "int8"))
 
 
-def score(checkpoint: str, base: str, ctx: int, chunks: int, act: str | None, all_rows_fused: bool) -> dict:
-    from lowbit.kernels import cpu_int4dot
+def score(checkpoint: str, base: str, ctx: int, chunks: int, kernel: str | None, act: str | None) -> dict:
+    from lowbit.kernels.dispatch import use_settings
     from lowbit.runtime.evaluate import prepare, run
 
-    saved_env, saved_rows = os.environ.get(cpu_int4dot.ACTIVATIONS_ENV), cpu_int4dot.FUSED_MAX_ROWS
-    try:
-        if act is not None:
-            os.environ[cpu_int4dot.ACTIVATIONS_ENV] = act
-        if all_rows_fused:
-            cpu_int4dot.FUSED_MAX_ROWS = 1 << 30  # the C kernel takes any M in passes of 16 rows
-        start = time.perf_counter()
+    start = time.perf_counter()
+    with use_settings(kernel=kernel, int4_activations=act):  # read while the checkpoint loads
         report = run(prepare(checkpoint, "wiki-eval", ctx=ctx, chunks=chunks, base=base, dtype="f32"))
-        k = report.result.kld
-        return {"ppl": report.result.ppl, "kld": k.mean, "kld_err": k.err, "same_top": k.same_top_pct,
-                "seconds": time.perf_counter() - start}
-    finally:
-        cpu_int4dot.FUSED_MAX_ROWS = saved_rows
-        if saved_env is None:
-            os.environ.pop(cpu_int4dot.ACTIVATIONS_ENV, None)
-        else:
-            os.environ[cpu_int4dot.ACTIVATIONS_ENV] = saved_env
+    k = report.result.kld
+    return {"ppl": report.result.ppl, "kld": k.mean, "kld_err": k.err, "same_top": k.same_top_pct,
+            "seconds": time.perf_counter() - start}
 
 
 def main() -> None:
@@ -67,8 +56,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rows = []
     for ckpt in args.checkpoints:
-        for label, act, fused in ROUTES:
-            rows.append({"checkpoint": ckpt, "route": label, **score(ckpt, args.base, args.ctx, args.chunks, act, fused)})
+        for label, kernel, act in ROUTES:
+            rows.append({"checkpoint": ckpt, "route": label, **score(ckpt, args.base, args.ctx, args.chunks, kernel, act)})
             gc.collect()  # each route loads both models again; without this the process grew to ~15 GB
             print(f"{ckpt} | {label} | done in {rows[-1]['seconds']:.0f} s", file=sys.stderr)
     if args.json:

@@ -4,6 +4,7 @@ a multiple-choice task and a loglikelihood_rolling perplexity task from local fi
 
     python bench/lm_eval_serve.py                            # the demo model, lm-eval from ~/venvs/tools
     python bench/lm_eval_serve.py --model ./my-int4 --lm-eval /path/to/venv/bin/lm_eval
+    python bench/lm_eval_serve.py --batch-size 8              # 8 prompts per request
 
 Not in CI: lm-eval has its own venv (its dependencies are not lowbit's):
 
@@ -45,8 +46,9 @@ RESULT = HERE / "results" / "lm_eval_serve.json"
 TOLERANCE = 1e-3  # the 0.1 %
 
 
-def run_lm_eval(lm_eval: str, base: str, model: str, out: Path) -> dict:
-    cmd = [lm_eval, "--model", "local-completions",
+def run_lm_eval(lm_eval: str, base: str, model: str, out: Path, batch_size: int = 1) -> dict:
+    # batch_size > 1: lm-eval sends that many prompts in one request (the server runs them side by side)
+    cmd = [lm_eval, "--model", "local-completions", "--batch_size", str(batch_size),
            "--model_args", f"base_url={base}/v1/completions,model={model}",
            "--include_path", str(TASKS), "--tasks", "lowbit_mc,lowbit_ppl",
            "--output_path", str(out), "--log_samples"]
@@ -98,6 +100,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="f32")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--batch-size", type=int, default=1, help="lm-eval's batch_size: prompts per request")
     ap.add_argument("--lm-eval", default=str(Path.home() / "venvs" / "tools" / "bin" / "lm_eval"))
     ap.add_argument("--base-url", default=None, help="a server already running (it must serve --model, f32)")
     args = ap.parse_args()
@@ -116,7 +119,7 @@ def main() -> None:
         if proc is not None:
             wait_ready(base, proc)
         with tempfile.TemporaryDirectory() as tmp:
-            harness = run_lm_eval(args.lm_eval, base, name, Path(tmp))
+            harness = run_lm_eval(args.lm_eval, base, name, Path(tmp), args.batch_size)
     finally:
         if proc is not None:
             proc.terminate()
@@ -143,7 +146,7 @@ def main() -> None:
           f"acc {mc['acc,none']:.4f}, acc_norm {mc['acc_norm,none']:.4f}; lm-eval ran {harness['seconds']:.1f} s")
     RESULT.parent.mkdir(exist_ok=True)
     RESULT.write_text(json.dumps({
-        "model": args.model, "dtype": args.dtype, "lm_eval": harness["results"],
+        "model": args.model, "dtype": args.dtype, "batch_size": args.batch_size, "lm_eval": harness["results"],
         "doc_loglikelihoods_server": theirs, "lowbit_eval": ours, "token_ppl_server": ppl_server,
         "token_ppl_lowbit_eval": ppl_eval, "relative_difference": rel, "lm_eval_seconds": harness["seconds"],
     }, indent=2) + "\n")

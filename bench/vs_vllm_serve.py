@@ -17,7 +17,8 @@ safetensors); "int4" is lowbit's int4 sym g64 RTN checkpoint exported as compres
 chat completions with synthetic prompts of --prompt-tokens tokens (before the chat template) and
 a fixed --output-tokens each; one warm-up request reaches each server before its levels.
 Both servers get the same threads, a 2 GiB KV cache and the same context limit; vLLM runs with
---enforce-eager (its CPU backend's default on this machine). Prints per level: output tok/s,
+--enforce-eager (its CPU backend's default on this machine) and bf16 compute; lowbit computes
+the bf16 model in bf16 too (--dtype bf16), the int4 one in its default float32 activations. Prints per level: output tok/s,
 TTFT p50, errors for each server, and lowbit/vLLM; writes bench/results/vs_vllm_serve.json.
 """
 
@@ -66,12 +67,15 @@ def model_dirs(names: list[str]) -> dict[str, Path]:
     return dirs
 
 
-def server_command(kind: str, model: Path, port: int, threads: int, args) -> tuple[list[str], dict[str, str]]:
+def server_command(kind: str, name: str, model: Path, port: int, threads: int, args) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ)
     if kind == "lowbit":
+        # the bf16 model computes in bf16 in both servers; int4 in lowbit's default float32
+        # activations (its int4 kernel rounds them to int8 either way)
+        dtype = ["--dtype", "bf16"] if name == "bf16" else []
         cmd = ["lowbit", "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
                "--served-model-name", "model", "--threads", str(threads), "--kv-memory", f"{KV_GIB}GiB",
-               "--max-model-len", str(MAX_MODEL_LEN), "--max-running", "64", *args.lowbit_args.split()]
+               "--max-model-len", str(MAX_MODEL_LEN), "--max-running", "64", *dtype, *args.lowbit_args.split()]
         return cmd, env
     env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_KVCACHE_SPACE=str(KV_GIB))
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
@@ -117,14 +121,16 @@ def levels(report: Path) -> list[dict]:
     return rows
 
 
-def measure(kind: str, model: Path, args) -> list[dict]:
+def measure(kind: str, name: str, model: Path, args) -> list[dict]:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    cmd, env = server_command(kind, model, port, args.threads, args)
+    cmd, env = server_command(kind, name, model, port, args.threads, args)
     log = Path(tempfile.gettempdir()) / f"vs_vllm_{kind}.log"
     print("+", " ".join(cmd), f"> {log}", flush=True)
     with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        # not from bench/: `python -m` puts the working directory first on sys.path, and
+        # transformers' probe for a package named `kernels` then imported bench/kernels.py
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=tempfile.gettempdir())
     try:
         wait_ready(base, proc, log=log)
         warm_up(base)
@@ -158,8 +164,8 @@ def main() -> None:
 
     results = []
     for name, model in model_dirs(args.models.split(",")).items():
-        ours = measure("lowbit", model, args)
-        theirs = measure("vllm", model, args)
+        ours = measure("lowbit", name, model, args)
+        theirs = measure("vllm", name, model, args)
         for a, b in zip(ours, theirs):
             results.append({"model": name, "concurrency": a["concurrency"], "lowbit": a, "vllm": b,
                             "ratio": a["output_tok_s"] / b["output_tok_s"] if b["output_tok_s"] else None})

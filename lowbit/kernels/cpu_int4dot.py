@@ -6,9 +6,12 @@ in float32 after the group's dot product (y = sum_j s_j * dot_j - s_j * z_j * su
 is the float32 dequantize-then-matmul of bf16-rounded activations up to float32 summation order.
 
 Batch invariance: each row of x is converted, summed and accumulated in the same order whatever
-the number of rows in the call, so a row's output is bit-identical whether it runs alone or
-among 1 + k rows of a speculative verify. Up to FUSED_MAX_ROWS rows read the weight once; more
-(prefill) decode the weight to bf16 once and use torch's GEMM (not batch-invariant, not needed).
+the number of rows in the call, so a row's output is bit-identical whether it runs alone, among
+1 + k rows of a speculative verify, or in a prefill chunk of any length. The C kernel takes any M
+in passes of PASS_ROWS rows, each pass reading the weight once: a prefill's weights stay in the
+cache between passes, so this beat decoding the weight once and running torch's GEMM on it at
+every M measured (78 to 1024 rows: 2.2-7.8x on SmolLM2's linears, docs/benchmarks.md, Prefill),
+and prefill, decode and verify share one set of numerics.
 
 Layout (native/int4_dot.c): output rows in tiles of 16 (one per vector lane), four tiles
 interleaved chunk by chunk, K zero-padded to whole 64s; scales as [tiles, groups, 16].
@@ -21,8 +24,7 @@ where the CPU has VNNI): each row of x is quantized per weight group to int8 (sc
 round half to even) and multiplied with the codes in exact integer sums, twice the multiply-adds
 per instruction of the bf16 route, which is what bounds 16-row decode steps. Same batch
 invariance; the cost is the activations' rounding (docs/benchmarks.md, Decode, measures the KLD).
-`LOWBIT_INT4_ACTIVATIONS=bf16` keeps the bf16 route. Prefill (more than FUSED_MAX_ROWS rows)
-is unchanged either way.
+`LOWBIT_INT4_ACTIVATIONS=bf16` keeps the bf16 route; either way prefill takes the same route.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from lowbit.native import int4_dot, int4_vnni
 from lowbit.kernels.prepared import PreparedWeight
 from lowbit.quant.qtensor import QTensor
 
-FUSED_MAX_ROWS = 16
+PASS_ROWS = 16  # rows of x per pass over the weight in the C kernel (LOWBIT_PASS_ROWS)
 TILE_ROWS = 16  # output rows per tile of the C kernel: one per vector lane
 PATH = "cpu-int4dot"
 INT8_PATH = "cpu-int8dot"  # 8-bit codes, int8 activations (supports_int8)
@@ -248,7 +250,7 @@ def _tensors(codes: torch.Tensor, table: torch.Tensor, scale: torch.Tensor, zero
     return tensors
 
 
-def prepare(qt: QTensor, prefill: PreparedWeight | None = None, act: str | None = None) -> PreparedWeight:
+def prepare(qt: QTensor, act: str | None = None) -> PreparedWeight:
     """`act`: "int8" or "bf16" activations (default `activations()`; int8 needs a table code - o)."""
     qt = qt.to("cpu")
     n, k = qt.shape
@@ -264,12 +266,6 @@ def prepare(qt: QTensor, prefill: PreparedWeight | None = None, act: str | None 
     chunk = 8 if act == "int8" else 4
     cpg = (-(-k // 64) * 64) // chunk if groups == 1 else gs.group_size // chunk
     params = _struct(tensors, n, k, groups, cpg)
-    if prefill is None and qt.spec.bits == 4:
-        from lowbit.kernels import cpu_bf16
-
-        bf16_plan = cpu_bf16.plan(qt)
-        prefill = cpu_bf16.prepare(qt, bf16_plan) if bf16_plan is not None else None
-    params["prefill"] = prefill
     return PreparedWeight(path=PATH if qt.spec.bits == 4 else INT8_PATH, shape=(n, k), label=qt.spec.label, device=torch.device("cpu"), tensors=tensors, params=params)
 
 
@@ -303,31 +299,11 @@ def concat(parts: list[PreparedWeight]) -> PreparedWeight:
         if vnni:
             tensors[name] = tensors[name].to(torch.int32)
     params = _struct(tensors, n, k, first.params["groups"], first.params["cpg"])
-    params["prefill"] = None
-    prefills = [p.params.get("prefill") for p in parts]
-    if all(p is not None for p in prefills):
-        params["prefill_parts"] = prefills
     return PreparedWeight(path=PATH, shape=(n, k), label=first.label, device=torch.device("cpu"), tensors=tensors, params=params)
-
-
-def _prefill(x: torch.Tensor, pw: PreparedWeight, out_dtype: torch.dtype) -> torch.Tensor:
-    from lowbit.kernels import cpu_bf16
-
-    parts = pw.params.get("prefill_parts") or ([pw.params["prefill"]] if pw.params.get("prefill") is not None else None)
-    if parts is None:
-        # No bf16 plan: run the fused kernel over slices of rows (still correct, just slower).
-        return torch.cat([matmul(x[i : i + FUSED_MAX_ROWS], pw, out_dtype) for i in range(0, x.shape[0], FUSED_MAX_ROWS)])
-    # bf16 activations: bf16 weights and GEMM (torch's int4 op's precision); float32: exact weights
-    pair = x.dtype != torch.bfloat16
-    ys = [cpu_bf16.prefill_matmul(x, p, out_dtype, pair=pair) for p in parts]
-    return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
 
 
 def matmul(x: torch.Tensor, pw: PreparedWeight, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """y [M, N] in out_dtype (float32 or bf16) for a 2-D x [M, K] (float32 or bf16; others are cast)."""
-    m = x.shape[0]
-    if m > FUSED_MAX_ROWS:
-        return _prefill(x, pw, out_dtype)
     if x.dtype not in (torch.float32, torch.bfloat16):
         x = x.float()
     if x.stride(-1) != 1:
@@ -360,7 +336,7 @@ def decode_matmul(x: torch.Tensor, pw: PreparedWeight) -> torch.Tensor:
     if x.shape[-1] != k:
         raise LowbitError(f"matmul input has {x.shape[-1]} features but the {pw.label} weight expects {k}")
     x2 = x if x.dim() == 2 else x.reshape(-1, k)
-    if x2.shape[0] > FUSED_MAX_ROWS or x2.shape[0] == 0 or x2.stride(-1) != 1:
+    if x2.shape[0] == 0 or x2.stride(-1) != 1:
         return None
     y = _fused(x2, pw, x.dtype == torch.bfloat16)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], pw.shape[0])

@@ -236,7 +236,7 @@ class TritonPath(KernelPath):
 @dataclass(frozen=True, slots=True)
 class Int4DotPath(KernelPath):
     """cpu-int4dot (integer 4-bit codes) and cpu-int8dot (8-bit codes, W8A8): native/int4_dot.c,
-    native/int4_vnni.c. Batch-invariant up to 16 rows; bf16 or float32 y straight from C."""
+    native/int4_vnni.c. Batch-invariant at any number of rows; bf16 or float32 y straight from C."""
 
     bits: int = 4
 
@@ -275,10 +275,9 @@ class Int4DotPath(KernelPath):
     def matmul(self, x2, pw, bias):
         dtype = x2.dtype
         if bias is None and (dtype is torch.bfloat16 or dtype is torch.float32):
-            # the decode fast path (cpu_int4dot.decode_matmul without its checks, made above):
-            # up to 16 contiguous rows straight into the C kernel, y in x's dtype
-            m = x2.shape[0]
-            if 0 < m <= cpu_int4dot.FUSED_MAX_ROWS and x2.stride(-1) == 1:
+            # the fast path (cpu_int4dot.decode_matmul without its checks, made above):
+            # contiguous rows straight into the C kernel, y in x's dtype
+            if x2.shape[0] > 0 and x2.stride(-1) == 1:
                 return cpu_int4dot._fused(x2, pw, dtype is torch.bfloat16)
         if x2.shape[0] == 0:
             return _finish(x2.new_zeros(0, pw.shape[0]), bias, x2.dtype)

@@ -10,7 +10,12 @@
    tiled; the weight is read from memory once per call.
 
    Layout: w [N, ldw] row-major float32 (lowbit_f32_matmul) or bfloat16 (lowbit_bf16w_matmul), x [M, ldx]
-   row-major float32, y [M, ldy]. */
+   row-major float32, y [M, ldy].
+
+   lowbit_bf16_matmul is the bf16 model's version (AVX512-BF16): bf16 x and w, each product exact
+   in float32 inside `vdpbf16ps` (two k per lane per instruction: twice the multiply-adds of a
+   float32 FMA), float32 sums in the same fixed order for every row, y rounded once to bf16 (or
+   left float32). Batch-invariant the same way. */
 
 #include <stdint.h>
 
@@ -22,7 +27,14 @@
 #define HAVE_F32DOT 0
 #endif
 
+#if HAVE_F32DOT && defined(__AVX512BF16__)
+#define HAVE_BF16DOT 1
+#else
+#define HAVE_BF16DOT 0
+#endif
+
 int lowbit_f32dot_available(void) { return HAVE_F32DOT; }
+int lowbit_bf16dot_available(void) { return HAVE_BF16DOT; }
 
 #if HAVE_F32DOT
 #define NT 4 /* weight rows per tile */
@@ -136,6 +148,75 @@ int lowbit_bf16w_matmul(const uint16_t *w, int64_t N, int64_t K, int64_t ldw, co
     return -1;
 #else
     dense_matmul(2, w, N, K, ldw, bias, x, ldx, M, y, ldy, threads);
+    return 0;
+#endif
+}
+
+#if HAVE_BF16DOT
+/* NB weight rows x MB x rows of bf16, 32 k per step; out[m * NB + nb] the float32 dot products. */
+INLINE void bf16_tile(const int NB, const int MB, const uint16_t *w, int64_t ldw, int64_t K, const uint16_t *x,
+                      int64_t ldx, float *out) {
+    __m512 acc[NT][MT];
+    for (int nb = 0; nb < NB; nb++)
+        for (int m = 0; m < MB; m++) acc[nb][m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        const __mmask32 mask = K - k >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (K - k)) - 1u);
+        __m512bh xv[MT];
+        for (int m = 0; m < MB; m++) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * ldx + k);
+        for (int nb = 0; nb < NB; nb++) {
+            _mm_prefetch((const char *)(w + (PREFETCH_TILE * NT + nb) * ldw + k), _MM_HINT_T1);
+            const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + nb * ldw + k);
+            for (int m = 0; m < MB; m++) acc[nb][m] = _mm512_dpbf16_ps(acc[nb][m], wv, xv[m]);
+        }
+    }
+    for (int nb = 0; nb < NB; nb++)
+        for (int m = 0; m < MB; m++) out[m * NB + nb] = _mm512_reduce_add_ps(acc[nb][m]);
+}
+
+INLINE void bf16_pass(const int NB, int mb, const uint16_t *w, int64_t ldw, int64_t K, const uint16_t *x, int64_t ldx,
+                      float *out) {
+    switch (mb) {
+    case 1: bf16_tile(NB, 1, w, ldw, K, x, ldx, out); break;
+    case 2: bf16_tile(NB, 2, w, ldw, K, x, ldx, out); break;
+    case 3: bf16_tile(NB, 3, w, ldw, K, x, ldx, out); break;
+    case 4: bf16_tile(NB, 4, w, ldw, K, x, ldx, out); break;
+    case 5: bf16_tile(NB, 5, w, ldw, K, x, ldx, out); break;
+    default: bf16_tile(NB, 6, w, ldw, K, x, ldx, out); break;
+    }
+}
+#endif
+
+/* bf16 x [M, ldx] times bf16 w [N, ldw] (+ float32 bias) into y [M, ldy], bf16 (y_bf16) or float32.
+   Returns 0, or -1 when the build has no AVX512-BF16. */
+int lowbit_bf16_matmul(const uint16_t *w, int64_t N, int64_t K, int64_t ldw, const float *bias, const uint16_t *x,
+                       int64_t ldx, int64_t M, void *y, int y_bf16, int64_t ldy, int threads) {
+#if !HAVE_BF16DOT
+    (void)w; (void)N; (void)K; (void)ldw; (void)bias; (void)x; (void)ldx; (void)M; (void)y; (void)y_bf16; (void)ldy;
+    (void)threads;
+    return -1;
+#else
+    const int64_t tiles = (N + NT - 1) / NT;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t n0 = t * NT;
+        const int nb = N - n0 >= NT ? NT : (int)(N - n0);
+        float out[NT * MT];
+        for (int64_t m0 = 0; m0 < M; m0 += MT) {
+            const int mb = M - m0 >= MT ? MT : (int)(M - m0);
+            if (nb == NT) {
+                bf16_pass(NT, mb, w + n0 * ldw, ldw, K, x + m0 * ldx, ldx, out);
+            } else { /* the ragged last tile, one weight row at a time (same per-row arithmetic) */
+                for (int i = 0; i < nb; i++) {
+                    float row[MT];
+                    bf16_pass(1, mb, w + (n0 + i) * ldw, ldw, K, x + m0 * ldx, ldx, row);
+                    for (int m = 0; m < mb; m++) out[m * NT + i] = row[m];
+                }
+            }
+            for (int m = 0; m < mb; m++)
+                for (int i = 0; i < nb; i++)
+                    lowbit_store(y, (m0 + m) * ldy + n0 + i, out[m * NT + i] + (bias ? bias[n0 + i] : 0.0f), y_bf16);
+        }
+    }
     return 0;
 #endif
 }

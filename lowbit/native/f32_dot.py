@@ -1,5 +1,6 @@
 """ctypes bindings of native/f32_dot.c: batch-invariant float32 matmul at a few rows, float32 or bfloat16 weights
-(kernels/cpu_f32.py); `lowbit_f32dot_available()` is 0 in a build without AVX-512."""
+and bf16 x bf16 for bf16 models (kernels/cpu_f32.py); `lowbit_f32dot_available()` is 0 in a build without
+AVX-512, `lowbit_bf16dot_available()` without AVX512-BF16."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ SIGNATURES = {
     "lowbit_f32dot_available": [],
     "lowbit_f32_matmul": [P, I64, I64, I64, P, P, I64, I64, P, I64, INT],
     "lowbit_bf16w_matmul": [P, I64, I64, I64, P, P, I64, I64, P, I64, INT],
+    "lowbit_bf16dot_available": [],
+    "lowbit_bf16_matmul": [P, I64, I64, I64, P, P, I64, I64, P, INT, I64, INT],
 }
 
 library = build.binding("f32_dot", SIGNATURES)

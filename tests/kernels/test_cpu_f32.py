@@ -1,4 +1,4 @@
-"""native/f32_dot.c through kernels/cpu_f32.py: float32 Linears at a few rows, batch-invariant."""
+"""native/f32_dot.c through kernels/cpu_f32.py: float32 Linears at any number of rows, batch-invariant."""
 
 import pytest
 import torch
@@ -40,8 +40,10 @@ def test_invariant_linear_keeps_parameters_and_falls_back_where_it_must():
     with torch.no_grad():
         for m, ref in zip(model, reference):
             torch.testing.assert_close(m(torch.ones(1, m.in_features)), ref, rtol=1e-5, atol=1e-5)
-        x = torch.randn(2, 20, 48)  # 40 rows: torch's route
+        x = torch.randn(2, 20, 48)  # 40 rows (a prefill): still the kernel, each row as it is alone
         torch.testing.assert_close(model(x), torch.nn.functional.linear(torch.nn.functional.linear(x, model[0].weight, model[0].bias), shared))
+        rows = x.reshape(40, 48)
+        assert torch.equal(model(rows), torch.cat([model(rows[i : i + 1]) for i in range(40)]))
     assert model[0](torch.randn(3, 48)).requires_grad  # training keeps torch's differentiable route
 
 
@@ -68,10 +70,46 @@ def test_bf16_exact_weights_are_compacted_and_a_tied_model_gives_the_same_logits
     assert after.lm_head.weight is after.model.embed_tokens.weight  # still tied: one table, half the bytes
     ids = torch.tensor([[256, 104, 101, 108, 108, 111, 32, 119]])
     with torch.no_grad():
-        for rows in (ids[:, :1], ids):  # the kernel's one row, and torch's prefill on the widened copy
+        for rows in (ids[:, :1], ids):  # one row, and a prefill's eight
             assert torch.equal(after(rows), before(rows))
 
     odd = torch.nn.Linear(16, 8, bias=False)  # float32 values that bf16 cannot hold stay float32
     model = torch.nn.Sequential(odd)
     cpu_f32.use_invariant_linears(model)
     assert odd.weight.dtype is torch.float32
+
+
+@pytest.mark.skipif(not cpu_f32.bf16_available(), reason="no AVX512-BF16 on this machine")
+@pytest.mark.parametrize("n, k", [(33, 200), (64, 576), (7, 15), (130, 1536), (5, 33)])
+def test_bf16_kernel_is_the_float64_product_rounded_once_and_batch_invariant(n, k):
+    # bf16 x and w: every product is exact in float32, so the only roundings are the float32 sums
+    # and the final bf16 one; each row gives the same bits in any call.
+    g = torch.Generator().manual_seed(n * 7 + k)
+    w, b = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g)
+    x = torch.randn(cpu_f32.BF16_MAX_ROWS, k, generator=g).bfloat16()
+    y = cpu_f32.bf16_matmul(x, w, b)
+    exact = x.double() @ w.double().T + b.double()
+    assert y.dtype is torch.bfloat16
+    assert ((y.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-5 * k**0.5).all()
+    alone = torch.cat([cpu_f32.bf16_matmul(x[i : i + 1], w, b) for i in range(x.shape[0])])
+    assert torch.equal(y, alone)
+    for m in (2, 6, 7, 13):
+        assert torch.equal(cpu_f32.bf16_matmul(x[:m], w, b), y[:m]), m
+
+
+@pytest.mark.skipif(not cpu_f32.bf16_available(), reason="no AVX512-BF16 on this machine")
+def test_a_bf16_model_takes_the_bf16_kernel_and_stays_close_to_torch(tiny_float_model):
+    from lowbit.runtime.loader import load_model
+
+    src = tiny_float_model(tie=True)
+    reference = load_model(src, torch.bfloat16)
+    model = load_model(src, torch.bfloat16)
+    assert cpu_f32.use_invariant_linears(model) > 0
+    assert model.lm_head.weight.dtype is torch.bfloat16 and isinstance(model.lm_head, cpu_f32.InvariantLinear)
+    ids = torch.tensor([[256, 104, 101, 108, 108, 111, 32, 119]])
+    with torch.no_grad():
+        ours, theirs = model(ids).float(), reference(ids).float()
+        torch.testing.assert_close(ours, theirs, rtol=0.05, atol=0.05)
+        # two sequences in one forward: the first gets the bits it gets alone
+        two = torch.cat([ids, ids.flip(1)])
+        assert torch.equal(model(two)[0], model(ids)[0])

@@ -65,9 +65,9 @@ def test_rows_at_once_equal_each_row_alone_bit_for_bit(label):
     qt = quantized(label, 37, 576)
     pw = prepared(qt)
     for dtype in (torch.float32, torch.bfloat16):
-        x = torch.randn(cpu_int4dot.FUSED_MAX_ROWS, 576).to(dtype)
+        x = torch.randn(2 * cpu_int4dot.PASS_ROWS + 3, 576).to(dtype)  # past one pass: prefill sizes
         alone = torch.cat([qmatmul(x[i : i + 1], pw) for i in range(x.shape[0])])
-        for m in range(1, cpu_int4dot.FUSED_MAX_ROWS + 1):
+        for m in range(1, x.shape[0] + 1):
             assert torch.equal(qmatmul(x[:m], pw), alone[:m]), (label, m)
 
 
@@ -123,12 +123,12 @@ def test_int8_codes_match_oracle_and_rows_alone(label, n, k):
     assert choose_path(qt, "cpu") != "cpu-int8dot"
     pw = prepare(qt, "cpu", path="cpu-int8dot")
     assert pw.path == "cpu-int8dot" and pw.params["act"] == "int8"
-    x = torch.randn(cpu_int4dot.FUSED_MAX_ROWS, k)
+    x = torch.randn(cpu_int4dot.PASS_ROWS, k)
     alone = torch.cat([qmatmul(x[i : i + 1], pw) for i in range(x.shape[0])])
     assert rel_err(alone, int8_oracle(x, qt)) < 1e-5, label
     for m in (2, 5, 16):
         assert torch.equal(qmatmul(x[:m], pw), alone[:m])
-    more = torch.randn(20, k)  # past FUSED_MAX_ROWS: the same kernel in slices
+    more = torch.randn(20, k)  # past one 16-row pass
     assert rel_err(qmatmul(more, pw), int8_oracle(more, qt)) < 1e-5
 
 

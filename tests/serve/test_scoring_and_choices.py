@@ -223,3 +223,64 @@ def test_bad_chat_values_are_400_naming_the_field(client, kw, param):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, **kw)
     assert err.value.body["param"] == param
+
+
+# -- several prompts in one request (lm-eval's batch_size > 1) ------------------------------------
+def test_several_prompts_answer_as_separate_requests_would(client, server, tokenizer, eval_logprobs):
+    texts = [PROMPT, "The lazy dog sleeps", "A server answers"]
+    ids = [tokenizer.encode(t) for t in texts]
+    # what lm-eval sends with batch_size > 1: token-id prompts, echo, logprobs, max_tokens 0 or 1
+    r = client.completions.create(model=MODEL, prompt=ids, echo=True, logprobs=1, max_tokens=0)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for c, t in zip(r.choices, ids):
+        assert c.text == tokenizer.decode(t) and c.logprobs.token_logprobs[0] is None
+        assert close(c.logprobs.token_logprobs[1:], eval_logprobs(t))
+    assert r.usage.prompt_tokens == sum(map(len, ids)) and r.usage.completion_tokens == 0
+
+    # text and token-id prompts mixed, n = 2: choice p * n + j is prompt p's j-th, seeded seed + j
+    mixed = [texts[1], ids[2]]
+    batch = client.completions.create(model=MODEL, prompt=mixed, max_tokens=5, n=2, seed=5, extra_body=NO_EOS)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    for p, prompt in enumerate(mixed):
+        alone = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, n=2, seed=5, extra_body=NO_EOS)
+        assert [c.text for c in batch.choices[2 * p : 2 * p + 2]] == [c.text for c in alone.choices]
+    assert batch.usage.completion_tokens == 20
+
+    # best_of per prompt
+    best = client.completions.create(model=MODEL, prompt=mixed, max_tokens=4, n=1, best_of=3, seed=2, extra_body=NO_EOS)
+    for p, prompt in enumerate(mixed):
+        alone = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, n=1, best_of=3, seed=2, extra_body=NO_EOS)
+        assert best.choices[p].text == alone.choices[0].text and best.choices[p].index == p
+
+    # streamed: every choice's text, indices as in the whole answer, echo first per prompt
+    whole = client.completions.create(model=MODEL, prompt=mixed, max_tokens=4, n=2, seed=9, echo=True, logprobs=0,
+                                      extra_body=NO_EOS)
+    got, finishes = {i: "" for i in range(4)}, {}
+    for chunk in client.completions.create(model=MODEL, prompt=mixed, max_tokens=4, n=2, seed=9, echo=True,
+                                           logprobs=0, stream=True, extra_body=NO_EOS):
+        for c in chunk.choices:
+            got[c.index] += c.text
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert [got[i] for i in range(4)] == [c.text for c in whole.choices] and len(finishes) == 4
+    assert whole.choices[2].text.startswith(tokenizer.decode(ids[2]))
+
+
+@pytest.mark.parametrize("prompt, message", [
+    (["Hello", ""], "prompt[1] must not be empty"),
+    (["Hello", []], "prompt[1] must be a non-empty string or a non-empty list of token ids"),
+    (["Hello", [1, "x"]], "prompt[1] must be a non-empty string or a non-empty list of token ids"),
+    ([[1, 2], [10**9]], "in prompt[1] is outside the vocabulary"),
+    ([], "prompt must be a non-empty string"),
+    (["Hello"] * 1025, "at most 1024 prompts"),
+])
+def test_bad_prompt_lists_are_400_naming_the_prompt(client, prompt, message):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert err.value.body["param"] == "prompt" and message in err.value.body["message"]
+
+
+def test_a_prompt_too_long_for_the_context_is_named(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=[[5, 6], [5] * 5000], max_tokens=2)
+    assert err.value.body["message"].startswith("the prompt[1] has 5000 tokens")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -50,7 +51,7 @@ def test_metrics_render_without_engine_has_every_series():
 
 def test_request_validation_names_the_parameter():
     req = parse_completion({"model": "m", "prompt": [[5, 6, 7]], "max_tokens": 3, "top_k": -1, "stop": "x"})
-    assert req.prompt_ids == [5, 6, 7] and req.sampling == {"top_k": 0, "stop": ("x",)}
+    assert req.prompts == [[5, 6, 7]] and req.sampling == {"top_k": 0, "stop": ("x",)}
     scoring = parse_completion({"prompt": "a", "echo": True, "logprobs": 1, "max_tokens": 0})
     assert scoring.wants_prompt_logprobs and scoring.max_tokens == 0
     assert scoring.sampling_params(0, prompt_logprobs=True).prompt_logprobs == 1
@@ -87,3 +88,18 @@ def test_cli_refuses_bad_values_and_a_busy_port(tiny_model_dir):
         busy = subprocess.run([sys.executable, "-m", "lowbit", "serve", str(tiny_model_dir), "--port",
                                str(s.getsockname()[1])], capture_output=True, text=True, timeout=120)
     assert busy.returncode == 1 and "could not listen" in busy.stderr.splitlines()[-1]
+
+
+def test_stream_events_survive_clients_that_split_on_unicode_line_breaks():
+    # guidellm splits the event stream with str.splitlines(), which also breaks at NEL, LINE
+    # SEPARATOR and PARAGRAPH SEPARATOR; JSON leaves those unescaped, so a token holding one
+    # used to cut its event in two.
+    from lowbit.runtime.server.answer import _sse
+
+    text = "a\u2028b\x85c\u2029d é\n"
+    event = _sse({"choices": [{"text": text}]})
+    assert event.endswith("\n\n") and event.startswith("data: ")
+    body = event[len("data: "):-2]
+    assert len(body.splitlines()) == 1
+    assert json.loads(body) == {"choices": [{"text": text}]}
+    assert "é" in body  # other characters stay as they are

@@ -1,5 +1,6 @@
 """Answers: a request's RequestOutputs turned into OpenAI's JSON, as one body or as server-sent
-events, for every choice of the request (n / best_of fan out to several engine sequences).
+events, for every choice of the request (n / best_of fan out to several engine sequences, and a
+completions request may carry several prompts: choice p * n + j is prompt p's j-th, as in vLLM).
 
 The echo and prompt-logprob shapes (legacy `logprobs` with a null first entry, vLLM's
 `prompt_logprobs`), usage, and the finish reason of each choice are built here; app.py owns the
@@ -11,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import ClientDisconnect, Request
@@ -43,12 +44,22 @@ class SSEResponse(StreamingResponse):
 
 
 @dataclass(slots=True)
+class Prompt:
+    """One prompt of a request, tokenized, and the prompt logprobs its first sequence reports."""
+
+    ids: list[int]
+    text: str | None  # as sent, or None when it came as token ids (the echo decodes them)
+    logprobs: list | None = None  # PromptLogprob per token, once the first sequence has them
+
+
+@dataclass(slots=True)
 class Choice:
     """What one engine sequence of a request has produced so far."""
 
-    index: int
-    text: list[str]
-    entries: list  # (token text, logprob, top) per reported token
+    index: int  # in the streamed answer: prompt p's sequence j is p * n + j (best_of == n there)
+    prompt: Prompt
+    text: list[str] = field(default_factory=list)
+    entries: list = field(default_factory=list)  # (token text, logprob, top) per reported token
     cumulative_logprob: float = 0.0
     last: Any = None  # the latest RequestOutput
 
@@ -59,25 +70,26 @@ class Answer:
     max_tokens 0 (echo or prompt_logprobs only) ran one token in the engine; it is dropped here,
     so the answer is the prompt alone, finish_reason "length"."""
 
-    def __init__(self, server: Server, req: GenerationRequest, tracker: Tracker, tokenizer,
-                 prompt_ids: list[int], prompt_text: str | None, max_tokens: int):
+    def __init__(self, server: Server, req: GenerationRequest, tracker: Tracker, tokenizer, prompts: list[Prompt]):
+        """tracker.engine_ids: best_of sequences per prompt, prompt by prompt, each prompt's first
+        sequence first (the one that reports its prompt logprobs and cache hits)."""
         self.server = server
         self.req = req
         self.tracker = tracker
         self.tokenizer = tokenizer
-        self.prompt_ids = prompt_ids
-        self.prompt_text = prompt_text
-        self.score_only = max_tokens == 0
+        self.prompts = prompts
+        self.score_only = req.max_tokens == 0
         self.created = protocol.now()
-        self.choices = {engine_id: Choice(i, [], []) for i, engine_id in enumerate(tracker.engine_ids)}
-        self.prompt_logprobs = None  # the PromptLogprob list, once the first sequence has it
+        per = req.best_of
+        self.choices = {engine_id: Choice(i // per * req.n + i % per, prompts[i // per])
+                        for i, engine_id in enumerate(tracker.engine_ids)}
 
     def _record(self, out) -> tuple[Choice, str, list]:
         """Fold one output into its choice; returns (choice, new text, new logprob entries)."""
         choice = self.choices[out.request_id]
         choice.last = out
         if out.prompt_logprobs is not None:
-            self.prompt_logprobs = out.prompt_logprobs
+            choice.prompt.logprobs = out.prompt_logprobs
         if self.score_only:
             return choice, "", []
         if out.logprobs:
@@ -94,33 +106,33 @@ class Answer:
         return [(decode([tid]), lp, [(decode([t]), l) for t, l in top])
                 for tid, (lp, top) in zip(out.new_token_ids, out.logprobs)]
 
-    def _prompt_entries(self) -> list[tuple[str, float | None, list[tuple[str, float]] | None]]:
+    def _prompt_entries(self, prompt: Prompt) -> list[tuple[str, float | None, list[tuple[str, float]] | None]]:
         """The echoed prompt's tokens for the legacy logprobs shape (the first has no logprob)."""
         decode, top_n = self.tokenizer.decode, self.req.logprobs or 0
-        lps = self.prompt_logprobs or [None] * len(self.prompt_ids)
+        lps = prompt.logprobs or [None] * len(prompt.ids)
         out = []
-        for tid, e in zip(self.prompt_ids, lps):
+        for tid, e in zip(prompt.ids, lps):
             if e is None:
                 out.append((decode([tid]), None, None))
             else:
                 out.append((decode([tid]), e.logprob, [(decode([t]), l) for t, l in e.top[:top_n]]))
         return out
 
-    def _echo_text(self) -> str:
+    def _echo_text(self, prompt: Prompt) -> str:
         if not self.req.echo:
             return ""
-        return self.prompt_text if self.prompt_text is not None else self.tokenizer.decode(self.prompt_ids)
+        return prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.ids)
 
-    def _echo_logprobs(self) -> dict[str, Any] | None:
+    def _echo_logprobs(self, prompt: Prompt) -> dict[str, Any] | None:
         if not (self.req.echo and self.req.logprobs is not None):
             return None
-        return protocol.completion_logprobs(self._prompt_entries(), 0)
+        return protocol.completion_logprobs(self._prompt_entries(prompt), 0)
 
-    def _vllm_prompt_logprobs(self) -> list | None:
-        if self.req.prompt_logprobs is None or self.prompt_logprobs is None:
+    def _vllm_prompt_logprobs(self, prompt: Prompt) -> list | None:
+        if self.req.prompt_logprobs is None or prompt.logprobs is None:
             return None
         top = self.req.prompt_logprobs
-        trimmed = [e if e is None or len(e.top) <= top else _with_top(e, top) for e in self.prompt_logprobs]
+        trimmed = [e if e is None or len(e.top) <= top else _with_top(e, top) for e in prompt.logprobs]
         return protocol.vllm_prompt_logprobs(trimmed, self.tokenizer.decode)
 
     def _finish_reason(self, choice: Choice) -> str | None:
@@ -133,17 +145,21 @@ class Answer:
     def _usage(self) -> dict[str, Any]:
         lasts = [c.last for c in self.choices.values() if c.last is not None]
         generated = 0 if self.score_only else sum(o.num_generated_tokens for o in lasts)
-        # every sequence generated is counted (best_of's too); the prompt once, with the first
+        # every sequence generated is counted (best_of's too); each prompt once, with its first
         # sequence's cache hits (the others reuse its blocks)
-        return protocol.usage(len(self.prompt_ids), generated, lasts[0].num_cached_tokens if lasts else 0)
+        firsts = list(self.choices.values())[:: self.req.best_of]
+        cached = sum(c.last.num_cached_tokens for c in firsts if c.last is not None)
+        return protocol.usage(sum(len(p.ids) for p in self.prompts), generated, cached)
 
     def _returned(self) -> list[Choice]:
-        """The n choices answered: all of them, or with best_of > n the n with the highest
-        cumulative logprob (vLLM's rule), most likely first."""
+        """The n choices answered per prompt, prompt by prompt: all of them, or with best_of > n
+        the n with the highest cumulative logprob (vLLM's rule), most likely first."""
         choices = list(self.choices.values())
-        if self.req.best_of > self.req.n:
-            choices = sorted(choices, key=lambda c: c.cumulative_logprob, reverse=True)[: self.req.n]
-        return choices
+        per, n = self.req.best_of, self.req.n
+        groups = [choices[i : i + per] for i in range(0, len(choices), per)]
+        if per > n:
+            groups = [sorted(g, key=lambda c: c.cumulative_logprob, reverse=True)[:n] for g in groups]
+        return [c for g in groups for c in g]
 
     # -- whole ----------------------------------------------------------------------------------
     async def whole(self, request: Request) -> Response:
@@ -165,13 +181,13 @@ class Answer:
                  "logprobs": protocol.chat_logprobs(c.entries) if self.req.logprobs is not None else None,
                  "finish_reason": self._finish_reason(c)}
                 for i, c in enumerate(self._returned())], "usage": use}
-            prompt_lps = self._vllm_prompt_logprobs()
+            prompt_lps = self._vllm_prompt_logprobs(self.prompts[0])
             if prompt_lps is not None:
                 body["prompt_logprobs"] = prompt_lps  # vLLM puts a chat request's at the top level
             return JSONResponse(body)
-        echo, echo_lps, prompt_lps = self._echo_text(), self._echo_logprobs(), self._vllm_prompt_logprobs()
         choices = []
         for i, c in enumerate(self._returned()):
+            echo, echo_lps, prompt_lps = self._echo_text(c.prompt), self._echo_logprobs(c.prompt), self._vllm_prompt_logprobs(c.prompt)
             logprobs = None
             if self.req.logprobs is not None:
                 logprobs = protocol.join_logprobs(echo_lps, protocol.completion_logprobs(c.entries, len(echo)))
@@ -206,15 +222,19 @@ class Answer:
                 payload["usage"] = None
             return _sse(payload)
 
-        # the echo goes first; with its logprobs it waits for the first sequence's prompt logprobs,
-        # which come with that sequence's first output (before any sibling's: they wait for its prefill)
-        echo_pending = not chat and self.req.echo
+        # a prompt's echo goes first; with its logprobs it waits for the prompt's first sequence's
+        # prompt logprobs, which come with that sequence's first output (before any sibling's:
+        # they wait for its prefill)
+        echo_pending = {id(p) for p in self.prompts} if not chat and self.req.echo else set()
 
-        def echo_chunks() -> list[str]:
-            echo = self._echo_text()
-            out = [chunk(c.index, echo, None, [], logprobs=self._echo_logprobs()) for c in self.choices.values()]
-            for index in offsets:
-                offsets[index] += len(echo)
+        def echo_chunks(prompt: Prompt) -> list[str]:
+            echo_pending.discard(id(prompt))
+            echo, logprobs = self._echo_text(prompt), self._echo_logprobs(prompt)
+            out = []
+            for c in self.choices.values():
+                if c.prompt is prompt:
+                    out.append(chunk(c.index, echo, None, [], logprobs=logprobs))
+                    offsets[c.index] += len(echo)
             return out
 
         try:
@@ -222,15 +242,14 @@ class Answer:
                 for c in self.choices.values():
                     yield chunk(c.index, "", None, [], role=True)
             elif echo_pending and not self.req.wants_prompt_logprobs:
-                for event in echo_chunks():
-                    yield event
-                echo_pending = False
+                for prompt in self.prompts:
+                    for event in echo_chunks(prompt):
+                        yield event
             async for out in self.tracker.outputs():
                 choice, text, entries = self._record(out)
-                if echo_pending:
-                    for event in echo_chunks():
+                if id(choice.prompt) in echo_pending:
+                    for event in echo_chunks(choice.prompt):
                         yield event
-                    echo_pending = False
                 if not text and not entries and not out.finished:
                     continue  # a prefill chunk or held-back bytes: nothing to say yet
                 finish = self._finish_reason(choice) if out.finished else None
@@ -251,8 +270,14 @@ def _with_top(entry, top: int):
     return type(entry)(entry.token_id, entry.logprob, entry.rank, entry.top[:top])
 
 
+# Line breaks to clients that split an event stream with str.splitlines(): JSON leaves NEL, LINE
+# SEPARATOR and PARAGRAPH SEPARATOR unescaped, and a generated token containing one cut guidellm's
+# event in two (a JSONDecodeError, counted as a failed request). Escaped, the JSON is the same.
+_SPLITTERS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(payload, ensure_ascii=False).translate(_SPLITTERS)}\n\n"
 
 
 async def _watch_disconnect(request: Request, stream: RequestStream) -> None:

@@ -36,7 +36,7 @@ from starlette.routing import Route
 
 from lowbit.errors import LowbitError
 from lowbit.runtime.server import protocol
-from lowbit.runtime.server.answer import DISCONNECTED, Answer, SSEResponse
+from lowbit.runtime.server.answer import DISCONNECTED, Answer, Prompt, SSEResponse
 from lowbit.runtime.server.engine_loop import EngineFailure, EngineLoop, EngineStopping, RequestRejected, RequestStream
 from lowbit.runtime.server.metrics import Metrics
 from lowbit.runtime.server.protocol import APIError, GenerationRequest, bad_request
@@ -295,36 +295,36 @@ class Server:
             if req.model is not None and req.model != self.config.model_name:
                 raise APIError(404, f"model {protocol.show(req.model)} does not exist; this server serves "
                                     f"{self.config.model_name!r}", param="model", code="model_not_found")
-            prompt_ids, prompt_text = await asyncio.to_thread(_tokenize, engine.tokenizer, req)
-            _check_token_ids(prompt_ids, _vocab_size(engine))
+            prompts = await asyncio.to_thread(_tokenize, engine.tokenizer, req)
             protocol.check_logit_bias(req, _vocab_size(engine))
-            room = engine.max_model_len - len(prompt_ids)
-            if req.max_tokens is None:
-                max_tokens = protocol.DEFAULT_COMPLETION_MAX_TOKENS if not chat else room
-                max_tokens = min(max_tokens, room)
-            else:
-                max_tokens = req.max_tokens
-            # max_tokens 0 still runs one sampled token in the engine (then dropped): it needs the room
-            if room < 1 or max(max_tokens, 1) > room:
-                raise bad_request(f"the prompt has {len(prompt_ids)} tokens and max_tokens is {max_tokens}, "
-                                  f"more than the context of {engine.max_model_len} tokens allows",
-                                  "max_tokens" if room >= 1 else ("messages" if chat else "prompt"),
-                                  "context_length_exceeded")
-            # One engine sequence per choice (best_of of them); the first computes the prompt's
-            # logprobs when asked (the others would only repeat them) and the others wait for its
-            # prefill, then reuse its prompt blocks from the prefix cache. Sequence i's seed is seed + i.
-            params = [req.sampling_params(max_tokens, seed_offset=i, prompt_logprobs=i == 0 and req.wants_prompt_logprobs)
-                      for i in range(req.best_of)]
+            # One engine sequence per choice (best_of of them per prompt); a prompt's first sequence
+            # computes its logprobs when asked (the others would only repeat them) and the others
+            # wait for its prefill, then reuse its prompt blocks from the prefix cache. Sequence i
+            # of a prompt has seed + i (every prompt the same seeds, as separate requests would).
+            params = []
+            for p, prompt in enumerate(prompts):
+                name = "prompt" if len(prompts) == 1 else f"prompt[{p}]"
+                _check_token_ids(prompt.ids, _vocab_size(engine), name)
+                max_tokens = _max_tokens(req, prompt, engine.max_model_len, name)
+                params += [req.sampling_params(max_tokens, seed_offset=i, prompt_logprobs=i == 0 and req.wants_prompt_logprobs)
+                           for i in range(req.best_of)]
             if self.metrics.in_flight >= self.config.max_in_flight:
                 raise APIError(429, f"the server is at its limit of {self.config.max_in_flight} requests "
                                     f"(--max-running + --max-queue); retry later", type="rate_limit_error",
                                code="queue_full")
             request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-            engine_ids = [request_id] if req.best_of == 1 else [f"{request_id}-{i}" for i in range(req.best_of)]
+            per = req.best_of
+            if len(params) == 1:
+                engine_ids = [request_id]
+            elif len(prompts) == 1:
+                engine_ids = [f"{request_id}-{i}" for i in range(per)]
+            else:
+                engine_ids = [f"{request_id}-{p}-{i}" for p in range(len(prompts)) for i in range(per)]
             tracker = Tracker(self, request_id, asyncio.get_running_loop(), engine_ids)
-            for i, (engine_id, p) in enumerate(zip(engine_ids, params)):
-                self.engine_loop.submit(engine_id, prompt_ids, p, tracker.stream,
-                                        share_prefix_with=engine_ids[0] if i else None)
+            for i, (engine_id, sampling) in enumerate(zip(engine_ids, params)):
+                first = engine_ids[i - i % per]
+                self.engine_loop.submit(engine_id, prompts[i // per].ids, sampling, tracker.stream,
+                                        share_prefix_with=first if engine_id != first else None)
             self.metrics.in_flight += 1
         except APIError as exc:
             return self.error_response(exc)
@@ -335,14 +335,14 @@ class Server:
         except LowbitError as exc:  # a chat template that refuses the messages, for one
             return self.error_response(bad_request(str(exc)))
 
-        answer = Answer(self, req, tracker, engine.tokenizer, prompt_ids, prompt_text, max_tokens)
+        answer = Answer(self, req, tracker, engine.tokenizer, prompts)
         if req.stream:
             return SSEResponse(answer.events(), tracker, media_type="text/event-stream",
                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await answer.whole(request)
 
 
-def _tokenize(tokenizer, req: GenerationRequest) -> tuple[list[int], str | None]:
+def _tokenize(tokenizer, req: GenerationRequest) -> list[Prompt]:
     if req.chat:
         try:
             text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
@@ -351,13 +351,35 @@ def _tokenize(tokenizer, req: GenerationRequest) -> tuple[list[int], str | None]
             reason = " ".join(str(exc).split())[:200] or type(exc).__name__
             raise bad_request(f"the chat template cannot render these messages: {reason}", "messages") from None
         # The template writes any BOS itself (as transformers' apply_chat_template(tokenize=True)).
-        return tokenizer.encode(text, add_bos=False), text
-    if req.prompt_ids is not None:
-        return list(req.prompt_ids), None
-    ids = tokenizer.encode(req.prompt_text)
-    if not ids:
-        raise bad_request("the prompt encodes to no tokens", "prompt")
-    return ids, req.prompt_text
+        return [Prompt(tokenizer.encode(text, add_bos=False), text)]
+    prompts = []
+    for i, p in enumerate(req.prompts):
+        if not isinstance(p, str):
+            prompts.append(Prompt(list(p), None))
+            continue
+        ids = tokenizer.encode(p)
+        if not ids:
+            where = "prompt" if len(req.prompts) == 1 else f"prompt[{i}]"
+            raise bad_request(f"{where} encodes to no tokens", "prompt")
+        prompts.append(Prompt(ids, p))
+    return prompts
+
+
+def _max_tokens(req: GenerationRequest, prompt: Prompt, max_model_len: int, name: str) -> int:
+    """The prompt's max_tokens: as asked, else the default (completions) or the rest of the context
+    (chat); 400 when the prompt and it do not fit the context."""
+    room = max_model_len - len(prompt.ids)
+    if req.max_tokens is None:
+        max_tokens = min(protocol.DEFAULT_COMPLETION_MAX_TOKENS if not req.chat else room, room)
+    else:
+        max_tokens = req.max_tokens
+    # max_tokens 0 still runs one sampled token in the engine (then dropped): it needs the room
+    if room < 1 or max(max_tokens, 1) > room:
+        raise bad_request(f"the {name} has {len(prompt.ids)} tokens and max_tokens is {max_tokens}, "
+                          f"more than the context of {max_model_len} tokens allows",
+                          "max_tokens" if room >= 1 else ("messages" if req.chat else "prompt"),
+                          "context_length_exceeded")
+    return max_tokens
 
 
 def _tokenize_only(tokenizer, req: protocol.TokenizeRequest) -> list[int]:
@@ -379,12 +401,13 @@ def _vocab_size(engine) -> int:
     return size if isinstance(size, int) else engine.tokenizer.vocab_size
 
 
-def _check_token_ids(ids: list[int], vocab_size: int) -> None:
+def _check_token_ids(ids: list[int], vocab_size: int, name: str = "prompt") -> None:
     if not ids:
-        raise bad_request("the prompt is empty", "prompt")
+        raise bad_request(f"the {name} is empty", "prompt")
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise bad_request(f"token id {protocol.show(bad)} is outside the vocabulary [0, {vocab_size})", "prompt")
+        where = "" if name == "prompt" else f" in {name}"
+        raise bad_request(f"token id {protocol.show(bad)}{where} is outside the vocabulary [0, {vocab_size})", "prompt")
 
 
 def create_app(config: ServerConfig, engine_loop: EngineLoop) -> Starlette:

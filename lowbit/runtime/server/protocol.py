@@ -25,6 +25,7 @@ from lowbit.runtime.engine.sequence import MAX_LOGPROBS, SamplingParams
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 64  # n and best_of: each choice is one sequence in the engine's running batch
+MAX_PROMPTS = 1024  # prompts in one completions request (lm-eval sends its batch as one)
 # top_k and token counts go into int64 tensors (and make no sense past a vocabulary or a context):
 # a bigger value must be a 400 here, not an overflow that stops the engine thread.
 MAX_INT_PARAM = 2**31 - 1
@@ -53,12 +54,11 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 @dataclass(slots=True)
 class GenerationRequest:
-    """A validated request, before tokenization: exactly one of prompt_text / prompt_ids / messages."""
+    """A validated request, before tokenization: prompts (completions) or messages (chat)."""
 
     chat: bool
     model: str | None
-    prompt_text: str | None = None
-    prompt_ids: list[int] | None = None
+    prompts: list[str | list[int]] | None = None  # each a non-empty text or list of token ids
     messages: list[dict[str, Any]] | None = None
     max_tokens: int | None = None  # None: the rest of the context (chat) / 16 (completions)
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams keyword arguments
@@ -151,19 +151,7 @@ def _check_encodable(key: str, value: Any) -> None:
 
 def parse_completion(body: dict[str, Any]) -> GenerationRequest:
     req = GenerationRequest(chat=False, model=_model(body))
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise bad_request("prompt must not be empty", "prompt")
-        req.prompt_text = prompt
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        req.prompt_ids = list(prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1:
-        raise bad_request("only one prompt per request is supported; send one request per prompt", "prompt")
-    else:
-        raise bad_request("prompt must be a non-empty string or a non-empty list of token ids", "prompt")
+    req.prompts = _prompts(body.get("prompt"))
     req.echo = _bool(body, "echo")
     logprobs = body.get("logprobs")
     if logprobs is not None:
@@ -179,6 +167,9 @@ def parse_completion(body: dict[str, Any]) -> GenerationRequest:
                                  " (0 only with echo or prompt_logprobs: then the prompt is the answer)")
     _common(body, req)
     _choices(body, req)
+    if len(req.prompts) * req.best_of > MAX_PROMPTS:
+        raise bad_request(f"{len(req.prompts)} prompts x best_of {req.best_of} is more than the {MAX_PROMPTS} "
+                          f"sequences one request may start", "prompt")
     return req
 
 
@@ -203,6 +194,31 @@ def parse_chat(body: dict[str, Any]) -> GenerationRequest:
     _common(body, req)
     _choices(body, req)
     return req
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """vLLM's shapes: a string, a list of token ids, or a list of strings and token-id lists."""
+    if isinstance(prompt, str) or isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        batch = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        batch = prompt
+    else:
+        raise bad_request("prompt must be a non-empty string, a non-empty list of token ids, or a list of those",
+                          "prompt")
+    if len(batch) > MAX_PROMPTS:
+        raise bad_request(f"at most {MAX_PROMPTS} prompts in one request, got {len(batch)}", "prompt")
+    out: list[str | list[int]] = []
+    for i, p in enumerate(batch):
+        where = "prompt" if len(batch) == 1 else f"prompt[{i}]"
+        if isinstance(p, str):
+            if not p:
+                raise bad_request(f"{where} must not be empty", "prompt")
+            out.append(p)
+        elif p and all(_is_int(t) for t in p):
+            out.append(list(p))
+        else:
+            raise bad_request(f"{where} must be a non-empty string or a non-empty list of token ids", "prompt")
+    return out
 
 
 def _common(body: dict[str, Any], req: GenerationRequest) -> None:
