@@ -162,27 +162,34 @@ def main() -> None:
         if not Path(tool).exists():
             sys.exit(f"{tool} not found; see this script's docstring for the installs")
 
-    results = []
+    measured = []
+    stamp = time.strftime("%Y-%m-%d %H:%M")
     for name, model in model_dirs(args.models.split(",")).items():
         ours = measure("lowbit", name, model, args)
         theirs = measure("vllm", name, model, args)
         for a, b in zip(ours, theirs):
-            results.append({"model": name, "concurrency": a["concurrency"], "lowbit": a, "vllm": b,
-                            "ratio": a["output_tok_s"] / b["output_tok_s"] if b["output_tok_s"] else None})
+            measured.append({"model": name, "concurrency": a["concurrency"], "lowbit": a, "vllm": b, "date": stamp,
+                             "ratio": a["output_tok_s"] / b["output_tok_s"] if b["output_tok_s"] else None})
 
     print("\n| model | concurrent | lowbit tok/s | vLLM tok/s | lowbit/vLLM | lowbit TTFT p50 ms "
           "| vLLM TTFT p50 ms | errors (lowbit/vLLM) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in results:
+    for r in measured:
         a, b = r["lowbit"], r["vllm"]
         print(f"| {r['model']} | {r['concurrency']} | {a['output_tok_s']:.1f} | {b['output_tok_s']:.1f} "
               f"| {fmt(r['ratio'], '.2f')}× | {fmt(a['ttft_p50_ms'], '.0f')} | {fmt(b['ttft_p50_ms'], '.0f')} "
               f"| {a['errors']}/{b['errors']} |")
+    # one latest file: this run's models replace theirs, the other models' rows stay (each row dated)
+    kept = []
+    if RESULT.exists():
+        old = json.loads(RESULT.read_text())
+        ran = {r["model"] for r in measured}
+        kept = [{"date": old.get("date"), **r} for r in old.get("results", []) if r["model"] not in ran]
     RESULT.parent.mkdir(exist_ok=True)
     RESULT.write_text(json.dumps({
-        "date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
+        "date": stamp, "machine": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(), "threads": args.threads, "seconds": args.seconds,
-        "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "results": results,
+        "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "results": kept + measured,
     }, indent=1) + "\n")
     print(f"wrote {RESULT}")
 

@@ -116,11 +116,11 @@ class Engine:
         self.model_path = path
         self.tokenizer = load_tokenizer(path)  # first: a missing or bad tokenizer fails before seconds of loading
         self.model = load_model(path, self.dtype, self.device)
-        fuse_projections(self.model)  # q/k/v and gate/up as one matmul where exact (int4dot weights)
         if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
             # batch-invariant float32 (and bf16) Linears: a verify of 1 + k rows computes each row
             # as a plain step does
             use_invariant_linears(self.model)
+        fuse_projections(self.model)  # q/k/v and gate/up as one matmul where exact (int4dot, invariant dense)
         self.config = self.model.config
         if num_speculative_tokens < 1:
             raise UsageError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")

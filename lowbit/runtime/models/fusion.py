@@ -3,9 +3,12 @@
 An explicit step for inference (the engine calls it after loading): the module tree, its
 Hugging Face names and the separate q_proj/k_proj/v_proj/gate_proj/up_proj children stay as
 they are (calibration hooks them, the loader fills them), and the fused module is kept as a
-plain attribute that forward() prefers. Only quantized weights on the batch-invariant int4
-kernel are joined: their rows are computed alone, so the joined matmul is bit-identical to the
-separate ones and the join costs no accuracy, only calls (7 matmuls per layer become 4).
+plain attribute that forward() prefers. Joined are quantized weights on the batch-invariant int4
+kernel, and dense Linears the engine made InvariantLinears (kernels/cpu_f32.py): their rows are
+computed alone, so the joined matmul is bit-identical to the separate ones (in float32, and in
+bf16 up to the kernel's 16 rows; torch's bf16 GEMM past them) and the join costs no accuracy,
+only calls (7 matmuls per layer become 4). A dense join holds one weight matrix, and the separate
+Linears' weights become views of its rows, so it costs no memory.
 """
 
 from __future__ import annotations
@@ -31,6 +34,46 @@ class JoinedLinear(nn.Module):
         return qmatmul(x, self.prepared)
 
 
+class JoinedDense(nn.Module):
+    """Several dense InvariantLinears of one input as one; their weights are views of its rows."""
+
+    def __init__(self, linear: nn.Linear, sizes: list[int]):
+        super().__init__()
+        self.linear = linear
+        self.sizes = sizes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+def _join_dense(modules: list[nn.Module]) -> JoinedDense | None:
+    from lowbit.kernels.cpu_f32 import InvariantLinear
+
+    if not all(type(m) is InvariantLinear for m in modules):
+        return None  # quantized (QuantLinear has no .weight) or not on the dense kernel
+    first = modules[0]
+    w0 = first.weight
+    if any(m.weight.dtype is not w0.dtype or m.weight.device != w0.device or m.weight.requires_grad
+           or m.in_features != first.in_features or (m.bias is None) != (first.bias is None) for m in modules):
+        return None
+    with torch.no_grad():
+        weight = torch.cat([m.weight.data for m in modules])
+        bias = None if first.bias is None else torch.cat([m.bias.data for m in modules])
+    joined = InvariantLinear.__new__(InvariantLinear)
+    nn.Module.__init__(joined)
+    joined.in_features, joined.out_features = first.in_features, weight.shape[0]
+    joined.weight = nn.Parameter(weight, requires_grad=False)
+    joined.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+    start = 0
+    for m in modules:  # the separate weights become views of the joined rows: one copy in memory
+        rows = m.weight.shape[0]
+        m.weight.data = weight[start : start + rows]
+        if bias is not None:
+            m.bias.data = bias[start : start + rows]
+        start += rows
+    return JoinedDense(joined, [m.out_features for m in modules])
+
+
 def _joinable(modules: list[nn.Module]) -> bool:
     for m in modules:
         prepared = getattr(m, "prepared", None)
@@ -41,11 +84,11 @@ def _joinable(modules: list[nn.Module]) -> bool:
     return True
 
 
-def _join(modules: list[nn.Module]) -> JoinedLinear | None:
+def _join(modules: list[nn.Module]) -> JoinedLinear | JoinedDense | None:
     from lowbit.kernels.cpu_int4dot import concat
 
     if not _joinable(modules):
-        return None
+        return _join_dense(modules)
     try:
         prepared = concat([m.prepared for m in modules])
     except ValueError:
