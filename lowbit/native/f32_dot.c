@@ -100,58 +100,6 @@ INLINE void f32_pass(const int WB, const int NB, int mb, const void *w, int64_t 
     }
 }
 
-/* The whole matmul for weights of WB bytes each (4: float32, 2: bfloat16). */
-INLINE void dense_matmul(const int WB, const void *w, int64_t N, int64_t K, int64_t ldw, const float *bias, const float *x,
-                         int64_t ldx, int64_t M, float *y, int64_t ldy, int threads) {
-    const char *wb = (const char *)w;
-    const int64_t tiles = (N + NT - 1) / NT;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t n0 = t * NT;
-        const int nb = N - n0 >= NT ? NT : (int)(N - n0);
-        float out[NT * MT];
-        for (int64_t m0 = 0; m0 < M; m0 += MT) {
-            const int mb = M - m0 >= MT ? MT : (int)(M - m0);
-            if (nb == NT) {
-                f32_pass(WB, NT, mb, wb + n0 * ldw * WB, ldw, K, x + m0 * ldx, ldx, out);
-            } else { /* the ragged last tile, one weight row at a time (same per-row arithmetic) */
-                for (int i = 0; i < nb; i++) {
-                    float row[MT];
-                    f32_pass(WB, 1, mb, wb + (n0 + i) * ldw * WB, ldw, K, x + m0 * ldx, ldx, row);
-                    for (int m = 0; m < mb; m++) out[m * NT + i] = row[m];
-                }
-            }
-            for (int m = 0; m < mb; m++)
-                for (int i = 0; i < nb; i++) y[(m0 + m) * ldy + n0 + i] = out[m * NT + i] + (bias ? bias[n0 + i] : 0.0f);
-        }
-    }
-}
-#endif
-
-/* Returns 0, or -1 when the build has no AVX-512. */
-int lowbit_f32_matmul(const float *w, int64_t N, int64_t K, int64_t ldw, const float *bias, const float *x, int64_t ldx,
-                      int64_t M, float *y, int64_t ldy, int threads) {
-#if !HAVE_F32DOT
-    (void)w; (void)N; (void)K; (void)ldw; (void)bias; (void)x; (void)ldx; (void)M; (void)y; (void)ldy; (void)threads;
-    return -1;
-#else
-    dense_matmul(4, w, N, K, ldw, bias, x, ldx, M, y, ldy, threads);
-    return 0;
-#endif
-}
-
-/* The same with bfloat16 weights (ldw in elements): float32 x, float32 sums in the same order. */
-int lowbit_bf16w_matmul(const uint16_t *w, int64_t N, int64_t K, int64_t ldw, const float *bias, const float *x,
-                        int64_t ldx, int64_t M, float *y, int64_t ldy, int threads) {
-#if !HAVE_F32DOT
-    (void)w; (void)N; (void)K; (void)ldw; (void)bias; (void)x; (void)ldx; (void)M; (void)y; (void)ldy; (void)threads;
-    return -1;
-#else
-    dense_matmul(2, w, N, K, ldw, bias, x, ldx, M, y, ldy, threads);
-    return 0;
-#endif
-}
-
 #if HAVE_BF16DOT
 /* NB weight rows x MB x rows of bf16, 32 k per step; out[m * NB + nb] the float32 dot products. */
 INLINE void bf16_tile(const int NB, const int MB, const uint16_t *w, int64_t ldw, int64_t K, const uint16_t *x,
@@ -186,6 +134,74 @@ INLINE void bf16_pass(const int NB, int mb, const uint16_t *w, int64_t ldw, int6
 }
 #endif
 
+/* One pass of NB weight rows against mb x rows. MODE 4: float32 w, 2: bf16 w (both with float32
+   x), 1: bf16 w and bf16 x (vdpbf16ps). */
+INLINE void dense_pass(const int MODE, const int NB, int mb, const char *w, int64_t ldw, int64_t K, const char *x,
+                       int64_t ldx, float *out) {
+#if HAVE_BF16DOT
+    if (MODE == 1) {
+        bf16_pass(NB, mb, (const uint16_t *)w, ldw, K, (const uint16_t *)x, ldx, out);
+        return;
+    }
+#endif
+    f32_pass(MODE, NB, mb, w, ldw, K, (const float *)x, ldx, out);
+}
+
+/* The whole matmul in MODE (dense_pass); y float32, or bf16 with y_bf16 (rounded once). */
+INLINE void dense_matmul(const int MODE, const void *w, int64_t N, int64_t K, int64_t ldw, const float *bias, const void *x,
+                         int64_t ldx, int64_t M, void *y, int y_bf16, int64_t ldy, int threads) {
+    const int WB = MODE == 4 ? 4 : 2, XB = MODE == 1 ? 2 : 4; /* bytes of a weight, of an x element */
+    const char *wb = (const char *)w, *xb = (const char *)x;
+    const int64_t tiles = (N + NT - 1) / NT;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t n0 = t * NT;
+        const int nb = N - n0 >= NT ? NT : (int)(N - n0);
+        float out[NT * MT];
+        for (int64_t m0 = 0; m0 < M; m0 += MT) {
+            const int mb = M - m0 >= MT ? MT : (int)(M - m0);
+            const char *xm = xb + m0 * ldx * XB;
+            if (nb == NT) {
+                dense_pass(MODE, NT, mb, wb + n0 * ldw * WB, ldw, K, xm, ldx, out);
+            } else { /* the ragged last tile, one weight row at a time (same per-row arithmetic) */
+                for (int i = 0; i < nb; i++) {
+                    float row[MT];
+                    dense_pass(MODE, 1, mb, wb + (n0 + i) * ldw * WB, ldw, K, xm, ldx, row);
+                    for (int m = 0; m < mb; m++) out[m * NT + i] = row[m];
+                }
+            }
+            for (int m = 0; m < mb; m++)
+                for (int i = 0; i < nb; i++)
+                    lowbit_store(y, (m0 + m) * ldy + n0 + i, out[m * NT + i] + (bias ? bias[n0 + i] : 0.0f), y_bf16);
+        }
+    }
+}
+#endif
+
+/* Returns 0, or -1 when the build has no AVX-512. */
+int lowbit_f32_matmul(const float *w, int64_t N, int64_t K, int64_t ldw, const float *bias, const float *x, int64_t ldx,
+                      int64_t M, float *y, int64_t ldy, int threads) {
+#if !HAVE_F32DOT
+    (void)w; (void)N; (void)K; (void)ldw; (void)bias; (void)x; (void)ldx; (void)M; (void)y; (void)ldy; (void)threads;
+    return -1;
+#else
+    dense_matmul(4, w, N, K, ldw, bias, x, ldx, M, y, 0, ldy, threads);
+    return 0;
+#endif
+}
+
+/* The same with bfloat16 weights (ldw in elements): float32 x, float32 sums in the same order. */
+int lowbit_bf16w_matmul(const uint16_t *w, int64_t N, int64_t K, int64_t ldw, const float *bias, const float *x,
+                        int64_t ldx, int64_t M, float *y, int64_t ldy, int threads) {
+#if !HAVE_F32DOT
+    (void)w; (void)N; (void)K; (void)ldw; (void)bias; (void)x; (void)ldx; (void)M; (void)y; (void)ldy; (void)threads;
+    return -1;
+#else
+    dense_matmul(2, w, N, K, ldw, bias, x, ldx, M, y, 0, ldy, threads);
+    return 0;
+#endif
+}
+
 /* bf16 x [M, ldx] times bf16 w [N, ldw] (+ float32 bias) into y [M, ldy], bf16 (y_bf16) or float32.
    Returns 0, or -1 when the build has no AVX512-BF16. */
 int lowbit_bf16_matmul(const uint16_t *w, int64_t N, int64_t K, int64_t ldw, const float *bias, const uint16_t *x,
@@ -195,28 +211,7 @@ int lowbit_bf16_matmul(const uint16_t *w, int64_t N, int64_t K, int64_t ldw, con
     (void)threads;
     return -1;
 #else
-    const int64_t tiles = (N + NT - 1) / NT;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t n0 = t * NT;
-        const int nb = N - n0 >= NT ? NT : (int)(N - n0);
-        float out[NT * MT];
-        for (int64_t m0 = 0; m0 < M; m0 += MT) {
-            const int mb = M - m0 >= MT ? MT : (int)(M - m0);
-            if (nb == NT) {
-                bf16_pass(NT, mb, w + n0 * ldw, ldw, K, x + m0 * ldx, ldx, out);
-            } else { /* the ragged last tile, one weight row at a time (same per-row arithmetic) */
-                for (int i = 0; i < nb; i++) {
-                    float row[MT];
-                    bf16_pass(1, mb, w + (n0 + i) * ldw, ldw, K, x + m0 * ldx, ldx, row);
-                    for (int m = 0; m < mb; m++) out[m * NT + i] = row[m];
-                }
-            }
-            for (int m = 0; m < mb; m++)
-                for (int i = 0; i < nb; i++)
-                    lowbit_store(y, (m0 + m) * ldy + n0 + i, out[m * NT + i] + (bias ? bias[n0 + i] : 0.0f), y_bf16);
-        }
-    }
+    dense_matmul(1, w, N, K, ldw, bias, x, ldx, M, y, y_bf16, ldy, threads);
     return 0;
 #endif
 }
