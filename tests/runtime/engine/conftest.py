@@ -67,3 +67,36 @@ def engine_gemma3_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("engine_gemma3")
     save_with_tokenizer(build_hf(_gemma3_config()), path)
     return path
+
+
+CHI2_3DOF_P001 = 16.27  # chi-square, 3 degrees of freedom, p = 0.001
+
+
+def assert_speculative_sampling_keeps_distribution(engine, prompt: list[int], top_k: int, requests: int) -> None:
+    """Many seeded top-k requests through the engine's draft: the rank of each token a verify pass
+    emitted (tokens 2 and 3 of each) under the exact target distribution (recomputed without
+    cache) must follow that distribution (chi-square, 3 degrees of freedom, p = 0.001)."""
+    import torch
+
+    from lowbit.runtime.engine.sampler import process_logits
+    from lowbit.runtime.engine.sequence import SamplingParams
+
+    params = [SamplingParams(temperature=1.0, top_k=top_k, seed=i, max_tokens=3, ignore_eos=True) for i in range(requests)]
+    completions = engine.generate([prompt] * len(params), params)
+    stats = engine.stats()
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens  # both accept and reject paths ran
+    observed = torch.zeros(top_k)
+    expected = torch.zeros(top_k, dtype=torch.float64)
+    with torch.inference_mode():
+        for c in completions:
+            ids = prompt + c.token_ids
+            logits = engine.model(torch.tensor([ids]))[0]
+            for pos in (len(prompt) + 1, len(prompt) + 2):  # tokens 2 and 3 come from verify passes
+                probs = process_logits(logits[pos - 1 : pos], [params[0]], [[]]).softmax(-1)[0].double()
+                ranked = probs.argsort(descending=True)
+                rank = int((ranked == ids[pos]).nonzero())
+                assert rank < top_k  # never a token the target gives zero probability
+                observed[rank] += 1
+                expected += probs[ranked[:top_k]]
+    chi2 = float(((observed.double() - expected) ** 2 / expected).sum())
+    assert chi2 < CHI2_3DOF_P001, (observed.tolist(), expected.tolist(), chi2)

@@ -11,10 +11,9 @@ import torch
 from lowbit.errors import UsageError
 from lowbit.runtime.engine.drafter import LayerPrefixDrafter
 from lowbit.runtime.engine.engine import Engine
-from lowbit.runtime.engine.sampler import process_logits
 from lowbit.runtime.engine.sequence import SamplingParams
 from tests.runtime.conftest import _llama_config, build_hf
-from tests.runtime.engine.conftest import save_with_tokenizer
+from tests.runtime.engine.conftest import assert_speculative_sampling_keeps_distribution, save_with_tokenizer
 
 LAYERS = 4
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -77,28 +76,8 @@ def test_every_draft_is_the_prefix_models_from_scratch(deep_llama_dir, monkeypat
 
 
 def test_sampling_keeps_the_target_distribution(deep_llama_dir):
-    top_k, chi2_3dof_p001 = 4, 16.27
     engine = Engine(deep_llama_dir, kv_memory=8 << 20, draft="self:layers=1", num_speculative_tokens=2)
-    prompt = [40, 41, 42, 43, 44]
-    params = [SamplingParams(temperature=1.0, top_k=top_k, seed=i, max_tokens=3, ignore_eos=True) for i in range(200)]
-    completions = engine.generate([prompt] * len(params), params)
-    stats = engine.stats()
-    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens  # both accept and reject paths ran
-    observed = torch.zeros(top_k)
-    expected = torch.zeros(top_k, dtype=torch.float64)
-    with torch.inference_mode():
-        for c in completions:
-            ids = prompt + c.token_ids
-            logits = engine.model(torch.tensor([ids]))[0]
-            for pos in (len(prompt) + 1, len(prompt) + 2):  # tokens 2 and 3 come from verify passes
-                probs = process_logits(logits[pos - 1 : pos], [params[0]], [[]]).softmax(-1)[0].double()
-                ranked = probs.argsort(descending=True)
-                rank = int((ranked == ids[pos]).nonzero())
-                assert rank < top_k
-                observed[rank] += 1
-                expected += probs[ranked[:top_k]]
-    chi2 = float(((observed.double() - expected) ** 2 / expected).sum())
-    assert chi2 < chi2_3dof_p001, (observed.tolist(), expected.tolist(), chi2)
+    assert_speculative_sampling_keeps_distribution(engine, [40, 41, 42, 43, 44], top_k=4, requests=200)
 
 
 @pytest.mark.parametrize("draft, message", [("self:layers=0", "between 1 and 3"), ("self:layers=4", "between 1 and 3"),
