@@ -49,7 +49,7 @@ def _int4_activations() -> dict:
     except LowbitError as exc:
         return {"mode": None, "note": str(exc)}
     source = (f"${cpu_int4dot.ACTIVATIONS_ENV}" if os.environ.get(cpu_int4dot.ACTIVATIONS_ENV, "").strip()
-              else "default: " + ("the CPU has AVX512-VNNI" if mode == "int8" else "no AVX512-VNNI"))
+              else "default: " + ("the CPU has AVX512-VNNI or AVX2" if mode == "int8" else "no AVX512-VNNI"))
     return {"mode": mode, "note": source}
 
 

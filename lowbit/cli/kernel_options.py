@@ -17,7 +17,7 @@ KERNEL_HELP = (
 )
 INT4_ACTIVATIONS_HELP = (
     "What the int4 decode kernel (cpu-int4dot, up to 16 rows per matmul) rounds activations to: int8 (the default "
-    "where the CPU has AVX512-VNNI: each row quantized per weight group to int8, max|x|/127, then exact integer sums; "
+    "where the CPU has AVX512-VNNI or AVX2: each row quantized per weight group to int8, max|x|/127, then exact integer sums; "
     "about +0.005 KLD on 4-bit models, docs/benchmarks.md) or bf16 (the default without VNNI: x rounded to bf16, "
     "float32 sums). Prefill (more rows) is the same either way. Default: $LOWBIT_INT4_ACTIVATIONS if set."
 )

@@ -34,8 +34,10 @@ def int4_group(qt: QTensor) -> int | None:
     """The group size torch's int4 op will use for this weight, or None if none fits."""
     if qt.spec.bits != 4 or qt.spec.element != "int" or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         return None
+    n, k = qt.shape
+    if n % 16:  # the packing op refuses other row counts ("expect N to be dividable by 16")
+        return None
     g = layout.group_scales(qt).group_size
-    k = qt.shape[1]
     for t in INT4_GROUPS:
         if g % t == 0 and k % t == 0:
             return t

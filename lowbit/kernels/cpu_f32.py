@@ -1,4 +1,5 @@
-"""CPU path for dense float32 and bfloat16 Linears (native/f32_dot.c, AVX-512).
+"""CPU path for dense float32 and bfloat16 Linears (native/f32_dot.c: AVX-512, or AVX2 + FMA for
+float32 activations on CPUs without it).
 
 Batch-invariant: each output (m, n) is computed by the same arithmetic whether its row runs
 alone (a plain decode step) or among other rows (a speculative verify of 1 + k tokens, several

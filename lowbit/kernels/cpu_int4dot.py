@@ -78,7 +78,15 @@ def bf16_available() -> bool:
 
 
 def vnni_available() -> bool:
-    """The int8-activation kernel (native/int4_vnni.c, AVX512-VNNI) is built for this CPU."""
+    """The int8-activation kernel (native/int4_vnni.c) is built for this CPU: AVX512-VNNI, or
+    AVX2 for 4-bit codes (the same numbers, see the C file)."""
+    lib = int4_vnni.library()
+    return lib is not None and lib.lowbit_i4v_available() in (1, 2)
+
+
+def vnni_int8_available() -> bool:
+    """The int8-activation kernel takes 8-bit codes too (AVX512-VNNI only: AVX2's int16 pair sums
+    would saturate on 8-bit codes)."""
     lib = int4_vnni.library()
     return lib is not None and lib.lowbit_i4v_available() == 1
 
@@ -104,7 +112,7 @@ def activations() -> str:
         raise LowbitError(f"{ACTIVATIONS_ENV} must be int8 or bf16, not {choice!r}")
     vnni = vnni_available()
     if choice == "int8" and not vnni:
-        raise LowbitError(f"{source}=int8 needs a CPU with AVX512-VNNI")
+        raise LowbitError(f"{source}=int8 needs a CPU with AVX512-VNNI or AVX2")
     if choice == "bf16" and not bf16_available():
         raise LowbitError(f"{source}=bf16 needs a CPU with AVX512-BF16")
     return choice or ("int8" if vnni else "bf16")
@@ -137,7 +145,7 @@ def supports_int8(qt: QTensor) -> bool:
     on draft lm_heads: faster than torch's int8 op, but the rounded activations moved the draft's
     argmax and cut its acceptance (hence draft_models.RescoredHead)."""
     spec = qt.spec
-    if spec.bits != 8 or spec.element != "int" or not vnni_available():
+    if spec.bits != 8 or spec.element != "int" or not vnni_int8_available():
         return False
     g = layout.group_scales(qt).group_size
     if not (g >= qt.shape[1] or g % 32 == 0) or qt.shape[1] >= 1 << 16:  # int32 group sums

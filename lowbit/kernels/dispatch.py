@@ -4,8 +4,8 @@ The paths are a table, `TABLE`, best first; each is a `KernelPath` that says why
 weight (`supports(qt) -> reason | None`), repacks it (`prepare`) and multiplies (`matmul`):
 
   triton       CUDA device, every format                          (kernels/triton_qmm.py)
-  cpu-int4dot  CPU with AVX512-BF16 or -VNNI, integer 4-bit codes,
-               groups of 32k or one per row                       (kernels/cpu_int4dot.py, batch-invariant)
+  cpu-int4dot  CPU with AVX512-BF16, -VNNI or AVX2, integer 4-bit
+               codes, groups of 32k or one per row                (kernels/cpu_int4dot.py, batch-invariant)
   cpu-int4     CPU, int4 with a group torch's op accepts          (kernels/cpu.py, torch's int4 op)
   cpu-int8f    CPU with AVX-512, symmetric int8 (per channel, or
                groups of 16k), float32 activations                (kernels/cpu_int8.py, batch-invariant)
@@ -23,7 +23,7 @@ sets), then `LOWBIT_KERNEL`: reference | cpu | cpu-int4dot | cpu-int4 | cpu-int8
 cpu-lut | cpu-int8dot | triton ("cpu" means the best CPU path). A forced path that cannot run the
 weight raises a one-line LowbitError with the reason instead of silently running another.
 
-The int4 decode kernel's activations (`int8` where the CPU has AVX512-VNNI, else `bf16`; see
+The int4 decode kernel's activations (`int8` where the CPU has AVX512-VNNI or AVX2, else `bf16`; see
 kernels/cpu_int4dot.py) follow the same precedence: `KernelSettings.int4_activations`
 (`--int4-activations`), then `LOWBIT_INT4_ACTIVATIONS`. Both are read when a weight is
 prepared, so settings must be in effect while the model loads.
@@ -63,7 +63,7 @@ class KernelSettings:
     None leaves a choice to its environment variable, and without one to the default:
     kernel            a name of PATHS (LOWBIT_KERNEL; default: the best path for each weight)
     int4_activations  "int8" or "bf16" for the cpu-int4dot decode kernel (LOWBIT_INT4_ACTIVATIONS;
-                      default: int8 where the CPU has AVX512-VNNI, else bf16)
+                      default: int8 where the CPU has AVX512-VNNI or AVX2, else bf16)
     """
 
     kernel: str | None = None
@@ -242,10 +242,10 @@ class Int4DotPath(KernelPath):
 
     def unavailable(self):
         if self.bits == 8:
-            return None if cpu_int4dot.vnni_available() else _native_reason("int4_vnni.c", ("avx512_vnni",))
+            return None if cpu_int4dot.vnni_int8_available() else _native_reason("int4_vnni.c", ("avx512_vnni",))
         if cpu_int4dot.available():
             return None
-        return _native_reason("int4_dot.c / int4_vnni.c", ("avx512_bf16", "avx512_vnni"))
+        return _native_reason("int4_dot.c / int4_vnni.c", ("avx512_bf16", "avx512_vnni", "avx2"))
 
     def runs(self, qt):
         return cpu_int4dot.supports(qt) if self.bits == 4 else cpu_int4dot.supports_int8(qt)
@@ -267,7 +267,7 @@ class Int4DotPath(KernelPath):
         table = layout.code_table(qt)
         if not torch.equal(table, table.round()) or table.abs().max() > 256:
             return "its code values are not integers"
-        return "its code table is not code - offset, which the int8-activation kernel (AVX512-VNNI) needs"
+        return "its code table is not code - offset, which the int8-activation kernel needs"
 
     def prepare(self, qt, device):
         return cpu_int4dot.prepare(qt)
@@ -308,6 +308,8 @@ class TorchInt4Path(KernelPath):
         machine = self.unavailable()
         if machine is not None:
             return machine
+        if qt.shape[0] % 16:
+            return f"N={qt.shape[0]} output rows (torch's op packs them in 16s)"
         sizes = "/".join(map(str, cpu.INT4_GROUPS))
         return f"no group size torch's op takes ({sizes}) divides both the group of {_group(qt)} and K={qt.shape[1]}"
 

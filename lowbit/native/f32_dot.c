@@ -33,7 +33,16 @@
 #define HAVE_BF16DOT 0
 #endif
 
-int lowbit_f32dot_available(void) { return HAVE_F32DOT; }
+/* Without AVX-512: the float32 modes through AVX2 + FMA, 8 lanes per accumulator (numbers of their
+   own, batch-invariant the same way; no bf16 x bf16 mode). */
+#if !HAVE_F32DOT && defined(__AVX2__) && defined(__FMA__)
+#define HAVE_F32AVX2 1
+#include <immintrin.h>
+#else
+#define HAVE_F32AVX2 0
+#endif
+
+int lowbit_f32dot_available(void) { return HAVE_F32DOT || HAVE_F32AVX2; }
 int lowbit_bf16dot_available(void) { return HAVE_BF16DOT; }
 
 #if HAVE_F32DOT
@@ -134,6 +143,65 @@ INLINE void bf16_pass(const int NB, int mb, const uint16_t *w, int64_t ldw, int6
 }
 #endif
 
+#endif
+
+#if HAVE_F32AVX2
+#define NT 4 /* weight rows per tile */
+#define MT 3 /* x rows per pass: 12 accumulators, 3 x vectors and a weight vector fill AVX2's 16 registers */
+
+INLINE __m256 wload8(const int WB, const void *w, int64_t i) {
+    if (WB == 4) return _mm256_loadu_ps((const float *)w + i);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + i))), 16));
+}
+
+/* The eight lanes summed in one fixed order. */
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+INLINE void f32_tile(const int WB, const int NB, const int MB, const void *w, int64_t ldw, int64_t K, const float *x,
+                     int64_t ldx, float *out) {
+    const char *wb = (const char *)w;
+    __m256 acc[NT][MT];
+    for (int nb = 0; nb < NB; nb++)
+        for (int m = 0; m < MB; m++) acc[nb][m] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        __m256 xv[MT];
+        for (int m = 0; m < MB; m++) xv[m] = _mm256_loadu_ps(x + m * ldx + k);
+        for (int nb = 0; nb < NB; nb++) {
+            _mm_prefetch(wb + ((NT + nb) * ldw + k) * WB, _MM_HINT_T1);
+            const __m256 wv = wload8(WB, wb + nb * ldw * WB, k);
+            for (int m = 0; m < MB; m++) acc[nb][m] = _mm256_fmadd_ps(wv, xv[m], acc[nb][m]);
+        }
+    }
+    if (k < K) { /* the last partial vector through zero-padded copies (AVX2 has no 16-bit masked load) */
+        float xt[MT][8] = {{0}}, wt[8] = {0};
+        for (int m = 0; m < MB; m++)
+            for (int64_t i = k; i < K; i++) xt[m][i - k] = x[m * ldx + i];
+        for (int nb = 0; nb < NB; nb++) {
+            for (int64_t i = k; i < K; i++) wt[i - k] = lowbit_load(wb + nb * ldw * WB, i, WB == 2);
+            const __m256 wv = _mm256_loadu_ps(wt);
+            for (int m = 0; m < MB; m++) acc[nb][m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xt[m]), acc[nb][m]);
+        }
+    }
+    for (int nb = 0; nb < NB; nb++)
+        for (int m = 0; m < MB; m++) out[m * NB + nb] = hsum8(acc[nb][m]);
+}
+
+INLINE void f32_pass(const int WB, const int NB, int mb, const void *w, int64_t ldw, int64_t K, const float *x,
+                     int64_t ldx, float *out) {
+    switch (mb) {
+    case 1: f32_tile(WB, NB, 1, w, ldw, K, x, ldx, out); break;
+    case 2: f32_tile(WB, NB, 2, w, ldw, K, x, ldx, out); break;
+    default: f32_tile(WB, NB, 3, w, ldw, K, x, ldx, out); break;
+    }
+}
+#endif
+
+#if HAVE_F32DOT || HAVE_F32AVX2
 /* One pass of NB weight rows against mb x rows. MODE 4: float32 w, 2: bf16 w (both with float32
    x), 1: bf16 w and bf16 x (vdpbf16ps). */
 INLINE void dense_pass(const int MODE, const int NB, int mb, const char *w, int64_t ldw, int64_t K, const char *x,
@@ -178,10 +246,10 @@ INLINE void dense_matmul(const int MODE, const void *w, int64_t N, int64_t K, in
 }
 #endif
 
-/* Returns 0, or -1 when the build has no AVX-512. */
+/* Returns 0, or -1 when the build has neither AVX-512 nor AVX2. */
 int lowbit_f32_matmul(const float *w, int64_t N, int64_t K, int64_t ldw, const float *bias, const float *x, int64_t ldx,
                       int64_t M, float *y, int64_t ldy, int threads) {
-#if !HAVE_F32DOT
+#if !HAVE_F32DOT && !HAVE_F32AVX2
     (void)w; (void)N; (void)K; (void)ldw; (void)bias; (void)x; (void)ldx; (void)M; (void)y; (void)ldy; (void)threads;
     return -1;
 #else
@@ -193,7 +261,7 @@ int lowbit_f32_matmul(const float *w, int64_t N, int64_t K, int64_t ldw, const f
 /* The same with bfloat16 weights (ldw in elements): float32 x, float32 sums in the same order. */
 int lowbit_bf16w_matmul(const uint16_t *w, int64_t N, int64_t K, int64_t ldw, const float *bias, const float *x,
                         int64_t ldx, int64_t M, float *y, int64_t ldy, int threads) {
-#if !HAVE_F32DOT
+#if !HAVE_F32DOT && !HAVE_F32AVX2
     (void)w; (void)N; (void)K; (void)ldw; (void)bias; (void)x; (void)ldx; (void)M; (void)y; (void)ldy; (void)threads;
     return -1;
 #else

@@ -1,6 +1,6 @@
 /* CPU matmul for integer 4-bit (or 8-bit) codes against int8 activations through AVX512-VNNI
    `vpdpbusd` (64 byte products per instruction, twice the multiply-adds of int4_dot.c's
-   `vdpbf16ps`):
+   `vdpbf16ps`), or AVX2 on CPUs without AVX-512 (4-bit codes, the same bits; section below):
 
    y[m, n] = sum_j s[n, j] * sx[m, j] * (sum_{k in group j} c[n, k] * a[m, k] - z[n, j] * asum[m, j])
 
@@ -38,6 +38,14 @@
 #else
 #define HAVE_I4VNNI 0
 #endif
+/* Without AVX-512 (Zen 2/3, most laptops): the same layout and numbers through AVX2, 4-bit codes
+   only (see the AVX2 section below). */
+#if !HAVE_I4VNNI && defined(__AVX2__) && defined(__FMA__)
+#define HAVE_I4AVX2 1
+#include <immintrin.h>
+#else
+#define HAVE_I4AVX2 0
+#endif
 
 typedef struct {
     const uint8_t *codes;  /* [ceil(tiles / 4), chunks, 4, 64] */
@@ -50,7 +58,8 @@ typedef struct {
     int32_t bits;          /* 4 or 8 */
 } I4VWeight;
 
-int lowbit_i4v_available(void) { return HAVE_I4VNNI; }
+/* 1: 4- and 8-bit codes (AVX512-VNNI); 2: 4-bit codes only (AVX2); 0: neither. */
+int lowbit_i4v_available(void) { return HAVE_I4VNNI ? 1 : HAVE_I4AVX2 ? 2 : 0; }
 
 #if HAVE_I4VNNI
 #define ROWS 16
@@ -195,14 +204,164 @@ static void vrun_tiles(LowbitTileCall *c, int tt, int mb, int64_t t, int64_t m0)
 }
 #endif
 
+
+#if HAVE_I4AVX2
+/* AVX2: a 256-bit register holds 8 lanes, so each 64-byte tile chunk is two halves (rows 0-7,
+   rows 8-15), read one after the other from the same cache line. `vpdpbusd` becomes
+   `vpmaddubsw` (code x activation, adjacent pairs summed into int16) then `vpmaddwd` by ones
+   (pairs of those into int32). The int16 sums stay exact: a pair is at most 2 * 15 * 127 = 3810,
+   a chunk adds two pairs per lane, so four chunks (30480) fit below 2^15 before they are widened.
+   The group totals are the same integers as the AVX-512 kernel's and the float steps are the
+   same operations in the same order, so both ISAs give bit-identical outputs. */
+#define ROWS 16
+#define HALF 8
+#define MAXMB2 4        /* x rows per pass: beyond this the accumulators spill out of 16 registers */
+#define CHUNKS16 4      /* chunks summed in int16 before widening (see above) */
+
+INLINE void vtiles2(const int TT, const int MB, const I4VWeight *w, int64_t t0, const int8_t *xq, int64_t M,
+                    const float *xs, const int32_t *xa, int64_t m0, float *tot) {
+    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    const int64_t G = w->G, C = w->chunks;
+    const uint8_t *base = w->codes + (t0 / 4) * 4 * w->tile_bytes + (t0 % 4) * 64;
+    for (int i = 0; i < TT * MB * ROWS; i++) tot[i] = 0.0f;
+    int64_t c = 0;
+    for (int64_t j = 0; j < G; j++) {
+        const int64_t c_end = j == G - 1 ? C : (j + 1) * w->cpg;
+        __m256i acc[2][MAXMB2][2];
+        for (int t = 0; t < TT; t++)
+            for (int m = 0; m < MB; m++) acc[t][m][0] = acc[t][m][1] = _mm256_setzero_si256();
+        while (c < c_end) {
+            const int64_t c_stop = c + CHUNKS16 < c_end ? c + CHUNKS16 : c_end;
+            __m256i s16[2][MAXMB2][2];
+            for (int t = 0; t < TT; t++)
+                for (int m = 0; m < MB; m++) s16[t][m][0] = s16[t][m][1] = _mm256_setzero_si256();
+            for (; c < c_stop; c++) {
+                const int8_t *xc = xq + (c * M + m0) * 8;
+                __m256i xl[MAXMB2], xh[MAXMB2];
+                for (int m = 0; m < MB; m++) {
+                    int32_t p0, p1;
+                    memcpy(&p0, xc + m * 8, 4);
+                    memcpy(&p1, xc + m * 8 + 4, 4);
+                    xl[m] = _mm256_set1_epi32(p0);
+                    xh[m] = _mm256_set1_epi32(p1);
+                }
+                for (int t = 0; t < TT; t++) {
+                    const uint8_t *p = base + c * 256 + t * 64;
+                    _mm_prefetch((const char *)(p + 1024), _MM_HINT_T0);
+                    for (int h = 0; h < 2; h++) {
+                        const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 32 * h));
+                        const __m256i wl = _mm256_and_si256(raw, low);
+                        const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                        for (int m = 0; m < MB; m++)
+                            s16[t][m][h] = _mm256_add_epi16(s16[t][m][h], _mm256_add_epi16(_mm256_maddubs_epi16(wl, xl[m]),
+                                                                                          _mm256_maddubs_epi16(wh, xh[m])));
+                    }
+                }
+            }
+            for (int t = 0; t < TT; t++)
+                for (int m = 0; m < MB; m++)
+                    for (int h = 0; h < 2; h++) acc[t][m][h] = _mm256_add_epi32(acc[t][m][h], _mm256_madd_epi16(s16[t][m][h], ones));
+        }
+        for (int t = 0; t < TT; t++)
+            for (int h = 0; h < 2; h++) {
+                const int64_t at = ((t0 + t) * G + j) * ROWS + h * HALF;
+                const __m256 s = _mm256_loadu_ps(w->scales + at);
+                const __m256i z = w->zeros ? _mm256_loadu_si256((const __m256i *)(w->zeros + at)) : _mm256_setzero_si256();
+                for (int m = 0; m < MB; m++) {
+                    const int64_t mj = (m0 + m) * G + j;
+                    const __m256i exact = w->zeros ? _mm256_sub_epi32(acc[t][m][h], _mm256_mullo_epi32(z, _mm256_set1_epi32(xa[mj])))
+                                                   : _mm256_sub_epi32(acc[t][m][h], _mm256_set1_epi32(w->offset * xa[mj]));
+                    float *tp = tot + (t * MB + m) * ROWS + h * HALF;
+                    _mm256_storeu_ps(tp, _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_mul_ps(s, _mm256_set1_ps(xs[mj])),
+                                                         _mm256_loadu_ps(tp)));
+                }
+            }
+    }
+}
+
+static void vpass2(int tt, int mb, const I4VWeight *w, int64_t t0, const int8_t *xq, int64_t M, const float *xs,
+                   const int32_t *xa, int64_t m0, float *tot) {
+    if (tt == 2) {
+        vtiles2(2, 1, w, t0, xq, M, xs, xa, m0, tot);
+        return;
+    }
+    switch (mb) {
+        case 1: vtiles2(1, 1, w, t0, xq, M, xs, xa, m0, tot); break;
+        case 2: vtiles2(1, 2, w, t0, xq, M, xs, xa, m0, tot); break;
+        case 3: vtiles2(1, 3, w, t0, xq, M, xs, xa, m0, tot); break;
+        default: vtiles2(1, 4, w, t0, xq, M, xs, xa, m0, tot); break;
+    }
+}
+
+/* The scalar twin of the AVX-512 quantize_row: the same max, scale and round-half-to-even
+   (nearbyintf in the default rounding mode), so x's int8 codes are the same on either ISA. */
+static void quantize_row(const I4VWeight *w, const void *x, int x_bf16, int64_t ldx_in, int64_t m, int64_t kp,
+                         float *f, int8_t *row, float *xs, int32_t *xa) {
+    const int64_t K = w->K, G = w->G;
+    for (int64_t k = 0; k < K; k++) f[k] = lowbit_load(x, m * ldx_in + k, x_bf16);
+    for (int64_t k = K; k < kp; k++) f[k] = 0.0f;
+    for (int64_t j = 0; j < G; j++) {
+        const int64_t k0 = j * w->cpg * 8, k1 = j == G - 1 ? kp : k0 + w->cpg * 8;
+        float amax = 0.0f;
+        int nan = 0;
+        for (int64_t k = k0; k < k1; k++) {
+            const float a = fabsf(f[k]);
+            nan |= a != a;
+            amax = a > amax ? a : amax;
+        }
+        if (nan) amax = NAN;
+        if (!(amax > 0.0f) || !isfinite(amax)) {
+            memset(row + k0, 0, (size_t)(k1 - k0));
+            xs[m * G + j] = amax == 0.0f ? 0.0f : NAN;
+            xa[m * G + j] = 0;
+            continue;
+        }
+        const float inv = 127.0f / amax;
+        int32_t sum = 0;
+        for (int64_t k = k0; k < k1; k++) {
+            const int32_t q = (int32_t)nearbyintf(f[k] * inv);
+            sum += q;
+            row[k] = (int8_t)q;
+        }
+        xs[m * G + j] = amax / 127.0f;
+        xa[m * G + j] = sum;
+    }
+}
+
+static void vrun_tiles(LowbitTileCall *c, int tt, int mb, int64_t t, int64_t m0) {
+    const I4VWeight *w = c->w;
+    vpass2(tt, mb, w, t, c->xq, c->M, c->xs, c->xa, m0, c->tot);
+    for (int i = 0; i < tt; i++)
+        for (int m = 0; m < mb; m++) {
+            const int64_t n0 = (t + i) * ROWS, lanes = w->N - n0 < ROWS ? w->N - n0 : ROWS;
+            const float *v = c->tot + (i * mb + m) * ROWS;
+            for (int64_t l = 0; l < lanes; l++) lowbit_store(c->y, (m0 + m) * c->ldy + n0 + l, v[l], c->y_bf16);
+        }
+}
+
+/* lowbit_tile_runs with AVX2's pass sizes: up to 4 rows, two tiles side by side at one row. */
+static void vtile_runs2(int64_t ta, int64_t tb, LowbitTileCall *call) {
+    for (int64_t m0 = 0; m0 < call->M; m0 += MAXMB2) {
+        const int mb = call->M - m0 >= MAXMB2 ? MAXMB2 : (int)(call->M - m0);
+        for (int64_t t = ta; t < tb;) {
+            const int tt = mb == 1 && tb - t >= 2 && t % 4 != 3 ? 2 : 1;
+            vrun_tiles(call, tt, mb, t, m0);
+            t += tt;
+        }
+    }
+}
+#endif
+
 /* x: [M, ldx_in] float32 (x_bf16 = 0) or bf16 (1); y: [M, ldy] float32 or bf16 (y_bf16).
-   Returns 0, or -1 when the build has no AVX512-VNNI, -2 when out of memory. */
+   Returns 0, or -1 when the build has neither AVX512-VNNI nor (4-bit codes) AVX2, -2 when out of
+   memory. */
 int lowbit_i4v_matmul(const I4VWeight *w, const void *x, int x_bf16, int64_t ldx_in, int64_t M, void *y, int y_bf16,
                       int64_t ldy, int threads) {
-#if !HAVE_I4VNNI
+#if !HAVE_I4VNNI && !HAVE_I4AVX2
     (void)w; (void)x; (void)x_bf16; (void)ldx_in; (void)M; (void)y; (void)y_bf16; (void)ldy; (void)threads;
     return -1;
 #else
+    if (!HAVE_I4VNNI && w->bits != 4) return -1;
     const int64_t G = w->G, C = w->chunks, kp = C * 8;
     const int64_t n_tiles = (w->N + ROWS - 1) / ROWS;
     int failed = 0;
@@ -226,7 +385,11 @@ int lowbit_i4v_matmul(const I4VWeight *w, const void *x, int x_bf16, int64_t ldx
             for (int64_t m = 0; m < M; m++) quantize_row(w, x, x_bf16, ldx_in, m, kp, f, rows + m * kp, xs, xa);
             lowbit_chunks_by_row(xq, rows, M, C, kp);
             LowbitTileCall call = {.w = w, .xq = xq, .xs = xs, .xa = xa, .M = M, .ldy = ldy, .y = y, .y_bf16 = y_bf16};
+#if HAVE_I4VNNI
             lowbit_tile_runs(ta, tb, vrun_tiles, &call);
+#else
+            vtile_runs2(ta, tb, &call);
+#endif
         }
         free(rows);
         free(xq);

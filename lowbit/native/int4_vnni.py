@@ -1,6 +1,7 @@
 """ctypes bindings of native/int4_vnni.c: integer 4-bit (and 8-bit) codes against int8
 activations, the cpu-int4dot path's int8 route and cpu-int8dot (kernels/cpu_int4dot.py);
-`lowbit_i4v_available()` is 0 in a build without AVX512-VNNI."""
+`lowbit_i4v_available()` is 1 with AVX512-VNNI (4- and 8-bit codes), 2 with AVX2 only (4-bit
+codes), 0 in a build with neither."""
 
 from __future__ import annotations
 

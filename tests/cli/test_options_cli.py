@@ -145,8 +145,14 @@ def test_convert_page_examples_work_on_an_int4_g64_checkpoint(tiny_float_model, 
 @pytest.mark.demo
 def test_speculative_page_states_the_measured_accepted_length(smollm2_dir, run_cli):
     page = (ROOT / "docs" / "speculative.md").read_text()
-    stated = re.search(r"--draft self:int4\n.*\n.*mean accepted length ([\d.]+)", page)
-    assert stated, "docs/speculative.md lost its self:int4 example"
+    from lowbit.native import build
+
+    # the page states an AVX-512 CPU's figure in its example and an AVX2 CPU's beside it
+    if "avx512f" in build._cpu_flags().split():
+        stated = re.search(r"--draft self:int4\n.*\n.*mean accepted length ([\d.]+)", page)
+    else:
+        stated = re.search(r"without AVX-512 \(AVX2[^)]*\)\s+measured a self:int4 mean accepted length of ([\d.]+)", page)
+    assert stated, "docs/speculative.md lost its self:int4 figure for this CPU"
     code, out, err = run_cli(["generate", "smollm2-135m", "The three primary colors are", "--max-tokens", "32",
                               "--threads", "1", "--draft", "self:int4", "--json"])
     assert code == 0, err

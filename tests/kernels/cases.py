@@ -43,3 +43,27 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 #    2^-9; 2e-2 bounds it while a wrong group/scale/code (errors ~ 1) still fails.
 FP32_TOL = 1e-5
 BF16_TOL = 2e-2
+
+
+def avx2_library(name: str, signatures: dict, tmp_path):
+    """native/<name>.c compiled for x86-64-v3 (AVX2 + FMA, no AVX-512) into tmp_path, loaded with
+    `signatures`; None when this machine cannot build or run it. On an AVX-512 machine this is how
+    the tests reach the code a Zen 2/3 or laptop CPU runs."""
+    import ctypes
+    import subprocess
+    from pathlib import Path
+
+    from lowbit.native import build
+
+    cc = build.compiler()
+    if cc is None or " avx2 " not in f" {build._cpu_flags()} " or " fma " not in f" {build._cpu_flags()} ":
+        return None
+    out = Path(tmp_path) / f"lib{name}_avx2.so"
+    source = build.SOURCE_DIR / f"{name}.c"
+    subprocess.run([*cc, "-march=x86-64-v3", *build._COMMON_FLAGS, str(source), "-o", str(out), "-lm"], check=True,
+                   capture_output=True)
+    lib = ctypes.CDLL(str(out))
+    for fn, args in signatures.items():
+        getattr(lib, fn).argtypes = args
+        getattr(lib, fn).restype = ctypes.c_int
+    return lib

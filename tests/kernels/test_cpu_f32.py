@@ -5,7 +5,7 @@ import torch
 
 from lowbit.kernels import cpu_f32
 
-pytestmark = pytest.mark.skipif(not cpu_f32.available(), reason="no AVX-512 build on this machine")
+pytestmark = pytest.mark.skipif(not cpu_f32.available(), reason="no AVX-512 or AVX2 build on this machine")
 
 
 @pytest.mark.parametrize("n, k", [(33, 200), (64, 576), (7, 15), (130, 1536)])
@@ -113,3 +113,31 @@ def test_a_bf16_model_takes_the_bf16_kernel_and_stays_close_to_torch(tiny_float_
         # two sequences in one forward: the first gets the bits it gets alone
         two = torch.cat([ids, ids.flip(1)])
         assert torch.equal(model(two)[0], model(ids)[0])
+
+
+def test_the_avx2_build_matches_float64_and_is_batch_invariant(tmp_path):
+    # CPUs without AVX-512 run f32_dot.c's AVX2 section: 8-lane sums of their own, checked here
+    # on any machine that can run AVX2 (through the same kernel entry points).
+    from lowbit.native import f32_dot
+    from tests.kernels.cases import avx2_library
+
+    lib = avx2_library("f32_dot", f32_dot.SIGNATURES, tmp_path)
+    if lib is None:
+        pytest.skip("no compiler or no AVX2 here")
+    assert lib.lowbit_f32dot_available() == 1 and lib.lowbit_bf16dot_available() == 0
+    g = torch.Generator().manual_seed(3)
+    for n, k in [(33, 200), (7, 15), (130, 576)]:
+        w, b, x = torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.randn(8, k, generator=g)
+        for weight in (w, w.to(torch.bfloat16)):
+            fn = lib.lowbit_bf16w_matmul if weight.dtype is torch.bfloat16 else lib.lowbit_f32_matmul
+
+            def run(rows):
+                y = torch.empty(rows.shape[0], n)
+                assert fn(weight.data_ptr(), n, k, k, b.data_ptr(), rows.data_ptr(), k, rows.shape[0], y.data_ptr(), n, 2) == 0
+                return y
+
+            full = run(x)
+            ref = x.double() @ weight.double().T + b.double()
+            assert ((full.double() - ref).abs().max() / ref.abs().max()) < 1e-6, (n, k, weight.dtype)
+            for m in range(1, 8):
+                assert torch.equal(run(x[8 - m :].contiguous()), full[8 - m :]), (n, k, m)

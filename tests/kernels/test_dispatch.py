@@ -45,6 +45,7 @@ REASONS = [
     ("cpu-int4dot", ("int4-g16", 16, 128), "groups of 16"),
     ("cpu-int4", ("nf4", 16, 64), "integer 4-bit"),
     ("cpu-int4", ("int4", 16, 200), "divides both"),
+    ("cpu-int4", ("int4", 33, 192), "N=33 output rows"),
     ("cpu-int8", ("int4", 16, 64), "per-channel integer 8-bit"),
     ("cpu-int8", ("int8", 16, 200), "not a multiple of 32"),
     ("cpu-bf16", ("int8", 16, 64), "4-bit"),

@@ -7,7 +7,7 @@ from lowbit.errors import LowbitError
 from lowbit.kernels import cpu_int4dot, layout, qmatmul
 from tests.kernels.cases import oracle, quantized, rel_err
 
-pytestmark = pytest.mark.skipif(not cpu_int4dot.vnni_available(), reason="no AVX512-VNNI build on this machine")
+pytestmark = pytest.mark.skipif(not cpu_int4dot.vnni_available(), reason="no AVX512-VNNI or AVX2 build on this machine")
 LABELS = ["int4", "int4-g64", "int4-asym-g64", "int4-asym", "int4-channel"]
 
 
@@ -102,6 +102,7 @@ def test_layout_round_trips():
     assert byte == int(codes[16 * t + i, 8 * c + b]) | int(codes[16 * t + i, 8 * c + 4 + b]) << 4
 
 
+@pytest.mark.skipif(not cpu_int4dot.bf16_available(), reason="no AVX512-BF16 build on this machine")
 def test_environment_chooses_the_route(monkeypatch):
     qt = quantized("int4", 16, 64)
     monkeypatch.setenv(cpu_int4dot.ACTIVATIONS_ENV, "bf16")
@@ -113,6 +114,7 @@ def test_environment_chooses_the_route(monkeypatch):
         cpu_int4dot.prepare(qt)
 
 
+@pytest.mark.skipif(not cpu_int4dot.vnni_int8_available(), reason="8-bit codes need the AVX512-VNNI build")
 @pytest.mark.parametrize("label", ["int8", "int8-g128", "int8-g64"])
 @pytest.mark.parametrize("n,k", [(96, 192), (33, 576), (17, 130)])
 def test_int8_codes_match_oracle_and_rows_alone(label, n, k):
@@ -158,3 +160,37 @@ def test_a_cpu_with_vnni_but_no_bf16_takes_the_int8_route(monkeypatch):
     monkeypatch.setenv(cpu_int4dot.ACTIVATIONS_ENV, "bf16")
     with pytest.raises(LowbitError, match="AVX512-BF16"):
         prepare(qt, "cpu")
+
+
+@pytest.mark.parametrize("label", ["int4", "int4-g32", "int4-asym-g64"])
+def test_the_avx2_build_gives_the_avx512_bits(label, tmp_path):
+    # The AVX2 section (CPUs without AVX-512) widens int16 pair sums instead of vpdpbusd, but its
+    # integers and float steps are the AVX-512 kernel's: outputs equal bit for bit, so a model
+    # generates the same tokens on either CPU.
+    from lowbit.native import int4_vnni
+    from tests.kernels.cases import avx2_library
+
+    native = int4_vnni.library()
+    if native.lowbit_i4v_available() != 1:
+        pytest.skip("this machine's own build is the AVX2 one: nothing to compare")
+    avx2 = avx2_library("int4_vnni", int4_vnni.SIGNATURES, tmp_path)
+    if avx2 is None:
+        pytest.skip("no compiler or no AVX2 here")
+    assert avx2.lowbit_i4v_available() == 2
+    qt = quantized(label, 70, 576)
+    pw = prepared(qt)
+    for m in (1, 2, 5, 17):
+        for x_dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(m, 576).to(x_dtype)
+            for y_bf16 in (0, 1):
+                ys = []
+                for lib in (native, avx2):
+                    y = torch.empty(m, 70, dtype=torch.bfloat16 if y_bf16 else torch.float32)
+                    assert lib.lowbit_i4v_matmul(pw.params["ref"], x.data_ptr(), x_dtype == torch.bfloat16, 576, m,
+                                                 y.data_ptr(), y_bf16, 70, 2) == 0
+                    ys.append(y)
+                assert torch.equal(ys[0], ys[1]), (label, m, x_dtype, y_bf16)
+    # 8-bit codes would overflow AVX2's int16 sums: that build refuses them
+    pw8 = cpu_int4dot.prepare(quantized("int8", 32, 64), act="int8")
+    y = torch.empty(1, 32)
+    assert avx2.lowbit_i4v_matmul(pw8.params["ref"], torch.randn(1, 64).data_ptr(), 0, 64, 1, y.data_ptr(), 0, 32, 1) == -1
