@@ -31,7 +31,7 @@ from pathlib import Path
 from lowbit.paths import lowbit_home
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results" / "vs_llamacpp.json"
+RESULTS_DIR = ROOT / "bench" / "results"
 # case -> (lowbit quantize format or None for the float model, the GGUF type its exact export holds)
 # int4-g64 → Q4_0 is exact too (each 32-block repeats its group's scale) and runs lowbit's VNNI kernel,
 # which takes groups of 64k; int4-g32 runs torch's int4 op.
@@ -152,8 +152,8 @@ def main() -> None:
         })
     result = {"script": "bench/vs_llamacpp.py", "date": time.strftime("%Y-%m-%d"), "model": args.model,
               "threads": args.threads, "machine": _machine(), "cases": rows}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    _results_file().write_text(json.dumps(result, indent=2) + "\n")
     if args.json:
         print(json.dumps(result, indent=2))
         return
@@ -166,6 +166,15 @@ def main() -> None:
         print(f"| {r['case']} | {r['gguf_type']} | {d['lowbit']:.1f} | {d['llama.cpp']:.1f} | {d['ratio']:.2f}× | "
               f"{p['lowbit']:.0f} | {p['llama.cpp']:.0f} | {p['ratio']:.2f}× | {r['decode16_tok_s']:.0f} | "
               f"{r['decode_vs_roofline']:.2f} |")
+
+
+def _results_file() -> Path:
+    """One latest file per CPU class: an AVX-512 machine's figures and an AVX2-only machine's are
+    two tables in docs/benchmarks.md (lowbit's kernels differ between them)."""
+    from lowbit.native.build import _cpu_flags
+
+    flags = _cpu_flags().split()
+    return RESULTS_DIR / ("vs_llamacpp-avx2.json" if flags and "avx512f" not in flags else "vs_llamacpp.json")
 
 
 def _machine() -> str:
