@@ -129,7 +129,7 @@ def test_cpu_draft_lm_head_is_int8(draft, engine_llama_dir, engine_llama_draft_d
     from lowbit.kernels import cpu_int4dot
     from lowbit.runtime.engine.draft_models import RescoredHead
 
-    vnni = cpu_int4dot.vnni_available()
+    vnni = cpu_int4dot.vnni_int8_available()
     assert isinstance(head, RescoredHead if vnni else QuantLinear) and head.label == "int8"
     body = spec.drafter.model.model.layers[0].mlp.down_proj
     assert draft == "other" or body.label == "int4"
