@@ -70,6 +70,42 @@ static inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* Without AVX-512: 8-lane versions of the generic loops' dot products, value sums and softmax
+   exponentials (no register-blocked versions; numbers of their own, batch-invariant the same way). */
+#define HAVE_AVX2_ATTN 1
+#include <immintrin.h>
+static inline __m256 load8(const void *p, int64_t i, int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)p + i);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16));
+}
+
+/* The eight lanes summed in one fixed order. */
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* exp16's reduction and polynomial in 8 lanes; 2^n built in the exponent bits (n >= -126 for
+   x >= -87, so always a normal number). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860682030941723e-6f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 5040);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
 #endif
 
 /* x (D values at src) rotated into out[D] (float32). bf16 rounds each product and sum, as
@@ -257,6 +293,14 @@ static void scores(const float *qv, int64_t nk, int64_t hc, int64_t D, int64_t l
                 sc[h * ml + j - lo] = _mm512_reduce_add_ps(lanes) * scale;
                 continue;
             }
+#elif defined(HAVE_AVX2_ATTN)
+            if (D % 8 == 0) {
+                __m256 lanes = _mm256_setzero_ps();
+                for (int64_t d = 0; d < D; d += 8)
+                    lanes = _mm256_add_ps(lanes, _mm256_mul_ps(_mm256_loadu_ps(qh + d), load8(kpool, kb + d, bf16)));
+                sc[h * ml + j - lo] = hsum8(lanes) * scale;
+                continue;
+            }
 #endif
             float lanes[16] = {0};
             for (int64_t d = 0; d < D; d++) lanes[d & 15] += qh[d] * ld(kpool, kb + d, bf16);
@@ -284,6 +328,29 @@ static float softmax_numerators(float *sc, int64_t n) {
         sum = _mm512_mask_add_ps(sum, k, sum, e);
     }
     return _mm512_reduce_add_ps(sum);
+#elif defined(HAVE_AVX2_ATTN)
+    float mx = -INFINITY;
+    for (int64_t i = 0; i < n; i++) mx = sc[i] > mx ? sc[i] : mx;
+    const __m256 m = _mm256_set1_ps(mx);
+    __m256 sum = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + i), m));
+        _mm256_storeu_ps(sc + i, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    if (i < n) { /* the tail through a padded copy: the same polynomial for every position */
+        float t[8];
+        for (int j = 0; j < 8; j++) t[j] = i + j < n ? sc[i + j] - mx : -INFINITY;
+        _mm256_storeu_ps(t, exp8(_mm256_loadu_ps(t)));
+        float tail = 0.0f;
+        for (int j = 0; i + j < n; j++) {
+            sc[i + j] = t[j];
+            tail += t[j];
+        }
+        return hsum8(sum) + tail;
+    }
+    return hsum8(sum);
 #else
     float mx = -INFINITY, total = 0.0f;
     for (int64_t i = 0; i < n; i++) mx = sc[i] > mx ? sc[i] : mx;
@@ -343,6 +410,13 @@ static void values(const float *e, int64_t hc, int64_t ml, int64_t D, int64_t lo
                 const __m512 ev = _mm512_set1_ps(w);
                 for (int64_t d = 0; d < D; d += 16)
                     _mm512_storeu_ps(a + d, _mm512_add_ps(_mm512_loadu_ps(a + d), _mm512_mul_ps(ev, load16(vpool, base + d, bf16))));
+                continue;
+            }
+#elif defined(HAVE_AVX2_ATTN)
+            if (D % 8 == 0) {
+                const __m256 ev = _mm256_set1_ps(w);
+                for (int64_t d = 0; d < D; d += 8)
+                    _mm256_storeu_ps(a + d, _mm256_add_ps(_mm256_loadu_ps(a + d), _mm256_mul_ps(ev, load8(vpool, base + d, bf16))));
                 continue;
             }
 #endif
