@@ -26,6 +26,7 @@ from lowbit.kernels.prepared import PreparedWeight
 from lowbit.quant.qtensor import QTensor
 
 INT4_GROUPS = (256, 128, 64, 32)
+INT4_ROW_MULTIPLE = 16  # the packing op refuses other row counts ("expect N to be dividable by 16")
 PREFILL_ROWS = 16  # more rows than this: decode to bf16 once and use torch's bf16 GEMM
 _TINYGEMM_MID = 8  # torch's int4 op subtracts 8 from every code
 
@@ -35,7 +36,7 @@ def int4_group(qt: QTensor) -> int | None:
     if qt.spec.bits != 4 or qt.spec.element != "int" or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         return None
     n, k = qt.shape
-    if n % 16:  # the packing op refuses other row counts ("expect N to be dividable by 16")
+    if n % INT4_ROW_MULTIPLE:
         return None
     g = layout.group_scales(qt).group_size
     for t in INT4_GROUPS:

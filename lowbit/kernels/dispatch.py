@@ -308,8 +308,8 @@ class TorchInt4Path(KernelPath):
         machine = self.unavailable()
         if machine is not None:
             return machine
-        if qt.shape[0] % 16:
-            return f"N={qt.shape[0]} output rows (torch's op packs them in 16s)"
+        if qt.shape[0] % cpu.INT4_ROW_MULTIPLE:
+            return f"N={qt.shape[0]} output rows (torch's op packs them in {cpu.INT4_ROW_MULTIPLE}s)"
         sizes = "/".join(map(str, cpu.INT4_GROUPS))
         return f"no group size torch's op takes ({sizes}) divides both the group of {_group(qt)} and K={qt.shape[1]}"
 

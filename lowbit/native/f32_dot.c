@@ -37,7 +37,6 @@
    own, batch-invariant the same way; no bf16 x bf16 mode). */
 #if !HAVE_F32DOT && defined(__AVX2__) && defined(__FMA__)
 #define HAVE_F32AVX2 1
-#include <immintrin.h>
 #else
 #define HAVE_F32AVX2 0
 #endif
@@ -151,14 +150,7 @@ INLINE void bf16_pass(const int NB, int mb, const uint16_t *w, int64_t ldw, int6
 
 INLINE __m256 wload8(const int WB, const void *w, int64_t i) {
     if (WB == 4) return _mm256_loadu_ps((const float *)w + i);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + i))), 16));
-}
-
-/* The eight lanes summed in one fixed order. */
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+    return lowbit_bf16_widen8(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + i)));
 }
 
 INLINE void f32_tile(const int WB, const int NB, const int MB, const void *w, int64_t ldw, int64_t K, const float *x,
@@ -188,7 +180,7 @@ INLINE void f32_tile(const int WB, const int NB, const int MB, const void *w, in
         }
     }
     for (int nb = 0; nb < NB; nb++)
-        for (int m = 0; m < MB; m++) out[m * NB + nb] = hsum8(acc[nb][m]);
+        for (int m = 0; m < MB; m++) out[m * NB + nb] = lowbit_hsum8(acc[nb][m]);
 }
 
 INLINE void f32_pass(const int WB, const int NB, int mb, const void *w, int64_t ldw, int64_t K, const float *x,

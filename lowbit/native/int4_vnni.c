@@ -42,7 +42,6 @@
    only (see the AVX2 section below). */
 #if !HAVE_I4VNNI && defined(__AVX2__) && defined(__FMA__)
 #define HAVE_I4AVX2 1
-#include <immintrin.h>
 #else
 #define HAVE_I4AVX2 0
 #endif
@@ -284,10 +283,12 @@ INLINE void vtiles2(const int TT, const int MB, const I4VWeight *w, int64_t t0, 
 
 static void vpass2(int tt, int mb, const I4VWeight *w, int64_t t0, const int8_t *xq, int64_t M, const float *xs,
                    const int32_t *xa, int64_t m0, float *tot) {
-    if (tt == 4) { vtiles2(4, 1, w, t0, xq, M, xs, xa, m0, tot); return; }
-    if (tt == 3) { vtiles2(3, 1, w, t0, xq, M, xs, xa, m0, tot); return; }
-    if (tt == 2) {
-        vtiles2(2, 1, w, t0, xq, M, xs, xa, m0, tot);
+    if (tt > 1) { /* vtile_runs2 puts tiles side by side only at one row */
+        switch (tt) {
+            case 2: vtiles2(2, 1, w, t0, xq, M, xs, xa, m0, tot); break;
+            case 3: vtiles2(3, 1, w, t0, xq, M, xs, xa, m0, tot); break;
+            default: vtiles2(4, 1, w, t0, xq, M, xs, xa, m0, tot); break;
+        }
         return;
     }
     switch (mb) {

@@ -2,7 +2,8 @@
    compiles them one by one, and every file's cache key includes this header's bytes).
 
    Only helpers that move bits or split work live here: bf16 conversions (integer operations, so
-   every caller's values are exactly what its own copy computed), lane masks, the OpenMP share of
+   every caller's values are exactly what its own copy computed), the AVX2 sections' fixed-order
+   horizontal sum, lane masks, the OpenMP share of
    a thread, the run-on-this-thread-or-fan-out loop and the int4 kernels' tile dispatch. No
    floating-point arithmetic is reordered by using them. */
 
@@ -12,7 +13,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #ifdef _OPENMP
@@ -76,6 +77,21 @@ static inline __m512i lowbit_bf16_bits16(__m512 x) {
 /* 16 bf16 values -> float32 (exact: a 16-bit shift). */
 static inline __m512 lowbit_bf16_widen16(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
+#if defined(__AVX2__)
+/* The AVX2 sections' shared pieces (CPUs without AVX-512). 8 bf16 values -> float32 (exact). */
+static inline __m256 lowbit_bf16_widen8(__m128i h) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* The eight lanes of v summed in one fixed order (halves, then pairs, then the last two), so
+   every caller's horizontal sums round alike. */
+static inline float lowbit_hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 #endif
 

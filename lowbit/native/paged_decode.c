@@ -74,17 +74,9 @@ static inline __m512 exp16(__m512 x) {
 /* Without AVX-512: 8-lane versions of the generic loops' dot products, value sums and softmax
    exponentials (no register-blocked versions; numbers of their own, batch-invariant the same way). */
 #define HAVE_AVX2_ATTN 1
-#include <immintrin.h>
 static inline __m256 load8(const void *p, int64_t i, int bf16) {
     if (!bf16) return _mm256_loadu_ps((const float *)p + i);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16));
-}
-
-/* The eight lanes summed in one fixed order. */
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+    return lowbit_bf16_widen8(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
 }
 
 /* exp16's reduction and polynomial in 8 lanes; 2^n built in the exponent bits (n >= -126 for
@@ -298,7 +290,7 @@ static void scores(const float *qv, int64_t nk, int64_t hc, int64_t D, int64_t l
                 __m256 lanes = _mm256_setzero_ps();
                 for (int64_t d = 0; d < D; d += 8)
                     lanes = _mm256_add_ps(lanes, _mm256_mul_ps(_mm256_loadu_ps(qh + d), load8(kpool, kb + d, bf16)));
-                sc[h * ml + j - lo] = hsum8(lanes) * scale;
+                sc[h * ml + j - lo] = lowbit_hsum8(lanes) * scale;
                 continue;
             }
 #endif
@@ -348,9 +340,9 @@ static float softmax_numerators(float *sc, int64_t n) {
             sc[i + j] = t[j];
             tail += t[j];
         }
-        return hsum8(sum) + tail;
+        return lowbit_hsum8(sum) + tail;
     }
-    return hsum8(sum);
+    return lowbit_hsum8(sum);
 #else
     float mx = -INFINITY, total = 0.0f;
     for (int64_t i = 0; i < n; i++) mx = sc[i] > mx ? sc[i] : mx;
