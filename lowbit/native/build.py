@@ -52,6 +52,7 @@ SOURCES: dict[str, str] = {
     "paged_decode": "the C paged decode attention",
     "rowops": "the C RMSNorm/activation row ops",
     "f32_dot": "batch-invariant float32 Linears",
+    "decode_layers": "the decoder layers of a decode step in one C call",
     "gptq_columns": "GPTQ's C column loop",
     "scale_search": "the C integer scale search",
 }

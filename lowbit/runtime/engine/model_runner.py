@@ -16,15 +16,22 @@ slice (`PROMPT_ROWS` rows of logits at a time) in the same forward, so a long pr
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from lowbit.errors import LowbitError
+from lowbit.runtime.engine import decode_chain
 from lowbit.runtime.engine.paged_attention import build_metadata
 from lowbit.runtime.engine.paged_cache import PagedKVCache
 
 PROMPT_ROWS = 64  # rows of [rows, V] logits alive at once while scoring a prompt
+CHAIN_ENV = "LOWBIT_NO_CHAIN"  # any value: decode steps go layer by layer through Python (for comparisons)
+
+
+def chain_enabled() -> bool:
+    return not os.environ.get(CHAIN_ENV)
 
 
 @dataclass(slots=True)
@@ -60,6 +67,8 @@ class ModelRunner:
         self.device = cache.device
         self.softcap = model.config.final_logit_softcapping
         self.num_forwards = 0
+        # steps of short items through all decoder layers in one C call, where the model allows
+        self.chained = decode_chain.build(model, cache) if chain_enabled() else None
 
     def run(self, works: list[Work]) -> torch.Tensor | None:
         """Logits [sum of num_logits, V] in work order (None when no item wants logits)."""
@@ -90,9 +99,12 @@ class ModelRunner:
         cache.meta = build_metadata(plan, cache.block_size, self.device, with_block_tables=self.device.type == "cuda",
                                     fused_decode=cache.fused_decode)
         try:
-            input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
             pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-            h = self.model.model(input_ids, pos, max_position, cache)[0]
+            if self.chained is not None and self.chained.usable(cache.meta):
+                h = self.chained.forward(ids, pos, max_position, cache.meta)
+            else:
+                input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
+                h = self.model.model(input_ids, pos, max_position, cache)[0]
         finally:
             cache.meta = None
         self.num_forwards += 1

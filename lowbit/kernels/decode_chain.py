@@ -1,0 +1,146 @@
+"""The decoder layers of an engine step in one C call (native/decode_layers.c): the structs it reads.
+
+A `DecodeChain` holds, per layer, the norm weights, the four projections (q|k|v joined, o,
+gate|up joined, down) as the C kernels take them, and the layer's KV pools; `run` computes a
+step of short items (decodes, speculative verifies) through all of them and the final norm.
+The C side only sequences the kernels the Python path calls (int4_vnni.c / int4_dot.c,
+f32_dot.c, rowops.c, paged_decode.c), with the same arguments, so the hidden states are bit for
+bit the Python path's; what it saves is the interpreter between ~7 calls a layer, and the OpenMP
+workers' sleep in those pauses (docs/kernels.md, "One call per step").
+
+This module knows kernels, not models: runtime/engine/decode_chain.py decides which model and
+cache can take it and hands over the weights.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from ctypes import c_float, c_int32, c_int64, c_void_p
+from dataclasses import dataclass
+
+import torch
+
+from lowbit.kernels import cpu_f32, cpu_int4dot
+from lowbit.kernels.prepared import PreparedWeight
+from lowbit.native import decode_layers, f32_dot, int4_dot, int4_vnni, paged_decode, rowops
+
+MAX_ROPES = 4  # decode_layers.c MAX_ROPES
+_INT4, _DENSE = 1, 2
+
+
+class ChainLinear(ctypes.Structure):
+    _fields_ = [("kind", c_int32), ("pad", c_int32), ("fn", c_void_p), ("w", c_void_p), ("bias", c_void_p),
+                ("n", c_int64), ("k", c_int64), ("ldw", c_int64)]
+
+
+class ChainLayer(ctypes.Structure):
+    _fields_ = [("norm_in", c_void_p), ("norm_post", c_void_p), ("qkv", ChainLinear), ("o", ChainLinear),
+                ("gate_up", ChainLinear), ("down", ChainLinear), ("kpool", c_void_p), ("vpool", c_void_p),
+                ("window", c_int64), ("rope", c_int64)]
+
+
+class Chain(ctypes.Structure):
+    _fields_ = [("rmsnorm", c_void_p), ("add_rmsnorm", c_void_p), ("act_mul", c_void_p), ("paged_decode", c_void_p),
+                ("layers", c_void_p), ("n_layers", c_int64), ("hidden", c_int64), ("heads", c_int64),
+                ("kv_heads", c_int64), ("head_dim", c_int64), ("inter", c_int64), ("block_size", c_int64),
+                ("eps", c_float), ("scale", c_float), ("unit_offset", c_int32), ("act", c_int32)]
+
+
+class ChainStep(ctypes.Structure):
+    _fields_ = [("rows", c_int64), ("nb", c_int64), ("pos", c_void_p), ("slots", c_void_p), ("items", c_void_p),
+                ("tables", c_void_p), ("cos", c_void_p * MAX_ROPES), ("sin", c_void_p * MAX_ROPES)]
+
+
+def _entry(lib, name: str) -> int:
+    return ctypes.cast(getattr(lib, name), c_void_p).value
+
+
+def available() -> bool:
+    return all(lib() is not None for lib in (decode_layers.library, rowops.library, paged_decode.library))
+
+
+@dataclass(slots=True)
+class Linear:
+    """One projection as the chain calls it; `keep` holds what its pointers point into."""
+
+    struct: ChainLinear
+    keep: object
+
+
+def int4_linear(pw: PreparedWeight) -> Linear | None:
+    """A cpu-int4dot prepared weight (either activation route), or None for any other path."""
+    if pw.path != cpu_int4dot.PATH or not cpu_int4dot.available():
+        return None
+    lib, name = (int4_vnni.library(), "lowbit_i4v_matmul") if pw.params["act"] == "int8" else (int4_dot.library(), "lowbit_i4_matmul")
+    n, k = pw.shape
+    return Linear(ChainLinear(_INT4, 0, _entry(lib, name), ctypes.addressof(pw.params["struct"]), None, n, k, 0), pw)
+
+
+def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear | None:
+    """A float32 or bf16-stored weight [N, K] (+ float32 bias) on f32_dot.c, as InvariantLinear runs
+    it for float32 rows; None where InvariantLinear would not call that kernel."""
+    if not cpu_f32.available() or weight.device.type != "cpu" or weight.stride(-1) != 1 or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if bias is not None and (bias.dtype is not torch.float32 or not bias.is_contiguous()):
+        return None
+    name = "lowbit_bf16w_matmul" if weight.dtype is torch.bfloat16 else "lowbit_f32_matmul"
+    n, k = weight.shape
+    struct = ChainLinear(_DENSE, 0, _entry(f32_dot.library(), name), weight.data_ptr(),
+                         None if bias is None else bias.data_ptr(), n, k, weight.stride(0))
+    return Linear(struct, (weight, bias))
+
+
+@dataclass(slots=True)
+class ChainLayerSpec:
+    norm_in: torch.Tensor  # float32 [hidden]
+    norm_post: torch.Tensor
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
+    key_pool: torch.Tensor  # [slots, kv_heads, head_dim] float32
+    value_pool: torch.Tensor
+    window: int | None
+    rope: int  # index into the step's cos/sin tables
+
+
+class DecodeChain:
+    """Layers of one model as decode_layers.c runs them. Dimensions: hidden, heads, kv_heads,
+    head_dim, inter (the MLP's width); eps and unit_offset of every norm; act 0 silu, 1 gelu_tanh."""
+
+    def __init__(self, layers: list[ChainLayerSpec], *, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int,
+                 block_size: int, eps: float, unit_offset: bool, act: int, scale: float):
+        self._keep = layers
+        self._layers = (ChainLayer * len(layers))()
+        for slot, spec in zip(self._layers, layers):
+            slot.norm_in, slot.norm_post = spec.norm_in.data_ptr(), spec.norm_post.data_ptr()
+            slot.qkv, slot.o, slot.gate_up, slot.down = spec.qkv.struct, spec.o.struct, spec.gate_up.struct, spec.down.struct
+            slot.kpool, slot.vpool = spec.key_pool.data_ptr(), spec.value_pool.data_ptr()
+            slot.window, slot.rope = spec.window or 0, spec.rope
+        rows = rowops.library()
+        self._chain = Chain(
+            _entry(rows, "lowbit_rmsnorm"), _entry(rows, "lowbit_add_rmsnorm"), _entry(rows, "lowbit_act_mul"),
+            _entry(paged_decode.library(), "lowbit_paged_decode"), ctypes.addressof(self._layers), len(layers),
+            hidden, heads, kv_heads, head_dim, inter, block_size, eps, scale, int(unit_offset), act)
+        self._run = decode_layers.library().lowbit_decode_layers
+        self.num_layers = len(layers)
+        self.hidden = hidden
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, items: torch.Tensor, tables: torch.Tensor,
+            cos: list[torch.Tensor], sin: list[torch.Tensor], final_norm: torch.Tensor | None,
+            first: int = 0, last: int | None = None) -> torch.Tensor:
+        """x [T, hidden] float32 rows (the embeddings; updated in place to the residual stream) ->
+        final_norm(stream) [T, hidden], or x itself without a final norm. positions, slots, items
+        [T] and tables [B, blocks] int64 as paged_attention.DecodeIndex has them; cos/sin per
+        rotary, [T, head_dim / 2] float32 contiguous."""
+        t = x.shape[0]
+        step = ChainStep(t, tables.shape[1], positions.data_ptr(), slots.data_ptr(), items.data_ptr(), tables.data_ptr())
+        for i, (c, s) in enumerate(zip(cos, sin)):
+            step.cos[i], step.sin[i] = c.data_ptr(), s.data_ptr()
+        out = x if final_norm is None else torch.empty_like(x)
+        rc = self._run(ctypes.byref(self._chain), ctypes.byref(step), first, self.num_layers if last is None else last,
+                       x.data_ptr(), None if final_norm is None else final_norm.data_ptr(), out.data_ptr(),
+                       torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"lowbit_decode_layers failed with code {rc}")
+        return out

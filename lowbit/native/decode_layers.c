@@ -1,0 +1,149 @@
+/* The decoder layers of one engine step in one call: Llama-family layers (pre-norm attention and
+   gated MLP) over the paged KV cache, for steps whose items are all short (decodes, speculative
+   verifies), in float32.
+
+   Why: a decode step of a small model is ~7 kernel calls per layer, each tens of microseconds.
+   Made from Python, every call paid the interpreter's and ctypes' fixed cost, and the pause between
+   two calls was long enough for the OpenMP workers to fall asleep, so each kernel also paid a
+   wake-up (measured on SmolLM2-135M int4, AVX2, 2 threads: the step took 23 ms, of which the int4
+   kernels were 4 ms in a tight loop). Here the same kernels run back to back from C.
+
+   Nothing is computed here: every step is a call of the very kernel the Python path calls
+   (native/int4_vnni.c or int4_dot.c, f32_dot.c, rowops.c, paged_decode.c), through the entry
+   point the caller passes, with the same arguments in the same order. So the result is bit for
+   bit the Python path's (runtime/models/llama.py `forward_deferred`, DecoderModel's final norm),
+   and stays batch-invariant as those kernels are.
+
+   Per layer, on rows x [M, hidden] (the residual stream, updated in place) and the residual r the
+   previous layer left pending (layer `first` has none):
+     x += r; h = norm_in(x)                      (rmsnorm alone for the first layer)
+     qkv = h W_qkv; attn = paged_decode(rope(q), rope(k) and v written at the rows' slots)
+     x += attn W_o; h = norm_post(x)
+     r = (act(h W_gate) * (h W_up)) W_down       (gate|up joined in one weight)
+   and after the last layer out = final_norm(x + r) (or x += r when there is no final norm). */
+
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "lowbit_native.h"
+
+/* The kernels' signatures (their own files document them). */
+typedef int (*int4_fn)(const void *w, const void *x, int x_bf16, int64_t ldx, int64_t M, void *y, int y_bf16, int64_t ldy,
+                       int threads);
+typedef int (*dense_fn)(const void *w, int64_t N, int64_t K, int64_t ldw, const float *bias, const float *x, int64_t ldx,
+                        int64_t M, float *y, int64_t ldy, int threads);
+typedef int (*rmsnorm_fn)(const void *x, int64_t x_stride, int64_t rows, int64_t heads, int64_t dim, const void *w, float eps,
+                          int unit_offset, int dtype, void *out, int64_t out_stride, int threads);
+typedef int (*add_rmsnorm_fn)(const void *x, int64_t x_stride, const void *r, int64_t r_stride, const void *r_w, int64_t rows,
+                              int64_t dim, const void *w, float eps, int unit_offset, int dtype, void *sum_out,
+                              int64_t sum_stride, void *out, int64_t out_stride, int threads);
+typedef int (*act_mul_fn)(const void *gate, int64_t gate_stride, const void *up, int64_t up_stride, int64_t rows, int64_t n,
+                          int act, int dtype, void *out, int64_t out_stride, int threads);
+typedef int (*paged_decode_fn)(const void *q, int64_t ldq, const void *k, int64_t ldk, const void *v, int64_t ldv,
+                               const void *cs, const void *sn, int dtype, const int64_t *pos, const int64_t *slots,
+                               const int64_t *item, const int64_t *tables, int64_t nb, void *kpool, void *vpool, void *out,
+                               int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t window, float scale,
+                               int threads);
+
+enum { LINEAR_INT4 = 1, LINEAR_DENSE = 2 };
+
+/* One projection: `fn` is lowbit_i4v_matmul / lowbit_i4_matmul (kind LINEAR_INT4, `w` its weight
+   struct) or lowbit_f32_matmul / lowbit_bf16w_matmul (LINEAR_DENSE, `w` the weight's data). */
+typedef struct {
+    int32_t kind, pad;
+    const void *fn;
+    const void *w;
+    const float *bias; /* dense only, or NULL */
+    int64_t n, k, ldw;
+} ChainLinear;
+
+typedef struct {
+    const float *norm_in, *norm_post;
+    ChainLinear qkv, o, gate_up, down;
+    void *kpool, *vpool; /* [slots, kv_heads, head_dim] float32 */
+    int64_t window;      /* 0: none */
+    int64_t rope;        /* index of this layer's cos/sin tables in the step */
+} ChainLayer;
+
+typedef struct {
+    const void *rmsnorm, *add_rmsnorm, *act_mul, *paged_decode;
+    const ChainLayer *layers;
+    int64_t n_layers, hidden, heads, kv_heads, head_dim, inter, block_size;
+    float eps, scale;
+    int32_t unit_offset, act;
+} Chain;
+
+#define MAX_ROPES 4
+
+/* What changes from step to step: the rows' positions, KV slots, items and block tables
+   (runtime/engine/paged_attention.py DecodeIndex), and the rotary tables [rows, head_dim / 2]. */
+typedef struct {
+    int64_t rows, nb;
+    const int64_t *pos, *slots, *items, *tables;
+    const float *cos[MAX_ROPES], *sin[MAX_ROPES];
+} ChainStep;
+
+static int linear(const ChainLinear *l, const float *x, int64_t ldx, int64_t M, float *y, int threads) {
+    if (l->kind == LINEAR_INT4) return ((int4_fn)l->fn)(l->w, x, 0, ldx, M, y, 0, l->n, threads);
+    if (l->kind == LINEAR_DENSE) return ((dense_fn)l->fn)(l->w, l->n, l->k, l->ldw, l->bias, x, ldx, M, y, l->n, threads);
+    return -100;
+}
+
+#define CHECK(call)               \
+    do {                          \
+        rc = (call);              \
+        if (rc != 0) goto done;   \
+    } while (0)
+
+/* Layers first..last-1 on x [rows, hidden] (float32, updated in place). With final_norm, out gets
+   final_norm(x + r) and x keeps x + r; without, x gets x + r and out is untouched. Returns 0, -1
+   for a malformed chain, -3 when out of memory, else the failing kernel's code. */
+int lowbit_decode_layers(const Chain *c, const ChainStep *s, int64_t first, int64_t last, float *x, const float *final_norm,
+                         float *out, int threads) {
+    const int64_t M = s->rows, H = c->hidden, D = c->head_dim;
+    const int64_t qs = c->heads * D, kvs = c->kv_heads * D, qkv_n = qs + 2 * kvs, I = c->inter;
+    if (M <= 0 || first < 0 || last > c->n_layers || first >= last) return -1;
+    const rmsnorm_fn rmsnorm = (rmsnorm_fn)c->rmsnorm;
+    const add_rmsnorm_fn add_rmsnorm = (add_rmsnorm_fn)c->add_rmsnorm;
+    const act_mul_fn act_mul = (act_mul_fn)c->act_mul;
+    const paged_decode_fn paged_decode = (paged_decode_fn)c->paged_decode;
+    float *h = malloc((size_t)(M * H) * sizeof(float));
+    float *qkv = malloc((size_t)(M * qkv_n) * sizeof(float));
+    float *att = malloc((size_t)(M * qs) * sizeof(float));
+    float *a = malloc((size_t)(M * H) * sizeof(float));
+    float *gu = malloc((size_t)(M * 2 * I) * sizeof(float));
+    float *act = malloc((size_t)(M * I) * sizeof(float));
+    float *r = malloc((size_t)(M * H) * sizeof(float));
+    int rc = -3;
+    if (!h || !qkv || !att || !a || !gu || !act || !r) goto done;
+    for (int64_t i = first; i < last; i++) {
+        const ChainLayer *L = c->layers + i;
+        if (L->qkv.n != qkv_n || L->gate_up.n != 2 * I || L->rope < 0 || L->rope >= MAX_ROPES || !s->cos[L->rope]) {
+            rc = -1;
+            goto done;
+        }
+        if (i == first) CHECK(rmsnorm(x, H, M, 1, H, L->norm_in, c->eps, c->unit_offset, 0, h, H, threads));
+        else CHECK(add_rmsnorm(x, H, r, H, NULL, M, H, L->norm_in, c->eps, c->unit_offset, 0, x, H, h, H, threads));
+        CHECK(linear(&L->qkv, h, H, M, qkv, threads));
+        CHECK(paged_decode(qkv, qkv_n, qkv + qs, qkv_n, qkv + qs + kvs, qkv_n, s->cos[L->rope], s->sin[L->rope], 0, s->pos,
+                           s->slots, s->items, s->tables, s->nb, L->kpool, L->vpool, att, M, c->heads, c->kv_heads, D,
+                           c->block_size, L->window, c->scale, threads));
+        CHECK(linear(&L->o, att, qs, M, a, threads));
+        CHECK(add_rmsnorm(x, H, a, H, NULL, M, H, L->norm_post, c->eps, c->unit_offset, 0, x, H, h, H, threads));
+        CHECK(linear(&L->gate_up, h, H, M, gu, threads));
+        CHECK(act_mul(gu, 2 * I, gu + I, 2 * I, M, I, c->act, 0, act, I, threads));
+        CHECK(linear(&L->down, act, I, M, r, threads));
+    }
+    if (final_norm) CHECK(add_rmsnorm(x, H, r, H, NULL, M, H, final_norm, c->eps, c->unit_offset, 0, x, H, out, H, threads));
+    else CHECK(add_rmsnorm(x, H, r, H, NULL, M, H, NULL, c->eps, c->unit_offset, 0, x, H, NULL, H, threads));
+    rc = 0;
+done:
+    free(h);
+    free(qkv);
+    free(att);
+    free(a);
+    free(gu);
+    free(act);
+    free(r);
+    return rc;
+}

@@ -1,0 +1,14 @@
+"""ctypes bindings of native/decode_layers.c: the Llama-family decoder layers of an engine step of
+short items in one call, through the other kernels' entry points (kernels/decode_chain.py builds
+its structs)."""
+
+from __future__ import annotations
+
+from lowbit.native import build
+from lowbit.native.build import I64, INT, P
+
+SIGNATURES = {
+    "lowbit_decode_layers": [P, P, I64, I64, P, P, P, INT],
+}
+
+library = build.binding("decode_layers", SIGNATURES)

@@ -1,0 +1,162 @@
+"""Which models and caches the one-call decode step (kernels/decode_chain.py) can run, and running it.
+
+`build(model, cache)` returns a `ChainedDecoder` when every decoder layer is one the C step
+computes exactly as the Python path would: a Llama-family layer (no q/k norm, a dense gated MLP
+with silu or gelu_tanh) whose q|k|v and gate|up are joined (runtime/models/fusion.py) and whose
+projections all run on cpu-int4dot or the batch-invariant dense kernel, float32 activations,
+the paged cache's fused CPU decode attention, and no embedding scale. Anything else returns None
+and the model's own forward runs (MoE, Gemma-3, bf16 compute, quantized KV, outlier side matrices,
+biases on quantized layers, kernels other than those two). `why_not(model, cache)` says which.
+
+The runner calls it for steps of short items only (decodes and speculative verifies, the steps
+whose metadata carries a `decode` index); prefill chunks keep the model's forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.modules import module as torch_module
+
+from lowbit.kernels import cpu_f32, cpu_rowops, decode_chain
+from lowbit.kernels.cpu_f32 import InvariantLinear
+from lowbit.runtime.engine.paged_attention import StepMetadata
+from lowbit.runtime.engine.paged_cache import PagedKVCache
+from lowbit.runtime.layers import GatedMLP
+from lowbit.runtime.models.fusion import JoinedDense, JoinedLinear
+from lowbit.runtime.models.llama import LlamaDecoderLayer
+from lowbit.runtime.quant_linear import QuantLinear
+
+
+class Unsupported(Exception):
+    """Why a model or cache cannot take the one-call step (a reason, never shown as an error)."""
+
+
+def _linear(module) -> decode_chain.Linear:
+    if isinstance(module, JoinedLinear):
+        found = decode_chain.int4_linear(module.prepared)
+    elif isinstance(module, JoinedDense):
+        return _linear(module.linear)
+    elif type(module) is QuantLinear:
+        if module.outliers is not None or module.bias is not None:
+            raise Unsupported("a quantized projection with an outlier matrix or a bias")
+        found = decode_chain.int4_linear(module.prepared)
+    elif type(module) is InvariantLinear:
+        found = decode_chain.dense_linear(module.weight, module.bias)
+    else:
+        raise Unsupported(f"a {type(module).__name__} projection")
+    if found is None:
+        raise Unsupported("a projection on a kernel other than cpu-int4dot or the dense float32 one")
+    return found
+
+
+def _check_model(model, cache) -> None:
+    inner = model.model
+    if not decode_chain.available() or not cpu_f32.available():
+        raise Unsupported("the C kernels are not built")
+    if not isinstance(cache, PagedKVCache) or not cache.fused_decode or cache.kv_dtype is not None or cache.dtype is not torch.float32:
+        raise Unsupported("not the paged float32 cache with its fused CPU decode attention")
+    if inner.scale_embeddings:
+        raise Unsupported("an embedding scale (Gemma)")
+    if len(inner.rotaries) > decode_chain.MAX_ROPES or not inner.layers:
+        raise Unsupported(f"more than {decode_chain.MAX_ROPES} rotary tables, or no layers")
+    norms = [inner.norm] + [n for layer in inner.layers for n in (getattr(layer, "input_layernorm", None),
+                                                                  getattr(layer, "post_attention_layernorm", None))]
+    if any(n is None or n.eps != inner.norm.eps or n.unit_offset != inner.norm.unit_offset
+           or n.weight.dtype is not torch.float32 or not n.weight.is_contiguous() for n in norms):
+        raise Unsupported("norms of another dtype, eps or kind")
+
+
+def _layer_spec(layer, rope: int, cache: PagedKVCache) -> decode_chain.ChainLayerSpec:
+    if type(layer) is not LlamaDecoderLayer:
+        raise Unsupported(f"a {type(layer).__name__}")
+    attn, mlp = layer.self_attn, layer.mlp
+    if attn.q_norm is not None or attn.fused_qkv is None:
+        raise Unsupported("q/k norms, or q/k/v not joined")
+    if type(mlp) is not GatedMLP or mlp.fused_gate_up is None or mlp.act_name is None:
+        raise Unsupported("a sparse or unjoined MLP, or an activation the C row op lacks")
+    return decode_chain.ChainLayerSpec(
+        norm_in=layer.input_layernorm.weight.data, norm_post=layer.post_attention_layernorm.weight.data,
+        qkv=_linear(attn.fused_qkv), o=_linear(attn.o_proj), gate_up=_linear(mlp.fused_gate_up), down=_linear(mlp.down_proj),
+        key_pool=cache.keys[attn.layer], value_pool=cache.values[attn.layer], window=attn.window, rope=rope)
+
+
+def _modules(model) -> list:
+    """The modules whose weights a chain holds: a swap of any of them (draft quantization in place,
+    fuse_projections again) makes the chain stale."""
+    found = [model.model.embed_tokens, model.model.norm]
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        found += [layer, attn.fused_qkv, attn.o_proj, getattr(mlp, "fused_gate_up", None), getattr(mlp, "down_proj", None)]
+    return found
+
+
+class ChainedDecoder:
+    """The decoder layers and final norm of `model` for the runner's steps of short items; rebuilt
+    when the model's modules were swapped since, and given up when they no longer fit."""
+
+    def __init__(self, model, cache: PagedKVCache):
+        self.model = model
+        self.cache = cache
+        self.chain: decode_chain.DecodeChain | None = _chain(model, cache)
+        self._built_from = _modules(model)
+
+    def usable(self, meta: StepMetadata) -> bool:
+        """Whether this step can take the C call: short items only, no forward hooks (calibration
+        and tests hook modules, as DecoderModel's deferred path checks), the same modules."""
+        if meta.decode is None or torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+            return False
+        inner = self.model.model
+        if any(layer._forward_hooks or layer._forward_pre_hooks for layer in inner.layers):
+            return False
+        now = _modules(self.model)
+        if len(now) != len(self._built_from) or any(a is not b for a, b in zip(now, self._built_from)):
+            self._built_from = now
+            try:
+                self.chain = _chain(self.model, self.cache)
+            except Unsupported:
+                self.chain = None
+        return self.chain is not None
+
+    def forward(self, ids: list[int], positions: torch.Tensor, max_position: int, meta: StepMetadata) -> torch.Tensor:
+        """Hidden states after the final norm, [T, hidden] float32, as DecoderModel.forward gives them."""
+        inner = self.model.model
+        h = inner.embed_tokens(torch.tensor(ids, dtype=torch.long))
+        if h.dtype is not torch.float32:
+            h = h.float()  # a table kept in bf16 for the tied head: exact
+        half = inner.rotaries[0].inv_freq.numel()
+        cos, sin = [], []
+        for rotary in inner.rotaries:
+            c, s = rotary.cos_sin(positions, max_position, torch.float32)
+            cos.append(c.reshape(-1, half).contiguous())
+            sin.append(s.reshape(-1, half).contiguous())
+        d = meta.decode
+        return self.chain.run(h, d.positions, meta.slot_mapping, d.items, d.tables, cos, sin, inner.norm.weight.data)
+
+
+def build(model, cache) -> ChainedDecoder | None:
+    try:
+        return ChainedDecoder(model, cache)
+    except Unsupported:
+        return None
+
+
+def why_not(model, cache) -> str | None:
+    """None when `build` succeeds, else the reason it does not."""
+    try:
+        _chain(model, cache)
+    except Unsupported as e:
+        return str(e)
+    return None
+
+
+def _chain(model, cache) -> decode_chain.DecodeChain:
+    _check_model(model, cache)
+    inner = model.model
+    specs = [_layer_spec(layer, rope, cache) for layer, rope in zip(inner.layers, inner.layer_rotary)]
+    first = inner.layers[0]
+    attn, mlp = first.self_attn, first.mlp
+    config = model.config
+    return decode_chain.DecodeChain(
+        specs, hidden=config.hidden_size, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
+        head_dim=attn.head_dim, inter=mlp.down_proj.in_features, block_size=cache.block_size, eps=inner.norm.eps,
+        unit_offset=inner.norm.unit_offset, act=cpu_rowops.ACTS[mlp.act_name], scale=attn.scale)

@@ -1,0 +1,106 @@
+"""The one-call decode step (native/decode_layers.c through runtime/engine/decode_chain.py): every
+step it takes gives hidden states bit for bit equal to the model's own forward over the same cache,
+for dense float32 models (float32 and bf16-stored weights), int4 models, batched decode rows,
+speculative verifies and the self:layers draft; models it cannot run say why and keep their path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowbit.kernels import cpu_f32, cpu_int4dot, decode_chain as kernel_chain
+from lowbit.runtime.engine import decode_chain
+from lowbit.runtime.engine.draft_models import quantize_linears_
+from lowbit.runtime.engine.engine import Engine
+from lowbit.runtime.engine.sequence import SamplingParams
+from tests.runtime.engine.test_engine import prompts
+
+pytestmark = pytest.mark.skipif(not (kernel_chain.available() and cpu_f32.available()),
+                                reason="the C kernels of the one-call step are not built here")
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def _checked(runner) -> list[int]:
+    """Make every chained step of `runner` also run the model's forward over the same cache and
+    compare bit for bit; returns a list that collects each checked step's row count."""
+    chained = runner.chained
+    real = chained.forward
+    rows: list[int] = []
+
+    def both(ids, positions, max_position, meta):
+        got = real(ids, positions, max_position, meta).clone()
+        # the Python path writes the same K/V at the same slots, so running it second is harmless
+        want = runner.model.model(torch.tensor([ids]), positions, max_position, runner.cache)[0]
+        assert torch.equal(got, want), f"chained step of {len(ids)} rows differs from the model's forward"
+        rows.append(len(ids))
+        return got
+
+    chained.forward = both
+    return rows
+
+
+def _engine(path, quantize: str | None = None, **kw) -> Engine:
+    engine = Engine(path, kv_memory=4 << 20, **kw)
+    if quantize:
+        quantize_linears_(engine.model, quantize, engine.device)
+    return engine
+
+
+@pytest.mark.parametrize("weights", ["bf16-stored", "float32", "int4"])
+def test_chained_steps_equal_the_model_forward(tiny_float_model, weights):
+    if weights == "int4" and not cpu_int4dot.available():
+        pytest.skip("no int4 kernel on this machine")
+    path = tiny_float_model(dtype=torch.float32 if weights == "float32" else torch.bfloat16, layers=3)
+    engine = _engine(path, "int4-g32" if weights == "int4" else None)
+    assert decode_chain.why_not(engine.model, engine.cache) is None
+    rows = _checked(engine.runner)
+    outs = engine.generate(prompts(4), GREEDY)
+    kind = {"int4": 1, "bf16-stored": 2, "float32": 2}[weights]  # (int4: rebuilt after the in-place quantization)
+    assert engine.runner.chained.chain._keep[0].qkv.struct.kind == kind
+    assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
+    assert rows and max(rows) > 1  # batched decode rows went through the chain, each checked
+    # and the tokens equal a run with the chain off
+    plain = _engine(path, "int4-g32" if weights == "int4" else None)
+    plain.runner.chained = None
+    assert [o.token_ids for o in plain.generate(prompts(4), GREEDY)] == [o.token_ids for o in outs]
+
+
+def test_speculative_verifies_and_the_layer_draft_take_the_chain(tiny_float_model):
+    path = tiny_float_model(layers=3)
+    engine = _engine(path, draft="self:layers=1", num_speculative_tokens=3)
+    target_rows = _checked(engine.runner)
+    draft_rows = _checked(engine.drafter.runner)
+    assert engine.drafter.runner.chained.chain.num_layers == 1
+    ps = [p + p for p in prompts(3)]
+    got = [o.token_ids for o in engine.generate(ps, GREEDY)]
+    assert any(r > 3 for r in target_rows)  # verifies of several rows per sequence
+    assert draft_rows
+    plain = _engine(path)
+    plain.runner.chained = None
+    assert got == [o.token_ids for o in plain.generate(ps, GREEDY)]
+
+
+def test_a_swapped_module_rebuilds_the_chain(tiny_float_model):
+    if not cpu_int4dot.available():
+        pytest.skip("no int4 kernel on this machine")
+    engine = _engine(tiny_float_model())
+    before = engine.runner.chained.chain
+    quantize_linears_(engine.model, "int4-g32", engine.device)  # after the engine was built (bench/decode.py does)
+    rows = _checked(engine.runner)
+    engine.generate(prompts(2), GREEDY)
+    assert rows and engine.runner.chained.chain is not before
+    assert engine.runner.chained.chain._keep[0].qkv.struct.kind == 1
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("gemma3", "embedding scale"),
+    ("bf16", "float32 cache"),
+    ("kv-int8", "float32 cache"),
+])
+def test_models_it_cannot_run_say_why_and_keep_their_path(tiny_float_model, case, reason):
+    path = tiny_float_model(family="gemma3" if case == "gemma3" else "llama")
+    kw = {"dtype": "bfloat16"} if case == "bf16" else {"kv_dtype": "int8"} if case == "kv-int8" else {}
+    engine = _engine(path, **kw)
+    assert reason in decode_chain.why_not(engine.model, engine.cache)
+    assert engine.runner.chained is None
+    assert len(engine.generate(prompts(1), GREEDY)[0].token_ids) == GREEDY.max_tokens
