@@ -20,14 +20,16 @@
 #include <omp.h>
 #endif
 
-/* Always inlined, so that callers passing constants get their own unrolled copies. */
+/* Always inlined, so that callers passing constants get their own unrolled copies (and a loop
+   calling the element helpers below stays a loop the compiler vectorizes: left to itself, gcc kept
+   lowbit_load as a call inside rowops.c's activation loop). */
 #define INLINE static inline __attribute__((always_inline))
 
 /* ---- bf16 (the upper half of a float32), scalar ------------------------------------------- */
 
 /* float32 -> bf16 bits: round to nearest even; NaN stays a quiet NaN (torch's rounding). A
    select, not a branch, so loops calling it vectorize. */
-static inline uint16_t lowbit_bf16_bits(float f) {
+INLINE uint16_t lowbit_bf16_bits(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
     const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
@@ -35,7 +37,7 @@ static inline uint16_t lowbit_bf16_bits(float f) {
 }
 
 /* bf16 bits -> float32 (exact). */
-static inline float lowbit_bf16_float(uint16_t h) {
+INLINE float lowbit_bf16_float(uint16_t h) {
     const uint32_t u = (uint32_t)h << 16;
     float f;
     memcpy(&f, &u, 4);
@@ -43,16 +45,16 @@ static inline float lowbit_bf16_float(uint16_t h) {
 }
 
 /* f rounded to bf16, as float32 (torch's x.to(bfloat16).float()). */
-static inline float lowbit_bf16_round(float f) { return lowbit_bf16_float(lowbit_bf16_bits(f)); }
+INLINE float lowbit_bf16_round(float f) { return lowbit_bf16_float(lowbit_bf16_bits(f)); }
 
 /* Element i of a float32 (bf16 = 0) or bf16 (bf16 = 1) array, as float32. */
-static inline float lowbit_load(const void *p, int64_t i, int bf16) {
+INLINE float lowbit_load(const void *p, int64_t i, int bf16) {
     if (!bf16) return ((const float *)p)[i];
     return lowbit_bf16_float(((const uint16_t *)p)[i]);
 }
 
 /* f stored as element i of a float32 or bf16 array (bf16: rounded to nearest even). */
-static inline void lowbit_store(void *p, int64_t i, float f, int bf16) {
+INLINE void lowbit_store(void *p, int64_t i, float f, int bf16) {
     if (bf16) ((uint16_t *)p)[i] = lowbit_bf16_bits(f);
     else ((float *)p)[i] = f;
 }

@@ -72,7 +72,8 @@ static inline __m512 exp16(__m512 x) {
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 /* Without AVX-512: 8-lane versions of the generic loops' dot products, value sums and softmax
-   exponentials (no register-blocked versions; numbers of their own, batch-invariant the same way). */
+   exponentials (numbers of their own, batch-invariant the same way), the dot products four
+   positions side by side and the value sums in registers (same bits as the plain 8-lane loops). */
 #define HAVE_AVX2_ATTN 1
 static inline __m256 load8(const void *p, int64_t i, int bf16) {
     if (!bf16) return _mm256_loadu_ps((const float *)p + i);
@@ -243,6 +244,47 @@ static inline __attribute__((always_inline)) void scores_regs(const int NV, cons
 }
 #endif
 
+#ifdef HAVE_AVX2_ATTN
+#define SCORE_BLOCK 4 /* positions whose dot products run side by side */
+/* The generic AVX2 loop's dot products (below), SCORE_BLOCK positions at a time: each (position,
+   head) gets the very same operations (a chain of 8-lane multiply, then add, from zero, then
+   lowbit_hsum8), but four independent chains keep the adder busy where one waited on its own
+   latency. Returns the first position left to the generic loop. */
+static int64_t scores_avx2_blocks(const float *qv, int64_t nk, int64_t hc, int64_t D, int64_t lo, int64_t p, const int64_t *bt,
+                                  int64_t block_size, int64_t row, int64_t off, const void *kpool, const void *vpool, int bf16,
+                                  float scale, float *sc, int64_t ml, int64_t bytes, int fetch_values) {
+    const int esize = bf16 ? 2 : 4;
+    int64_t j = lo;
+    for (; j + SCORE_BLOCK - 1 <= p; j += SCORE_BLOCK) {
+        int64_t base[SCORE_BLOCK];
+        for (int b = 0; b < SCORE_BLOCK; b++) {
+            base[b] = slot_of(bt, j + b, block_size) * row + off;
+            if (j + b + PREFETCH_AHEAD <= p)
+                prefetch_row(kpool, slot_of(bt, j + b + PREFETCH_AHEAD, block_size) * row + off, bytes, esize);
+            if (fetch_values) prefetch_row(vpool, base[b], bytes, esize);
+        }
+        for (int64_t h = 0; h < nk * hc; h++) {
+            const int64_t kh = (h / hc) * D;
+            const float *qh = qv + h * D;
+            __m256 l0 = _mm256_setzero_ps(), l1 = _mm256_setzero_ps(), l2 = _mm256_setzero_ps(), l3 = _mm256_setzero_ps();
+            for (int64_t d = 0; d < D; d += 8) {
+                const __m256 q = _mm256_loadu_ps(qh + d);
+                l0 = _mm256_add_ps(l0, _mm256_mul_ps(q, load8(kpool, base[0] + kh + d, bf16)));
+                l1 = _mm256_add_ps(l1, _mm256_mul_ps(q, load8(kpool, base[1] + kh + d, bf16)));
+                l2 = _mm256_add_ps(l2, _mm256_mul_ps(q, load8(kpool, base[2] + kh + d, bf16)));
+                l3 = _mm256_add_ps(l3, _mm256_mul_ps(q, load8(kpool, base[3] + kh + d, bf16)));
+            }
+            float *sh = sc + h * ml + j - lo;
+            sh[0] = lowbit_hsum8(l0) * scale;
+            sh[1] = lowbit_hsum8(l1) * scale;
+            sh[2] = lowbit_hsum8(l2) * scale;
+            sh[3] = lowbit_hsum8(l3) * scale;
+        }
+    }
+    return j;
+}
+#endif
+
 /* Query-key scores against positions lo..p for nk consecutive KV heads (from element `off` of a
    pool row) with hc query heads each: head k * hc + g has its rotated query at qv[(k * hc + g) * D]
    and gets sc[(k * hc + g) * ml + j - lo] = (q . k_j) * scale. A position's keys are read once
@@ -270,7 +312,12 @@ static void scores(const float *qv, int64_t nk, int64_t hc, int64_t D, int64_t l
 #undef SR
     }
 #endif
-    for (int64_t j = lo; j <= p; j++) {
+    int64_t j = lo;
+#ifdef HAVE_AVX2_ATTN
+    if (D % 8 == 0) j = scores_avx2_blocks(qv, nk, hc, D, lo, p, bt, block_size, row, off, kpool, vpool, bf16, scale, sc, ml,
+                                           bytes, fetch_values);
+#endif
+    for (; j <= p; j++) {
         const int64_t base = slot_of(bt, j, block_size) * row + off;
         if (j + PREFETCH_AHEAD <= p) prefetch_row(kpool, slot_of(bt, j + PREFETCH_AHEAD, block_size) * row + off, bytes, esize);
         if (fetch_values) prefetch_row(vpool, base, bytes, esize);
@@ -389,6 +436,25 @@ static void values(const float *e, int64_t hc, int64_t ml, int64_t D, int64_t lo
 #define VR(NV, HC) values_regs(NV, HC, e, ml, lo, p, bt, block_size, row, off, vpool, bf16, acc)
         BY_HEADS(D, hc, VR);
 #undef VR
+    }
+#endif
+#ifdef HAVE_AVX2_ATTN
+    if (D % 64 == 0) {
+        /* The generic loop's sums (each element: multiply, then add, position by position) with
+           the accumulators of one head's 64-value slice in registers instead of in acc, where
+           every position's add waited on the previous one's store. */
+        for (int64_t g = 0; g < hc; g++)
+            for (int64_t d0 = 0; d0 < D; d0 += 64) {
+                __m256 a[8];
+                for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+                for (int64_t j = lo; j <= p; j++) {
+                    const int64_t base = slot_of(bt, j, block_size) * row + off + d0;
+                    const __m256 ev = _mm256_set1_ps(e[g * ml + j - lo]);
+                    for (int i = 0; i < 8; i++) a[i] = _mm256_add_ps(a[i], _mm256_mul_ps(ev, load8(vpool, base + 8 * i, bf16)));
+                }
+                for (int i = 0; i < 8; i++) _mm256_storeu_ps(acc + g * D + d0 + 8 * i, a[i]);
+            }
+        return;
     }
 #endif
     for (int64_t i = 0; i < hc * D; i++) acc[i] = 0.0f;
