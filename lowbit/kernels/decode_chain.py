@@ -34,9 +34,10 @@ class ChainLinear(ctypes.Structure):
 
 
 class ChainLayer(ctypes.Structure):
-    _fields_ = [("norm_in", c_void_p), ("norm_post", c_void_p), ("qkv", ChainLinear), ("o", ChainLinear),
+    _fields_ = [("norm_in", c_void_p), ("norm_mlp", c_void_p), ("qkv", ChainLinear), ("o", ChainLinear),
                 ("gate_up", ChainLinear), ("down", ChainLinear), ("kpool", c_void_p), ("vpool", c_void_p),
-                ("window", c_int64), ("rope", c_int64)]
+                ("window", c_int64), ("rope", c_int64), ("q_norm", c_void_p), ("k_norm", c_void_p),
+                ("q_norm_width", c_int64), ("k_norm_width", c_int64), ("post_attn", c_void_p), ("post_ffn", c_void_p)]
 
 
 class Chain(ctypes.Structure):
@@ -92,8 +93,10 @@ def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear | No
 
 @dataclass(slots=True)
 class ChainLayerSpec:
-    norm_in: torch.Tensor  # float32 [hidden]
-    norm_post: torch.Tensor
+    """One decoder layer; norms are float32 weights [width] sharing the chain's eps and offset rule."""
+
+    norm_in: torch.Tensor  # before attention
+    norm_mlp: torch.Tensor  # before the MLP
     qkv: Linear
     o: Linear
     gate_up: Linear
@@ -102,6 +105,14 @@ class ChainLayerSpec:
     value_pool: torch.Tensor
     window: int | None
     rope: int  # index into the step's cos/sin tables
+    q_norm: torch.Tensor | None = None  # per head ([head_dim]) or over the whole projection
+    k_norm: torch.Tensor | None = None
+    post_attn: torch.Tensor | None = None  # Gemma's norms of the attention and MLP outputs
+    post_ffn: torch.Tensor | None = None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 class DecodeChain:
@@ -113,10 +124,14 @@ class DecodeChain:
         self._keep = layers
         self._layers = (ChainLayer * len(layers))()
         for slot, spec in zip(self._layers, layers):
-            slot.norm_in, slot.norm_post = spec.norm_in.data_ptr(), spec.norm_post.data_ptr()
+            slot.norm_in, slot.norm_mlp = spec.norm_in.data_ptr(), spec.norm_mlp.data_ptr()
             slot.qkv, slot.o, slot.gate_up, slot.down = spec.qkv.struct, spec.o.struct, spec.gate_up.struct, spec.down.struct
             slot.kpool, slot.vpool = spec.key_pool.data_ptr(), spec.value_pool.data_ptr()
             slot.window, slot.rope = spec.window or 0, spec.rope
+            slot.q_norm, slot.k_norm = _ptr(spec.q_norm), _ptr(spec.k_norm)
+            slot.q_norm_width = 0 if spec.q_norm is None else spec.q_norm.numel()
+            slot.k_norm_width = 0 if spec.k_norm is None else spec.k_norm.numel()
+            slot.post_attn, slot.post_ffn = _ptr(spec.post_attn), _ptr(spec.post_ffn)
         rows = rowops.library()
         self._chain = Chain(
             _entry(rows, "lowbit_rmsnorm"), _entry(rows, "lowbit_add_rmsnorm"), _entry(rows, "lowbit_act_mul"),

@@ -1,6 +1,6 @@
-/* The decoder layers of one engine step in one call: Llama-family layers (pre-norm attention and
-   gated MLP) over the paged KV cache, for steps whose items are all short (decodes, speculative
-   verifies), in float32.
+/* The decoder layers of one engine step in one call: Llama-family and Gemma-3 layers (pre-norm
+   attention and gated MLP, optional q/k norms and Gemma's post-norms) over the paged KV cache, for
+   steps whose items are all short (decodes, speculative verifies), in float32.
 
    Why: a decode step of a small model is ~7 kernel calls per layer, each tens of microseconds.
    Made from Python, every call paid the interpreter's and ctypes' fixed cost, and the pause between
@@ -11,16 +11,19 @@
    Nothing is computed here: every step is a call of the very kernel the Python path calls
    (native/int4_vnni.c or int4_dot.c, f32_dot.c, rowops.c, paged_decode.c), through the entry
    point the caller passes, with the same arguments in the same order. So the result is bit for
-   bit the Python path's (runtime/models/llama.py `forward_deferred`, DecoderModel's final norm),
-   and stays batch-invariant as those kernels are.
+   bit the Python path's (the layers' `forward_deferred`, DecoderModel's final norm), and stays
+   batch-invariant as those kernels are.
 
    Per layer, on rows x [M, hidden] (the residual stream, updated in place) and the residual r the
-   previous layer left pending (layer `first` has none):
-     x += r; h = norm_in(x)                      (rmsnorm alone for the first layer)
-     qkv = h W_qkv; attn = paged_decode(rope(q), rope(k) and v written at the rows' slots)
-     x += attn W_o; h = norm_post(x)
+   previous layer left pending (layer `first` has none; P is the previous layer's post_ffn norm,
+   the identity when it has none):
+     x += P(r); h = norm_in(x)                   (rmsnorm alone for the first layer)
+     qkv = h W_qkv; q, k = q_norm(q), k_norm(k)  (when the layer has them)
+     attn = paged_decode(rope(q), rope(k) and v written at the rows' slots)
+     x += post_attn(attn W_o); h = norm_mlp(x)   (post_attn: Gemma's, else the identity)
      r = (act(h W_gate) * (h W_up)) W_down       (gate|up joined in one weight)
-   and after the last layer out = final_norm(x + r) (or x += r when there is no final norm). */
+   and after the last layer out = final_norm(x + P(r)) (or x += P(r) when there is no final norm).
+   These are runtime/models/llama.py's and gemma3.py's `forward_deferred`. */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -58,11 +61,17 @@ typedef struct {
 } ChainLinear;
 
 typedef struct {
-    const float *norm_in, *norm_post;
+    const float *norm_in;  /* before attention */
+    const float *norm_mlp; /* before the MLP (Llama's post_attention_layernorm, Gemma's pre_feedforward) */
     ChainLinear qkv, o, gate_up, down;
     void *kpool, *vpool; /* [slots, kv_heads, head_dim] float32 */
     int64_t window;      /* 0: none */
     int64_t rope;        /* index of this layer's cos/sin tables in the step */
+    /* optional (NULL: none): q/k RMSNorm over slices of q_norm_width / k_norm_width values (a head,
+       or the whole projection), and Gemma's norms of the attention and MLP outputs */
+    const float *q_norm, *k_norm;
+    int64_t q_norm_width, k_norm_width;
+    const float *post_attn, *post_ffn;
 } ChainLayer;
 
 typedef struct {
@@ -114,30 +123,49 @@ int lowbit_decode_layers(const Chain *c, const ChainStep *s, int64_t first, int6
     float *gu = malloc((size_t)(M * 2 * I) * sizeof(float));
     float *act = malloc((size_t)(M * I) * sizeof(float));
     float *r = malloc((size_t)(M * H) * sizeof(float));
+    float *qn = malloc((size_t)(M * qs) * sizeof(float));
+    float *kn = malloc((size_t)(M * kvs) * sizeof(float));
     int rc = -3;
-    if (!h || !qkv || !att || !a || !gu || !act || !r) goto done;
+    if (!h || !qkv || !att || !a || !gu || !act || !r || !qn || !kn) goto done;
+    const float *pending_norm = NULL; /* the previous layer's post_ffn: applied to r in the next add */
     for (int64_t i = first; i < last; i++) {
         const ChainLayer *L = c->layers + i;
-        if (L->qkv.n != qkv_n || L->gate_up.n != 2 * I || L->rope < 0 || L->rope >= MAX_ROPES || !s->cos[L->rope]) {
+        if (L->qkv.n != qkv_n || L->gate_up.n != 2 * I || L->rope < 0 || L->rope >= MAX_ROPES || !s->cos[L->rope]
+            || (L->q_norm && (L->q_norm_width <= 0 || qs % L->q_norm_width)) || (L->k_norm && (L->k_norm_width <= 0 || kvs % L->k_norm_width))) {
             rc = -1;
             goto done;
         }
         if (i == first) CHECK(rmsnorm(x, H, M, 1, H, L->norm_in, c->eps, c->unit_offset, 0, h, H, threads));
-        else CHECK(add_rmsnorm(x, H, r, H, NULL, M, H, L->norm_in, c->eps, c->unit_offset, 0, x, H, h, H, threads));
+        else CHECK(add_rmsnorm(x, H, r, H, pending_norm, M, H, L->norm_in, c->eps, c->unit_offset, 0, x, H, h, H, threads));
         CHECK(linear(&L->qkv, h, H, M, qkv, threads));
-        CHECK(paged_decode(qkv, qkv_n, qkv + qs, qkv_n, qkv + qs + kvs, qkv_n, s->cos[L->rope], s->sin[L->rope], 0, s->pos,
-                           s->slots, s->items, s->tables, s->nb, L->kpool, L->vpool, att, M, c->heads, c->kv_heads, D,
-                           c->block_size, L->window, c->scale, threads));
+        const float *q = qkv, *k = qkv + qs;
+        int64_t ldq = qkv_n, ldk = qkv_n;
+        if (L->q_norm) {
+            CHECK(rmsnorm(qkv, qkv_n, M, qs / L->q_norm_width, L->q_norm_width, L->q_norm, c->eps, c->unit_offset, 0, qn, qs, threads));
+            q = qn, ldq = qs;
+        }
+        if (L->k_norm) {
+            CHECK(rmsnorm(qkv + qs, qkv_n, M, kvs / L->k_norm_width, L->k_norm_width, L->k_norm, c->eps, c->unit_offset, 0, kn, kvs,
+                          threads));
+            k = kn, ldk = kvs;
+        }
+        CHECK(paged_decode(q, ldq, k, ldk, qkv + qs + kvs, qkv_n, s->cos[L->rope], s->sin[L->rope], 0, s->pos, s->slots, s->items,
+                           s->tables, s->nb, L->kpool, L->vpool, att, M, c->heads, c->kv_heads, D, c->block_size, L->window,
+                           c->scale, threads));
         CHECK(linear(&L->o, att, qs, M, a, threads));
-        CHECK(add_rmsnorm(x, H, a, H, NULL, M, H, L->norm_post, c->eps, c->unit_offset, 0, x, H, h, H, threads));
+        CHECK(add_rmsnorm(x, H, a, H, L->post_attn, M, H, L->norm_mlp, c->eps, c->unit_offset, 0, x, H, h, H, threads));
         CHECK(linear(&L->gate_up, h, H, M, gu, threads));
         CHECK(act_mul(gu, 2 * I, gu + I, 2 * I, M, I, c->act, 0, act, I, threads));
         CHECK(linear(&L->down, act, I, M, r, threads));
+        pending_norm = L->post_ffn;
     }
-    if (final_norm) CHECK(add_rmsnorm(x, H, r, H, NULL, M, H, final_norm, c->eps, c->unit_offset, 0, x, H, out, H, threads));
-    else CHECK(add_rmsnorm(x, H, r, H, NULL, M, H, NULL, c->eps, c->unit_offset, 0, x, H, NULL, H, threads));
+    if (final_norm)
+        CHECK(add_rmsnorm(x, H, r, H, pending_norm, M, H, final_norm, c->eps, c->unit_offset, 0, x, H, out, H, threads));
+    else CHECK(add_rmsnorm(x, H, r, H, pending_norm, M, H, NULL, c->eps, c->unit_offset, 0, x, H, NULL, H, threads));
     rc = 0;
 done:
+    free(qn);
+    free(kn);
     free(h);
     free(qkv);
     free(att);

@@ -1,12 +1,13 @@
 """Which models and caches the one-call decode step (kernels/decode_chain.py) can run, and running it.
 
 `build(model, cache)` returns a `ChainedDecoder` when every decoder layer is one the C step
-computes exactly as the Python path would: a Llama-family layer (no q/k norm, a dense gated MLP
-with silu or gelu_tanh) whose q|k|v and gate|up are joined (runtime/models/fusion.py) and whose
-projections all run on cpu-int4dot or the batch-invariant dense kernel, float32 activations,
-the paged cache's fused CPU decode attention, and no embedding scale. Anything else returns None
-and the model's own forward runs (MoE, Gemma-3, bf16 compute, quantized KV, outlier side matrices,
-biases on quantized layers, kernels other than those two). `why_not(model, cache)` says which.
+computes exactly as the Python path would: a Llama-family or Gemma-3 layer (q/k norms and Gemma's
+post-norms included) with a dense gated MLP (silu or gelu_tanh), whose q|k|v and gate|up are
+joined (runtime/models/fusion.py) and whose projections all run on cpu-int4dot or the
+batch-invariant dense kernel, float32 activations and the paged cache's fused CPU decode
+attention. Anything else returns None and the model's own forward runs (MoE layers, bf16 compute,
+quantized KV, outlier side matrices, biases on quantized layers, kernels other than those two).
+`why_not(model, cache)` says which.
 
 The runner calls it for steps of short items only (decodes and speculative verifies, the steps
 whose metadata carries a `decode` index); prefill chunks keep the model's forward.
@@ -21,8 +22,9 @@ from lowbit.kernels import cpu_f32, cpu_rowops, decode_chain
 from lowbit.kernels.cpu_f32 import InvariantLinear
 from lowbit.runtime.engine.paged_attention import StepMetadata
 from lowbit.runtime.engine.paged_cache import PagedKVCache
-from lowbit.runtime.layers import GatedMLP
+from lowbit.runtime.layers import GatedMLP, RMSNorm
 from lowbit.runtime.models.fusion import JoinedDense, JoinedLinear
+from lowbit.runtime.models.gemma3 import Gemma3DecoderLayer
 from lowbit.runtime.models.llama import LlamaDecoderLayer
 from lowbit.runtime.quant_linear import QuantLinear
 
@@ -55,29 +57,37 @@ def _check_model(model, cache) -> None:
         raise Unsupported("the C kernels are not built")
     if not isinstance(cache, PagedKVCache) or not cache.fused_decode or cache.kv_dtype is not None or cache.dtype is not torch.float32:
         raise Unsupported("not the paged float32 cache with its fused CPU decode attention")
-    if inner.scale_embeddings:
-        raise Unsupported("an embedding scale (Gemma)")
     if len(inner.rotaries) > decode_chain.MAX_ROPES or not inner.layers:
         raise Unsupported(f"more than {decode_chain.MAX_ROPES} rotary tables, or no layers")
-    norms = [inner.norm] + [n for layer in inner.layers for n in (getattr(layer, "input_layernorm", None),
-                                                                  getattr(layer, "post_attention_layernorm", None))]
-    if any(n is None or n.eps != inner.norm.eps or n.unit_offset != inner.norm.unit_offset
-           or n.weight.dtype is not torch.float32 or not n.weight.is_contiguous() for n in norms):
+    # one eps and offset rule for every norm (the C step passes one), as rowops_norms asks of a layer's
+    norms = [inner.norm] + [m for layer in inner.layers for m in layer.modules() if isinstance(m, RMSNorm)]
+    if any(n.eps != inner.norm.eps or n.unit_offset != inner.norm.unit_offset or n.weight.dtype is not torch.float32
+           or not n.weight.is_contiguous() for n in norms):
         raise Unsupported("norms of another dtype, eps or kind")
 
 
+def _weight(norm: RMSNorm | None) -> torch.Tensor | None:
+    return None if norm is None else norm.weight.data
+
+
 def _layer_spec(layer, rope: int, cache: PagedKVCache) -> decode_chain.ChainLayerSpec:
-    if type(layer) is not LlamaDecoderLayer:
+    # the norms around attention and MLP, as each family's forward_deferred applies them
+    if type(layer) is LlamaDecoderLayer:
+        norm_mlp, post_attn, post_ffn = layer.post_attention_layernorm, None, None
+    elif type(layer) is Gemma3DecoderLayer:
+        norm_mlp, post_attn, post_ffn = layer.pre_feedforward_layernorm, layer.post_attention_layernorm, layer.post_feedforward_layernorm
+    else:
         raise Unsupported(f"a {type(layer).__name__}")
     attn, mlp = layer.self_attn, layer.mlp
-    if attn.q_norm is not None or attn.fused_qkv is None:
-        raise Unsupported("q/k norms, or q/k/v not joined")
+    if attn.fused_qkv is None:
+        raise Unsupported("q/k/v not joined")
     if type(mlp) is not GatedMLP or mlp.fused_gate_up is None or mlp.act_name is None:
         raise Unsupported("a sparse or unjoined MLP, or an activation the C row op lacks")
     return decode_chain.ChainLayerSpec(
-        norm_in=layer.input_layernorm.weight.data, norm_post=layer.post_attention_layernorm.weight.data,
+        norm_in=layer.input_layernorm.weight.data, norm_mlp=norm_mlp.weight.data,
         qkv=_linear(attn.fused_qkv), o=_linear(attn.o_proj), gate_up=_linear(mlp.fused_gate_up), down=_linear(mlp.down_proj),
-        key_pool=cache.keys[attn.layer], value_pool=cache.values[attn.layer], window=attn.window, rope=rope)
+        key_pool=cache.keys[attn.layer], value_pool=cache.values[attn.layer], window=attn.window, rope=rope,
+        q_norm=_weight(attn.q_norm), k_norm=_weight(attn.k_norm), post_attn=_weight(post_attn), post_ffn=_weight(post_ffn))
 
 
 def _modules(model) -> list:
@@ -123,6 +133,8 @@ class ChainedDecoder:
         h = inner.embed_tokens(torch.tensor(ids, dtype=torch.long))
         if h.dtype is not torch.float32:
             h = h.float()  # a table kept in bf16 for the tied head: exact
+        if inner.scale_embeddings:
+            h = h * torch.tensor(inner.hidden_size**0.5, dtype=h.dtype).item()  # as DecoderModel.forward rounds it
         half = inner.rotaries[0].inv_freq.numel()
         cos, sin = [], []
         for rotary in inner.rotaries:

@@ -46,11 +46,13 @@ def _engine(path, quantize: str | None = None, **kw) -> Engine:
     return engine
 
 
-@pytest.mark.parametrize("weights", ["bf16-stored", "float32", "int4"])
-def test_chained_steps_equal_the_model_forward(tiny_float_model, weights):
+@pytest.mark.parametrize("family, weights", [("llama", "bf16-stored"), ("llama", "float32"), ("llama", "int4"),
+                                             ("gemma3", "bf16-stored"), ("gemma3", "int4")])
+def test_chained_steps_equal_the_model_forward(tiny_float_model, family, weights):
+    # Gemma-3: (1 + w) norms, q/k norms, post-norms, GeGLU, embedding scale, sliding and global layers
     if weights == "int4" and not cpu_int4dot.available():
         pytest.skip("no int4 kernel on this machine")
-    path = tiny_float_model(dtype=torch.float32 if weights == "float32" else torch.bfloat16, layers=3)
+    path = tiny_float_model(family=family, dtype=torch.float32 if weights == "float32" else torch.bfloat16, layers=3)
     engine = _engine(path, "int4-g32" if weights == "int4" else None)
     assert decode_chain.why_not(engine.model, engine.cache) is None
     rows = _checked(engine.runner)
@@ -92,14 +94,30 @@ def test_a_swapped_module_rebuilds_the_chain(tiny_float_model):
     assert engine.runner.chained.chain._keep[0].qkv.struct.kind == 1
 
 
+def test_qk_norm_layers_take_the_chain(tmp_path):
+    # Qwen3: per-head q/k RMSNorm in a Llama-family layer
+    from tests.runtime.engine.conftest import save_with_tokenizer
+    from tests.runtime.conftest import build_hf
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=258, max_position_embeddings=256,
+                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    save_with_tokenizer(build_hf(config), tmp_path)
+    engine = _engine(tmp_path)
+    assert engine.runner.chained.chain._keep[0].q_norm is not None
+    rows = _checked(engine.runner)
+    engine.generate(prompts(3), GREEDY)
+    assert rows
+
+
 @pytest.mark.parametrize("case, reason", [
-    ("gemma3", "embedding scale"),
     ("bf16", "float32 cache"),
     ("kv-int8", "float32 cache"),
 ])
 def test_models_it_cannot_run_say_why_and_keep_their_path(tiny_float_model, case, reason):
-    path = tiny_float_model(family="gemma3" if case == "gemma3" else "llama")
-    kw = {"dtype": "bfloat16"} if case == "bf16" else {"kv_dtype": "int8"} if case == "kv-int8" else {}
+    path = tiny_float_model()
+    kw = {"dtype": "bfloat16"} if case == "bf16" else {"kv_dtype": "int8"}
     engine = _engine(path, **kw)
     assert reason in decode_chain.why_not(engine.model, engine.cache)
     assert engine.runner.chained is None
