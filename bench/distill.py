@@ -8,6 +8,7 @@ beside llama.cpp's Q4_K_M of this model (105.5 MB, KLD 0.054: the issue's figure
 
     python bench/distill.py [--work DIR] [--samples 64] [--seqlen 512] [--block-steps 20] [--steps 100]
         [--batch 1] [--lr 2e-4] [--threads 2] [--chunks 10] [--student DIR] [--quantize-head] [--json]
+    python bench/distill.py --recipe bench/recipes/q4km-budget.yaml ...   # a student within Q4_K_M's bytes
 
 The budget is what bounds the time: on 2 cores the block stage costs about 4 s a layer at
 --samples 8 --block-steps 2 and an end-to-end step about 3-6 s at --batch 1 --seqlen 512.
@@ -59,15 +60,26 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=10, help="wiki-eval chunks of 2048 tokens for the KLDs")
     ap.add_argument("--quantize-head", action="store_true",
                     help="quantize the tied embedding/head too (int4 g64, one matrix; `lowbit quantize --quantize-head`)")
+    ap.add_argument("--recipe", type=Path,
+                    help="make the student with this recipe instead (AWQ+GPTQ, --keep-outliers, the head quantized "
+                         "as the recipe's lm_head rule says), e.g. bench/recipes/q4km-budget.yaml")
+    ap.add_argument("--keep-outliers", type=float, default=0.1, help="with --recipe: percent of weights kept in bf16")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     threads = ["--threads", str(args.threads)]
-    head = ["--quantize-head"] if args.quantize_head else []
-    student = args.student or args.work / ("smollm2-int4-head" if head else "smollm2-int4")
+    head = ["--quantize-head"] if args.quantize_head or args.recipe else []
+    calib = ["--data", "wiki-calib", "--samples", "128", "--seqlen", "512"]
+    if args.recipe:
+        student = args.student or args.work / f"smollm2-{args.recipe.stem}"
+        label = f"{args.recipe.stem} recipe, AWQ+GPTQ, {args.keep_outliers} % outliers, quantized head"
+        make = ["--recipe", str(args.recipe), "--method", "awq+gptq", "--keep-outliers", str(args.keep_outliers)]
+    else:
+        student = args.student or args.work / ("smollm2-int4-head" if head else "smollm2-int4")
+        label = "int4 g64 GPTQ" + (" + int4 head" if head else " (README command 1)")
+        make = ["--format", "int4", "--group-size", "64", "--method", "gptq"]
     if not student.is_dir():
-        lowbit("quantize", "smollm2-135m", "--format", "int4", "--group-size", "64", "--method", "gptq", "--data", "wiki-calib",
-               "--samples", "128", "--seqlen", "512", "-o", str(student), *head, *threads)
+        lowbit("quantize", "smollm2-135m", *make, *calib, "-o", str(student), *head, *threads)
     score = ["--data", "wiki-eval", "--chunks", str(args.chunks), "--base", "smollm2-135m", *threads]
     before = lowbit("eval", str(student), *score)
     out = args.work / f"{student.name}-distilled-s{args.samples}-b{args.block_steps}-e{args.steps}"
@@ -77,7 +89,7 @@ def main() -> None:
                  "--eval-data", "wiki-eval", "--eval-chunks", "2", *threads)
     after = lowbit("eval", str(out), *score)
     rows = [
-        ("int4 g64 GPTQ" + (" + int4 head" if head else " (README command 1)"), directory_bytes(student),
+        (label, directory_bytes(student),
          before["kld"]["mean"], before["kld"]["err"]),
         (f"  + distill ({args.block_steps} steps/layer, {args.steps} end-to-end)", directory_bytes(out),
          after["kld"]["mean"], after["kld"]["err"]),
@@ -87,7 +99,9 @@ def main() -> None:
                                                         "quantize_head")},
               "distill_seconds": run["seconds"], "distill": run,
               "rows": [{"checkpoint": r[0].strip(), "bytes": r[1], "kld": r[2], "kld_err": r[3]} for r in rows]}
-    results = RESULTS.with_name("distill-head.json") if head else RESULTS
+    result["budget"]["recipe"] = str(args.recipe) if args.recipe else None
+    results = (RESULTS.with_name(f"distill-{args.recipe.stem}.json") if args.recipe
+               else RESULTS.with_name("distill-head.json") if head else RESULTS)
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps(result, indent=2) + "\n")
     if args.json:
