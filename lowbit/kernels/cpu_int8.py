@@ -1,4 +1,4 @@
-"""CPU path for symmetric int8 weights with float activations (native/int8_gemv.c, AVX-512): cpu-int8f.
+"""CPU path for symmetric int8 weights with float activations (native/int8_gemv.c, AVX-512 or AVX2): cpu-int8f.
 
 Per-channel and grouped int8 (groups a multiple of 16, the last one may be shorter; one group per
 row takes any K). The stored signed codes are read as they are on disk (1 byte a weight) and the
@@ -31,10 +31,10 @@ _LIB = None
 
 
 def available() -> bool:
-    """The kernel built here with AVX-512."""
+    """The kernel built here with AVX-512, or its AVX2 section (8-lane sums: bits of their own)."""
     global _LIB
     lib = int8_gemv.library()
-    if lib is not None and lib.lowbit_int8f_available() == 1:
+    if lib is not None and lib.lowbit_int8f_available() in (1, 2):
         _LIB = lib
         return True
     return False
@@ -75,6 +75,20 @@ def prepare(qt: QTensor) -> PreparedWeight:
         path=PATH, shape=(n, k), label=qt.spec.label, device=torch.device("cpu"),
         tensors={"codes": qt.qweight.contiguous(), "scales": scales},
         params={"group": group, "groups": groups},
+    )
+
+
+def concat(parts: list[PreparedWeight]) -> PreparedWeight:
+    """One prepared weight whose output rows are those of `parts`, in order (same K and grouping):
+    each output row is computed alone, so the joined matmul is bit-identical to the separate ones."""
+    first = parts[0]
+    k = first.shape[1]
+    if any(p.path != PATH or p.shape[1] != k or p.params != first.params for p in parts):
+        raise ValueError("only cpu-int8f weights with the same input width and grouping can be joined")
+    return PreparedWeight(
+        path=PATH, shape=(sum(p.shape[0] for p in parts), k), label=first.label, device=torch.device("cpu"),
+        tensors={name: torch.cat([p.tensors[name] for p in parts]) for name in ("codes", "scales")},
+        params=dict(first.params),
     )
 
 

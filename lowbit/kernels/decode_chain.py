@@ -4,7 +4,7 @@ A `DecodeChain` holds, per layer, the norm weights, the four projections (q|k|v 
 gate|up joined, down) as the C kernels take them, and the layer's KV pools; `run` computes a
 step of short items (decodes, speculative verifies) through all of them and the final norm.
 The C side only sequences the kernels the Python path calls (int4_vnni.c / int4_dot.c,
-f32_dot.c, rowops.c, paged_decode.c), with the same arguments, so the hidden states are bit for
+int8_gemv.c, f32_dot.c, rowops.c, paged_decode.c), with the same arguments, so the hidden states are bit for
 bit the Python path's; what it saves is the interpreter between ~7 calls a layer, and the OpenMP
 workers' sleep in those pauses (docs/kernels.md, "One call per step").
 
@@ -20,17 +20,18 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit.kernels import cpu_f32, cpu_int4dot
+from lowbit.kernels import cpu_f32, cpu_int4dot, cpu_int8
 from lowbit.kernels.prepared import PreparedWeight
-from lowbit.native import decode_layers, f32_dot, int4_dot, int4_vnni, paged_decode, rowops
+from lowbit.native import decode_layers, f32_dot, int4_dot, int4_vnni, int8_gemv, paged_decode, rowops
 
 MAX_ROPES = 4  # decode_layers.c MAX_ROPES
-_INT4, _DENSE = 1, 2
+_INT4, _DENSE, _INT8F = 1, 2, 3
 
 
 class ChainLinear(ctypes.Structure):
     _fields_ = [("kind", c_int32), ("pad", c_int32), ("fn", c_void_p), ("w", c_void_p), ("bias", c_void_p),
-                ("n", c_int64), ("k", c_int64), ("ldw", c_int64)]
+                ("n", c_int64), ("k", c_int64), ("ldw", c_int64), ("scales", c_void_p), ("groups", c_int64),
+                ("group", c_int64)]
 
 
 class ChainLayer(ctypes.Structure):
@@ -62,10 +63,28 @@ def available() -> bool:
 
 @dataclass(slots=True)
 class Linear:
-    """One projection as the chain calls it; `keep` holds what its pointers point into."""
+    """One projection as the chain calls it; `keep` holds what its pointers point into; `max_rows`
+    the most rows its path runs on this kernel (None: any)."""
 
     struct: ChainLinear
     keep: object
+    max_rows: int | None = None
+
+
+def quantized_linear(pw: PreparedWeight) -> Linear | None:
+    """A prepared weight on cpu-int4dot or cpu-int8f, or None for any other path."""
+    return int4_linear(pw) if pw.path == cpu_int4dot.PATH else int8_linear(pw)
+
+
+def int8_linear(pw: PreparedWeight) -> Linear | None:
+    """A cpu-int8f prepared weight (grouped ones only up to the rows cpu_int8.matmul runs in C)."""
+    if pw.path != cpu_int8.PATH or not cpu_int8.available():
+        return None
+    n, k = pw.shape
+    codes, scales, params = pw.tensors["codes"], pw.tensors["scales"], pw.params
+    struct = ChainLinear(_INT8F, 0, _entry(int8_gemv.library(), "lowbit_int8f_matmul"), codes.data_ptr(), None, n, k,
+                         codes.stride(0), scales.data_ptr(), params["groups"], params["group"])
+    return Linear(struct, pw, cpu_int8.GROUPED_KERNEL_ROWS if params["groups"] > 1 else None)
 
 
 def int4_linear(pw: PreparedWeight) -> Linear | None:
@@ -140,6 +159,8 @@ class DecodeChain:
         self._run = decode_layers.library().lowbit_decode_layers
         self.num_layers = len(layers)
         self.hidden = hidden
+        limits = [lin.max_rows for spec in layers for lin in (spec.qkv, spec.o, spec.gate_up, spec.down) if lin.max_rows]
+        self.max_rows = min(limits) if limits else None  # a step of more rows takes the Python path
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, items: torch.Tensor, tables: torch.Tensor,
             cos: list[torch.Tensor], sin: list[torch.Tensor], final_norm: torch.Tensor | None,

@@ -7,7 +7,7 @@ weight (`supports(qt) -> reason | None`), repacks it (`prepare`) and multiplies 
   cpu-int4dot  CPU with AVX512-BF16, -VNNI or AVX2, integer 4-bit
                codes, groups of 32k or one per row                (kernels/cpu_int4dot.py, batch-invariant)
   cpu-int4     CPU, int4 with a group torch's op accepts          (kernels/cpu.py, torch's int4 op)
-  cpu-int8f    CPU with AVX-512, symmetric int8 (per channel, or
+  cpu-int8f    CPU with AVX-512 or AVX2, symmetric int8 (per channel, or
                groups of 16k), float32 activations                (kernels/cpu_int8.py, batch-invariant)
   cpu-int8     CPU, per-channel int8, K % 32 == 0                 (kernels/cpu.py, torch's int8 op)
   cpu-bf16     CPU with AVX512-BF16, other 4-bit formats          (kernels/cpu_bf16.py, bf16 dot products)
@@ -327,7 +327,7 @@ class Int8FloatPath(KernelPath):
     """Symmetric int8 codes times float32 activations (kernels/cpu_int8.py, native/int8_gemv.c)."""
 
     def unavailable(self):
-        return None if cpu_int8.available() else _native_reason("int8_gemv.c", ("avx512f",))
+        return None if cpu_int8.available() else _native_reason("int8_gemv.c", ("avx512f", "avx2"))
 
     def runs(self, qt):
         return cpu_int8.supports(qt)

@@ -9,7 +9,7 @@
    kernels were 4 ms in a tight loop). Here the same kernels run back to back from C.
 
    Nothing is computed here: every step is a call of the very kernel the Python path calls
-   (native/int4_vnni.c or int4_dot.c, f32_dot.c, rowops.c, paged_decode.c), through the entry
+   (native/int4_vnni.c or int4_dot.c, int8_gemv.c, f32_dot.c, rowops.c, paged_decode.c), through the entry
    point the caller passes, with the same arguments in the same order. So the result is bit for
    bit the Python path's (the layers' `forward_deferred`, DecoderModel's final norm), and stays
    batch-invariant as those kernels are.
@@ -33,6 +33,8 @@
 /* The kernels' signatures (their own files document them). */
 typedef int (*int4_fn)(const void *w, const void *x, int x_bf16, int64_t ldx, int64_t M, void *y, int y_bf16, int64_t ldy,
                        int threads);
+typedef int (*int8f_fn)(const int8_t *q, int64_t N, int64_t K, int64_t ldw, const float *s, int64_t G, int64_t group,
+                        const float *x, int64_t ldx, int64_t M, float *y, int64_t ldy, int threads);
 typedef int (*dense_fn)(const void *w, int64_t N, int64_t K, int64_t ldw, const float *bias, const float *x, int64_t ldx,
                         int64_t M, float *y, int64_t ldy, int threads);
 typedef int (*rmsnorm_fn)(const void *x, int64_t x_stride, int64_t rows, int64_t heads, int64_t dim, const void *w, float eps,
@@ -48,16 +50,19 @@ typedef int (*paged_decode_fn)(const void *q, int64_t ldq, const void *k, int64_
                                int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t window, float scale,
                                int threads);
 
-enum { LINEAR_INT4 = 1, LINEAR_DENSE = 2 };
+enum { LINEAR_INT4 = 1, LINEAR_DENSE = 2, LINEAR_INT8F = 3 };
 
 /* One projection: `fn` is lowbit_i4v_matmul / lowbit_i4_matmul (kind LINEAR_INT4, `w` its weight
-   struct) or lowbit_f32_matmul / lowbit_bf16w_matmul (LINEAR_DENSE, `w` the weight's data). */
+   struct), lowbit_f32_matmul / lowbit_bf16w_matmul (LINEAR_DENSE, `w` the weight's data) or
+   lowbit_int8f_matmul (LINEAR_INT8F, `w` the int8 codes, `scales` [n, groups]). */
 typedef struct {
     int32_t kind, pad;
     const void *fn;
     const void *w;
-    const float *bias; /* dense only, or NULL */
+    const float *bias;   /* dense only, or NULL */
     int64_t n, k, ldw;
+    const float *scales; /* int8 only */
+    int64_t groups, group;
 } ChainLinear;
 
 typedef struct {
@@ -95,6 +100,8 @@ typedef struct {
 static int linear(const ChainLinear *l, const float *x, int64_t ldx, int64_t M, float *y, int threads) {
     if (l->kind == LINEAR_INT4) return ((int4_fn)l->fn)(l->w, x, 0, ldx, M, y, 0, l->n, threads);
     if (l->kind == LINEAR_DENSE) return ((dense_fn)l->fn)(l->w, l->n, l->k, l->ldw, l->bias, x, ldx, M, y, l->n, threads);
+    if (l->kind == LINEAR_INT8F)
+        return ((int8f_fn)l->fn)(l->w, l->n, l->k, l->ldw, l->scales, l->groups, l->group, x, ldx, M, y, l->n, threads);
     return -100;
 }
 

@@ -25,8 +25,22 @@
 #else
 #define HAVE_INT8F 0
 #endif
+/* Without AVX-512 (Zen 2/3, most laptops): the same tiling in 8 lanes (section below); its sums
+   run over 8 lanes instead of 16, so its bits are its own, batch-invariant the same way. */
+#if !HAVE_INT8F && defined(__AVX2__) && defined(__FMA__)
+#define HAVE_INT8F_AVX2 1
+#else
+#define HAVE_INT8F_AVX2 0
+#endif
 
-int lowbit_int8f_available(void) { return HAVE_INT8F; }
+typedef struct {
+    const int8_t *q;
+    const float *s;
+    int64_t N, K, ldw, G, group;
+} Weight8;
+
+/* 1: AVX-512; 2: AVX2; 0: neither. */
+int lowbit_int8f_available(void) { return HAVE_INT8F ? 1 : HAVE_INT8F_AVX2 ? 2 : 0; }
 
 #if HAVE_INT8F
 #define NT 4 /* weight rows per tile */
@@ -39,12 +53,6 @@ int lowbit_int8f_available(void) { return HAVE_INT8F; }
 #define MT_GROUP 3
 #define PREFETCH_TILES 4
 #define MC 128     /* x rows per sweep over a thread's tiles (prefill): 288 KB of x at K = 576 stays in L2 */
-
-typedef struct {
-    const int8_t *q;
-    const float *s;
-    int64_t N, K, ldw, G, group;
-} Weight8;
 
 /* Sixteen codes as float32 (exact). */
 INLINE __m512 codes16(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
@@ -115,6 +123,80 @@ typedef void (*pass_fn)(const Weight8 *, int64_t, int, const float *, int64_t, f
 #define PASS(NAME, ONE, NB) \
     static void NAME(const Weight8 *w, int64_t n0, int mb, const float *x, int64_t ldx, float *out) { TILE_CASES(ONE, NB) }
 PASS(pass_one_tile, 1, NT) PASS(pass_one_row, 1, 1) PASS(pass_grp_tile, 0, NT) PASS(pass_grp_row, 0, 1)
+#endif
+
+#if HAVE_INT8F_AVX2
+/* AVX2: 16 ymm registers, so fewer x rows per pass (one group per row: 8 accumulators + 2 x + 1
+   weight; grouped: 4 group accumulators + 4 totals + 1 x + 1 weight). */
+#define NT 4
+#define MT 2
+#define MT_GROUP 1
+#define PREFETCH_TILES 4
+#define MC 128
+
+/* Eight codes as float32 (exact). */
+INLINE __m256 codes8(const int8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
+
+/* The int8_tile of the AVX-512 section in 8 lanes: per group one accumulator over k in order
+   (the last partial vector zero-padded), tot = acc * s + tot per group (acc * s with one group),
+   one fixed horizontal sum (lowbit_hsum8). */
+INLINE void int8_tile8(const int ONE, const int NB, const int MB, const Weight8 *w, int64_t n0, const float *x, int64_t ldx,
+                       float *out) {
+    const int8_t *q = w->q + n0 * w->ldw;
+    const int64_t ldw = w->ldw, K = w->K, G = ONE ? 1 : w->G, group = ONE ? K : w->group;
+    const float *s = w->s + n0 * G;
+    __m256 acc[NT][MT], tot[NT][MT];
+    for (int nb = 0; nb < NB; nb++)
+        for (int m = 0; m < MB; m++) tot[nb][m] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < G; j++) {
+        const int64_t k0 = j * group, k1 = k0 + group < K ? k0 + group : K;
+        for (int nb = 0; nb < NB; nb++)
+            for (int m = 0; m < MB; m++) acc[nb][m] = _mm256_setzero_ps();
+        int64_t k = k0;
+        for (; k + 8 <= k1; k += 8) {
+            __m256 xv[MT];
+            for (int m = 0; m < MB; m++) xv[m] = _mm256_loadu_ps(x + m * ldx + k);
+            for (int nb = 0; nb < NB; nb++) {
+                if ((k & 63) == 0) _mm_prefetch((const char *)(q + (PREFETCH_TILES * NB + nb) * ldw + k), _MM_HINT_T1);
+                const __m256 wv = codes8(q + nb * ldw + k);
+                for (int m = 0; m < MB; m++) acc[nb][m] = _mm256_fmadd_ps(wv, xv[m], acc[nb][m]);
+            }
+        }
+        if (k < k1) { /* zero-padded copies of the last partial vector */
+            const int64_t n = k1 - k;
+            __m256 xv[MT];
+            for (int m = 0; m < MB; m++) {
+                float pad[8] = {0};
+                for (int64_t i = 0; i < n; i++) pad[i] = x[m * ldx + k + i];
+                xv[m] = _mm256_loadu_ps(pad);
+            }
+            for (int nb = 0; nb < NB; nb++) {
+                int8_t pad[8] = {0};
+                for (int64_t i = 0; i < n; i++) pad[i] = q[nb * ldw + k + i];
+                const __m256 wv = codes8(pad);
+                for (int m = 0; m < MB; m++) acc[nb][m] = _mm256_fmadd_ps(wv, xv[m], acc[nb][m]);
+            }
+        }
+        for (int nb = 0; nb < NB; nb++) {
+            const __m256 sv = _mm256_set1_ps(s[nb * G + j]);
+            for (int m = 0; m < MB; m++)
+                tot[nb][m] = ONE ? _mm256_mul_ps(acc[nb][m], sv) : _mm256_fmadd_ps(acc[nb][m], sv, tot[nb][m]);
+        }
+    }
+    for (int nb = 0; nb < NB; nb++)
+        for (int m = 0; m < MB; m++) out[m * NB + nb] = lowbit_hsum8(tot[nb][m]);
+}
+
+typedef void (*pass_fn)(const Weight8 *, int64_t, int, const float *, int64_t, float *);
+#define PASS(NAME, ONE, NB)                                                                          \
+    static void NAME(const Weight8 *w, int64_t n0, int mb, const float *x, int64_t ldx, float *out) { \
+        if (mb >= 2) int8_tile8(ONE, NB, 2, w, n0, x, ldx, out);                                   \
+        else int8_tile8(ONE, NB, 1, w, n0, x, ldx, out);                                           \
+    }
+PASS(pass_one_tile, 1, NT) PASS(pass_one_row, 1, 1) PASS(pass_grp_tile, 0, NT) PASS(pass_grp_row, 0, 1)
+#endif
+
+#if HAVE_INT8F || HAVE_INT8F_AVX2
 
 /* Tiles ta..tb-1 against all M rows of x, MC rows of x at a time. */
 static void run_tiles(const Weight8 *w, const float *x, int64_t ldx, int64_t M, float *y, int64_t ldy, int64_t ta, int64_t tb) {
@@ -146,11 +228,11 @@ static void run_tiles(const Weight8 *w, const float *x, int64_t ldx, int64_t M, 
 }
 #endif
 
-/* Returns 0; -1 when the build has no AVX-512; -2 for a group that is not a multiple of 16
+/* Returns 0; -1 when the build has neither AVX-512 nor AVX2; -2 for a group that is not a multiple of 16
    (unless G = 1) or groups that do not cover K. */
 int lowbit_int8f_matmul(const int8_t *q, int64_t N, int64_t K, int64_t ldw, const float *s, int64_t G, int64_t group,
                         const float *x, int64_t ldx, int64_t M, float *y, int64_t ldy, int threads) {
-#if !HAVE_INT8F
+#if !HAVE_INT8F && !HAVE_INT8F_AVX2
     (void)q; (void)N; (void)K; (void)ldw; (void)s; (void)G; (void)group; (void)x; (void)ldx; (void)M; (void)y; (void)ldy;
     (void)threads;
     return -1;

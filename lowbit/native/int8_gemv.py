@@ -1,5 +1,5 @@
 """ctypes bindings of native/int8_gemv.c: symmetric int8 weights times float32 activations, batch-invariant
-(kernels/cpu_int8.py, the cpu-int8f path); `lowbit_int8f_available()` is 0 in a build without AVX-512."""
+(kernels/cpu_int8.py, the cpu-int8f path); `lowbit_int8f_available()` is 1 with AVX-512, 2 with AVX2 only, 0 in a build with neither."""
 
 from __future__ import annotations
 

@@ -32,15 +32,37 @@ def test_dense_join_is_bit_identical_and_costs_no_memory(tiny_float_model):
             assert torch.equal(fused(rows), separate(rows))
 
 
-def test_quantized_weights_off_the_int4_kernel_are_left_alone(tiny_float_model):
-    # int8 QuantLinears (cpu-int8f) have no dense weight to join and no int4 kernel: no join, no error
+def test_quantized_weights_off_the_invariant_kernels_are_left_alone(tiny_float_model):
+    # fp8 QuantLinears (cpu-lut) have no dense weight to join and no batch-invariant kernel: no join, no error
     from lowbit.runtime.engine.draft_models import quantize_linears_
 
-    model = quantize_linears_(load_model(tiny_float_model(), torch.float32), "int8", "cpu")
+    model = quantize_linears_(load_model(tiny_float_model(), torch.float32), "fp8", "cpu")
+    assert model.model.layers[0].self_attn.q_proj.prepared.path == "cpu-lut"
     assert fuse_projections(model) == 0
     assert model.model.layers[0].self_attn.fused_qkv is None
     with torch.no_grad():
         assert torch.isfinite(model(IDS)).all()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int8-g32"])
+def test_int8_projections_join_bit_identically(tiny_float_model, fmt):
+    from lowbit.kernels import cpu_int8
+    from lowbit.runtime.engine.draft_models import quantize_linears_
+
+    if not cpu_int8.available():
+        pytest.skip("no int8 kernel on this machine")
+    src = tiny_float_model()
+    fused = quantize_linears_(load_model(src, torch.float32), fmt, "cpu")  # quantize_linears_ joins
+    separate = quantize_linears_(load_model(src, torch.float32), fmt, "cpu")
+    for module in separate.modules():  # the same weights, never joined
+        for name in ("fused_qkv", "fused_gate_up"):
+            if name in module.__dict__:
+                module.__dict__[name] = None
+    joined = fused.model.layers[0].self_attn.fused_qkv
+    assert isinstance(joined, JoinedLinear) and joined.prepared.path == "cpu-int8f"
+    with torch.no_grad():
+        for rows in (IDS[:, :1], IDS[:, :5], IDS):
+            assert torch.equal(fused(rows), separate(rows))
 
 
 def test_int4_projections_join_on_the_int4_kernel(tiny_float_model):

@@ -3,8 +3,8 @@
 `build(model, cache)` returns a `ChainedDecoder` when every decoder layer is one the C step
 computes exactly as the Python path would: a Llama-family or Gemma-3 layer (q/k norms and Gemma's
 post-norms included) with a dense gated MLP (silu or gelu_tanh), whose q|k|v and gate|up are
-joined (runtime/models/fusion.py) and whose projections all run on cpu-int4dot or the
-batch-invariant dense kernel, float32 activations and the paged cache's fused CPU decode
+joined (runtime/models/fusion.py) and whose projections all run on cpu-int4dot, cpu-int8f or
+the batch-invariant dense kernel, float32 activations and the paged cache's fused CPU decode
 attention. Anything else returns None and the model's own forward runs (MoE layers, bf16 compute,
 quantized KV, outlier side matrices, biases on quantized layers, kernels other than those two).
 `why_not(model, cache)` says which.
@@ -35,19 +35,19 @@ class Unsupported(Exception):
 
 def _linear(module) -> decode_chain.Linear:
     if isinstance(module, JoinedLinear):
-        found = decode_chain.int4_linear(module.prepared)
+        found = decode_chain.quantized_linear(module.prepared)
     elif isinstance(module, JoinedDense):
         return _linear(module.linear)
     elif type(module) is QuantLinear:
         if module.outliers is not None or module.bias is not None:
             raise Unsupported("a quantized projection with an outlier matrix or a bias")
-        found = decode_chain.int4_linear(module.prepared)
+        found = decode_chain.quantized_linear(module.prepared)
     elif type(module) is InvariantLinear:
         found = decode_chain.dense_linear(module.weight, module.bias)
     else:
         raise Unsupported(f"a {type(module).__name__} projection")
     if found is None:
-        raise Unsupported("a projection on a kernel other than cpu-int4dot or the dense float32 one")
+        raise Unsupported("a projection on a kernel other than cpu-int4dot, cpu-int8f or the dense float32 one")
     return found
 
 
@@ -125,7 +125,10 @@ class ChainedDecoder:
                 self.chain = _chain(self.model, self.cache)
             except Unsupported:
                 self.chain = None
-        return self.chain is not None
+        if self.chain is None:
+            return False
+        # grouped int8 weights take another route past their kernel's rows
+        return self.chain.max_rows is None or meta.slot_mapping.numel() <= self.chain.max_rows
 
     def forward(self, ids: list[int], positions: torch.Tensor, max_position: int, meta: StepMetadata) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden] float32, as DecoderModel.forward gives them."""

@@ -4,7 +4,7 @@ An explicit step for inference (the engine calls it after loading): the module t
 Hugging Face names and the separate q_proj/k_proj/v_proj/gate_proj/up_proj children stay as
 they are (calibration hooks them, the loader fills them), and the fused module is kept as a
 plain attribute that forward() prefers. Joined are quantized weights on the batch-invariant int4
-kernel, and dense Linears the engine made InvariantLinears (kernels/cpu_f32.py): their rows are
+and int8 kernels (cpu-int4dot, cpu-int8f), and dense Linears the engine made InvariantLinears (kernels/cpu_f32.py): their rows are
 computed alone, so the joined matmul is bit-identical to the separate ones (in float32, and in
 bf16 up to the kernel's 16 rows; torch's bf16 GEMM past them) and the join costs no accuracy,
 only calls (7 matmuls per layer become 4). A dense join holds one weight matrix, and the separate
@@ -74,20 +74,22 @@ def _join_dense(modules: list[nn.Module]) -> JoinedDense | None:
     return JoinedDense(joined, [m.out_features for m in modules])
 
 
-def _joinable(modules: list[nn.Module]) -> bool:
+def _concat_for(modules: list[nn.Module]):
+    """The `concat` of the batch-invariant quantized path all of these run on, or None."""
+    from lowbit.kernels import cpu_int4dot, cpu_int8
+
+    paths = set()
     for m in modules:
         prepared = getattr(m, "prepared", None)
-        if prepared is None or prepared.path != "cpu-int4dot" or getattr(m, "bias", None) is not None:
-            return False
-        if getattr(m, "outliers", None) is not None:
-            return False
-    return True
+        if prepared is None or getattr(m, "bias", None) is not None or getattr(m, "outliers", None) is not None:
+            return None
+        paths.add(prepared.path)
+    return {frozenset({cpu_int4dot.PATH}): cpu_int4dot.concat, frozenset({cpu_int8.PATH}): cpu_int8.concat}.get(frozenset(paths))
 
 
 def _join(modules: list[nn.Module]) -> JoinedLinear | JoinedDense | None:
-    from lowbit.kernels.cpu_int4dot import concat
-
-    if not _joinable(modules):
+    concat = _concat_for(modules)
+    if concat is None:
         return _join_dense(modules)
     try:
         prepared = concat([m.prepared for m in modules])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowbit.kernels import cpu_f32, cpu_int4dot, decode_chain as kernel_chain
+from lowbit.kernels import cpu_f32, cpu_int4dot, cpu_int8, decode_chain as kernel_chain
 from lowbit.runtime.engine import decode_chain
 from lowbit.runtime.engine.draft_models import quantize_linears_
 from lowbit.runtime.engine.engine import Engine
@@ -46,23 +46,28 @@ def _engine(path, quantize: str | None = None, **kw) -> Engine:
     return engine
 
 
+QUANTIZED = {"int4": "int4-g32", "int8": "int8", "int8-g32": "int8-g32"}
+KINDS = {"int4": 1, "bf16-stored": 2, "float32": 2, "int8": 3, "int8-g32": 3}
+
+
 @pytest.mark.parametrize("family, weights", [("llama", "bf16-stored"), ("llama", "float32"), ("llama", "int4"),
-                                             ("gemma3", "bf16-stored"), ("gemma3", "int4")])
+                                             ("llama", "int8"), ("llama", "int8-g32"), ("gemma3", "bf16-stored"),
+                                             ("gemma3", "int4")])
 def test_chained_steps_equal_the_model_forward(tiny_float_model, family, weights):
     # Gemma-3: (1 + w) norms, q/k norms, post-norms, GeGLU, embedding scale, sliding and global layers
-    if weights == "int4" and not cpu_int4dot.available():
-        pytest.skip("no int4 kernel on this machine")
+    if weights == "int4" and not cpu_int4dot.available() or weights.startswith("int8") and not cpu_int8.available():
+        pytest.skip(f"no {weights} kernel on this machine")
     path = tiny_float_model(family=family, dtype=torch.float32 if weights == "float32" else torch.bfloat16, layers=3)
-    engine = _engine(path, "int4-g32" if weights == "int4" else None)
+    engine = _engine(path, QUANTIZED.get(weights))
     assert decode_chain.why_not(engine.model, engine.cache) is None
     rows = _checked(engine.runner)
     outs = engine.generate(prompts(4), GREEDY)
-    kind = {"int4": 1, "bf16-stored": 2, "float32": 2}[weights]  # (int4: rebuilt after the in-place quantization)
-    assert engine.runner.chained.chain._keep[0].qkv.struct.kind == kind
+    # (quantized: rebuilt after the in-place quantization)
+    assert engine.runner.chained.chain._keep[0].qkv.struct.kind == KINDS[weights]
     assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
     assert rows and max(rows) > 1  # batched decode rows went through the chain, each checked
     # and the tokens equal a run with the chain off
-    plain = _engine(path, "int4-g32" if weights == "int4" else None)
+    plain = _engine(path, QUANTIZED.get(weights))
     plain.runner.chained = None
     assert [o.token_ids for o in plain.generate(prompts(4), GREEDY)] == [o.token_ids for o in outs]
 
