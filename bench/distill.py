@@ -61,9 +61,11 @@ def main() -> None:
     ap.add_argument("--quantize-head", action="store_true",
                     help="quantize the tied embedding/head too (int4 g64, one matrix; `lowbit quantize --quantize-head`)")
     ap.add_argument("--recipe", type=Path,
-                    help="make the student with this recipe instead (AWQ+GPTQ, --keep-outliers, the head quantized "
+                    help="make the student with this recipe instead (--method, --keep-outliers, the head quantized "
                          "as the recipe's lm_head rule says), e.g. bench/recipes/q4km-budget.yaml")
     ap.add_argument("--keep-outliers", type=float, default=0.1, help="with --recipe: percent of weights kept in bf16")
+    ap.add_argument("--method", default="gptq", help="with --recipe: the calibrated method (awq+gptq took ~140 s a "
+                                                      "layer on 2 AVX2 cores, gptq a few)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -72,8 +74,8 @@ def main() -> None:
     calib = ["--data", "wiki-calib", "--samples", "128", "--seqlen", "512"]
     if args.recipe:
         student = args.student or args.work / f"smollm2-{args.recipe.stem}"
-        label = f"{args.recipe.stem} recipe, AWQ+GPTQ, {args.keep_outliers} % outliers, quantized head"
-        make = ["--recipe", str(args.recipe), "--method", "awq+gptq", "--keep-outliers", str(args.keep_outliers)]
+        label = f"{args.recipe.stem} recipe, {args.method}, {args.keep_outliers} % outliers, quantized head"
+        make = ["--recipe", str(args.recipe), "--method", args.method, "--keep-outliers", str(args.keep_outliers)]
     else:
         student = args.student or args.work / ("smollm2-int4-head" if head else "smollm2-int4")
         label = "int4 g64 GPTQ" + (" + int4 head" if head else " (README command 1)")

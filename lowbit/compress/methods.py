@@ -63,6 +63,7 @@ class MethodContext:
     config: dict  # its config.json
     num_layers: int
     options: MethodOptions = field(default_factory=MethodOptions)  # the caller's typed options (compress/options.py)
+    formats: dict[str, str] = field(default_factory=dict)  # module -> its format's label, as the run asks for it
 
 
 LayerMethod = Callable[[LayerWork], LayerResult]

@@ -266,7 +266,8 @@ def quantize_model(
         specs.pop(HEAD)
     parts = _parts(source.names)
     context = MethodContext(method=method, model_dir=source_dir, config=config,
-                            num_layers=sum(p.index is not None for p in parts), options=options)
+                            num_layers=sum(p.index is not None for p in parts), options=options,
+                            formats={module: spec.label if spec is not None else "dense" for module, spec in sorted(specs.items())})
     layer_method = factory(context)
 
     records: list[ModuleRecord] = []

@@ -288,7 +288,9 @@ def make_layer_method(context):
         fingerprint = {"data": inputs.data_hash, "samples": list(inputs.ids.shape), "seed": inputs.seed}
         if first_weight != 1.0:
             fingerprint["first_token_weight"] = first_weight
-    fingerprint.update({"job": "quantize", "model": identity["config_hash"], "options": {k: str(v) for k, v in sorted(run.record().items())}})
+    # the method and every module's format too: a folder another method or recipe left must not resume
+    fingerprint.update({"job": "quantize", "model": identity["config_hash"], "method": context.method,
+                        "formats": context.formats, "options": {k: str(v) for k, v in sorted(run.record().items())}})
     work = WorkDir(run.work_dir, fingerprint) if run.work_dir else None
     snapshot_at = 0
     snapshot_every_s = float(run.snapshot_every_s)

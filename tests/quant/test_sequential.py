@@ -73,6 +73,37 @@ def test_deterministic_and_resumable(tiny_model, tmp_path, method, extra, monkey
     assert not work_dir_for(c).exists()
 
 
+@pytest.mark.demo
+@pytest.mark.parametrize("change", [{"method": "awq+gptq"}, {"fmt": "int8"}])
+def test_a_work_folder_of_another_method_or_format_is_not_resumed(tiny_model, tmp_path, monkeypatch, capsys, change):
+    # A killed gptq int4 run leaves its layers; a rerun asking for another method or format must start
+    # afresh (it once resumed them, silently mixing the two) and equal a run that never saw the folder.
+    from lowbit.compress.workdir import WorkDir
+
+    model = tiny_model("llama", with_tokenizer=True)
+    text = tmp_path / "calib.txt"
+    text.write_text(TEXT)
+    real = WorkDir.save_layer
+
+    def dying(self, index, tensors, meta):
+        real(self, index, tensors, meta)
+        if index == 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(WorkDir, "save_layer", dying)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        _quantize(model, out, text=text)
+    assert work_dir_for(out).is_dir()
+    monkeypatch.setattr(WorkDir, "save_layer", real)
+    capsys.readouterr()
+    _quantize(model, out, text=text, **change)
+    assert "resuming" not in capsys.readouterr().err
+    fresh = tmp_path / "fresh"
+    _quantize(model, fresh, text=text, **change)
+    assert _digest(out) == _digest(fresh)
+
+
 def test_calib_stats_of_another_model_are_refused(tiny_model, tmp_path):
     other = tiny_model("gemma3")
     ids = torch.randint(3, 256, (2, 16))
