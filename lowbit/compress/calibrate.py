@@ -36,6 +36,7 @@ from lowbit.errors import LowbitError, UsageError
 from lowbit.formats.atomic import atomic_file, check_output_path
 from lowbit.formats.hf_files import model_dir, read_json, weight_files
 from lowbit.formats.resolve import resolve_model
+from lowbit.kernels.dispatch import fast_bf16_matmuls
 from lowbit.runtime.attention import AttentionContext
 from lowbit.runtime.config import ModelConfig
 from lowbit.runtime.moe_weights import rename as rename_expert
@@ -95,9 +96,14 @@ class LayerwiseModel:
         """bfloat16 when the decoder layers are stored in 16 bits, else float32.
 
         The forward passes run the way the model itself runs (llm-compressor does the same);
-        on CPU a bfloat16 matmul is 2-3x a float32 one. The weights the methods work on are
-        always loaded in float32 (`load_layer`); only the passes use a 16-bit copy.
+        on a CPU with AVX512-BF16 or AMX a bfloat16 matmul is 2-3x a float32 one. Without them
+        (AVX2: Zen 2/3, most laptops) torch emulates bf16 and is slower than float32, so the
+        passes run in float32 there (a GPTQ layer of SmolLM2 took ~140 s in bf16 on 2 AVX2 cores).
+        The weights the methods work on are always loaded in float32 (`load_layer`); only the
+        passes use a 16-bit copy.
         """
+        if not fast_bf16_matmuls():
+            return torch.float32
         prefix = self.layer_prefix(0)
         for name, file in self._file_of.items():
             if name.startswith(prefix) and name.endswith(".weight"):

@@ -22,7 +22,7 @@ import torch
 
 from lowbit.kernels import cpu_f32, cpu_int4dot, cpu_int8
 from lowbit.kernels.prepared import PreparedWeight
-from lowbit.native import decode_layers, f32_dot, int4_dot, int4_vnni, int8_gemv, paged_decode, rowops
+from lowbit.native import decode_layers, f32_dot, int4_dot, int4_vnni, int8_gemv, moe_route, paged_decode, rowops
 
 MAX_ROPES = 4  # decode_layers.c MAX_ROPES
 _INT4, _DENSE, _INT8F = 1, 2, 3
@@ -34,18 +34,28 @@ class ChainLinear(ctypes.Structure):
                 ("group", c_int64)]
 
 
+class ChainMLP(ctypes.Structure):
+    _fields_ = [("gate_up", ChainLinear), ("down", ChainLinear)]
+
+
+class ChainMoE(ctypes.Structure):
+    _fields_ = [("router", c_void_p), ("experts", c_int64), ("top_k", c_int64), ("norm_topk", c_int32), ("pad", c_int32),
+                ("expert", c_void_p), ("shared", c_void_p), ("shared_gate", c_void_p)]
+
+
 class ChainLayer(ctypes.Structure):
     _fields_ = [("norm_in", c_void_p), ("norm_mlp", c_void_p), ("qkv", ChainLinear), ("o", ChainLinear),
-                ("gate_up", ChainLinear), ("down", ChainLinear), ("kpool", c_void_p), ("vpool", c_void_p),
+                ("mlp", ChainMLP), ("moe", c_void_p), ("kpool", c_void_p), ("vpool", c_void_p),
                 ("window", c_int64), ("rope", c_int64), ("q_norm", c_void_p), ("k_norm", c_void_p),
                 ("q_norm_width", c_int64), ("k_norm_width", c_int64), ("post_attn", c_void_p), ("post_ffn", c_void_p)]
 
 
 class Chain(ctypes.Structure):
     _fields_ = [("rmsnorm", c_void_p), ("add_rmsnorm", c_void_p), ("act_mul", c_void_p), ("paged_decode", c_void_p),
+                ("moe_route", c_void_p), ("moe_shared_gate", c_void_p),
                 ("layers", c_void_p), ("n_layers", c_int64), ("hidden", c_int64), ("heads", c_int64),
-                ("kv_heads", c_int64), ("head_dim", c_int64), ("inter", c_int64), ("block_size", c_int64),
-                ("eps", c_float), ("scale", c_float), ("unit_offset", c_int32), ("act", c_int32)]
+                ("kv_heads", c_int64), ("head_dim", c_int64), ("inter", c_int64), ("max_top_k", c_int64),
+                ("block_size", c_int64), ("eps", c_float), ("scale", c_float), ("unit_offset", c_int32), ("act", c_int32)]
 
 
 class ChainStep(ctypes.Structure):
@@ -111,6 +121,40 @@ def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear | No
 
 
 @dataclass(slots=True)
+class MLPSpec:
+    """A gated MLP: gate|up joined [2I, hidden], down [hidden, I]."""
+
+    gate_up: Linear
+    down: Linear
+
+    def struct(self) -> ChainMLP:
+        return ChainMLP(self.gate_up.struct, self.down.struct)
+
+    @property
+    def inter(self) -> int:
+        return self.gate_up.struct.n // 2
+
+    def linears(self) -> tuple[Linear, Linear]:
+        return self.gate_up, self.down
+
+
+@dataclass(slots=True)
+class MoESpec:
+    """A sparse MoE block: router [experts, hidden] float32, one MLP per expert, top_k and
+    renormalization as the model routes; optionally a shared expert and its gate weight [hidden]."""
+
+    router: torch.Tensor
+    experts: list[MLPSpec]
+    top_k: int
+    norm_topk: bool
+    shared: MLPSpec | None = None
+    shared_gate: torch.Tensor | None = None
+
+    def mlps(self) -> list[MLPSpec]:
+        return self.experts + ([self.shared] if self.shared is not None else [])
+
+
+@dataclass(slots=True)
 class ChainLayerSpec:
     """One decoder layer; norms are float32 weights [width] sharing the chain's eps and offset rule."""
 
@@ -118,8 +162,7 @@ class ChainLayerSpec:
     norm_mlp: torch.Tensor  # before the MLP
     qkv: Linear
     o: Linear
-    gate_up: Linear
-    down: Linear
+    mlp: MLPSpec | MoESpec
     key_pool: torch.Tensor  # [slots, kv_heads, head_dim] float32
     value_pool: torch.Tensor
     window: int | None
@@ -136,15 +179,25 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 class DecodeChain:
     """Layers of one model as decode_layers.c runs them. Dimensions: hidden, heads, kv_heads,
-    head_dim, inter (the MLP's width); eps and unit_offset of every norm; act 0 silu, 1 gelu_tanh."""
+    head_dim; eps and unit_offset of every norm; act 0 silu, 1 gelu_tanh (every MLP's)."""
 
-    def __init__(self, layers: list[ChainLayerSpec], *, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int,
+    def __init__(self, layers: list[ChainLayerSpec], *, hidden: int, heads: int, kv_heads: int, head_dim: int,
                  block_size: int, eps: float, unit_offset: bool, act: int, scale: float):
         self._keep = layers
         self._layers = (ChainLayer * len(layers))()
+        self._moe = []  # the C structs of MoE blocks (and their expert arrays), alive as long as the chain
+        mlps: list[MLPSpec] = []
+        top_k = 0
         for slot, spec in zip(self._layers, layers):
             slot.norm_in, slot.norm_mlp = spec.norm_in.data_ptr(), spec.norm_mlp.data_ptr()
-            slot.qkv, slot.o, slot.gate_up, slot.down = spec.qkv.struct, spec.o.struct, spec.gate_up.struct, spec.down.struct
+            slot.qkv, slot.o = spec.qkv.struct, spec.o.struct
+            if isinstance(spec.mlp, MoESpec):
+                slot.moe = self._moe_struct(spec.mlp)
+                mlps += spec.mlp.mlps()
+                top_k = max(top_k, spec.mlp.top_k)
+            else:
+                slot.mlp = spec.mlp.struct()
+                mlps.append(spec.mlp)
             slot.kpool, slot.vpool = spec.key_pool.data_ptr(), spec.value_pool.data_ptr()
             slot.window, slot.rope = spec.window or 0, spec.rope
             slot.q_norm, slot.k_norm = _ptr(spec.q_norm), _ptr(spec.k_norm)
@@ -152,15 +205,27 @@ class DecodeChain:
             slot.k_norm_width = 0 if spec.k_norm is None else spec.k_norm.numel()
             slot.post_attn, slot.post_ffn = _ptr(spec.post_attn), _ptr(spec.post_ffn)
         rows = rowops.library()
+        route = moe_route.library() if top_k else None
         self._chain = Chain(
             _entry(rows, "lowbit_rmsnorm"), _entry(rows, "lowbit_add_rmsnorm"), _entry(rows, "lowbit_act_mul"),
-            _entry(paged_decode.library(), "lowbit_paged_decode"), ctypes.addressof(self._layers), len(layers),
-            hidden, heads, kv_heads, head_dim, inter, block_size, eps, scale, int(unit_offset), act)
+            _entry(paged_decode.library(), "lowbit_paged_decode"),
+            route and _entry(route, "lowbit_moe_route"), route and _entry(route, "lowbit_moe_shared_gate"),
+            ctypes.addressof(self._layers), len(layers), hidden, heads, kv_heads, head_dim, max(m.inter for m in mlps), top_k,
+            block_size, eps, scale, int(unit_offset), act)
         self._run = decode_layers.library().lowbit_decode_layers
         self.num_layers = len(layers)
         self.hidden = hidden
-        limits = [lin.max_rows for spec in layers for lin in (spec.qkv, spec.o, spec.gate_up, spec.down) if lin.max_rows]
+        linears = [lin for spec in layers for lin in (spec.qkv, spec.o)] + [lin for m in mlps for lin in m.linears()]
+        limits = [lin.max_rows for lin in linears if lin.max_rows]
         self.max_rows = min(limits) if limits else None  # a step of more rows takes the Python path
+
+    def _moe_struct(self, moe: MoESpec) -> int:
+        experts = (ChainMLP * len(moe.experts))(*(m.struct() for m in moe.experts))
+        shared = moe.shared.struct() if moe.shared is not None else None
+        block = ChainMoE(moe.router.data_ptr(), len(moe.experts), moe.top_k, int(moe.norm_topk), 0, ctypes.addressof(experts),
+                         None if shared is None else ctypes.addressof(shared), _ptr(moe.shared_gate))
+        self._moe += [experts, shared, block]
+        return ctypes.addressof(block)
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, items: torch.Tensor, tables: torch.Tensor,
             cos: list[torch.Tensor], sin: list[torch.Tensor], final_norm: torch.Tensor | None,

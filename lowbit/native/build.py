@@ -53,6 +53,7 @@ SOURCES: dict[str, str] = {
     "rowops": "the C RMSNorm/activation row ops",
     "f32_dot": "batch-invariant float32 Linears",
     "decode_layers": "the decoder layers of a decode step in one C call",
+    "moe_route": "the C mixture-of-experts routing (and with it MoE layers in the one-call decode step)",
     "gptq_columns": "GPTQ's C column loop",
     "scale_search": "the C integer scale search",
 }

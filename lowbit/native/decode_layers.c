@@ -14,6 +14,8 @@
    bit the Python path's (the layers' `forward_deferred`, DecoderModel's final norm), and stays
    batch-invariant as those kernels are.
 
+   MoE layers (Mixtral, Qwen2/3-MoE, OLMoE) route through moe_route.c, as the model does.
+
    Per layer, on rows x [M, hidden] (the residual stream, updated in place) and the residual r the
    previous layer left pending (layer `first` has none; P is the previous layer's post_ffn norm,
    the identity when it has none):
@@ -21,12 +23,14 @@
      qkv = h W_qkv; q, k = q_norm(q), k_norm(k)  (when the layer has them)
      attn = paged_decode(rope(q), rope(k) and v written at the rows' slots)
      x += post_attn(attn W_o); h = norm_mlp(x)   (post_attn: Gemma's, else the identity)
-     r = (act(h W_gate) * (h W_up)) W_down       (gate|up joined in one weight)
+     r = (act(h W_gate) * (h W_up)) W_down       (gate|up joined in one weight; a MoE block: the routed
+                                                 experts' weighted sum, plus a shared expert)
    and after the last layer out = final_norm(x + P(r)) (or x += P(r) when there is no final norm).
    These are runtime/models/llama.py's and gemma3.py's `forward_deferred`. */
 
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "lowbit_native.h"
 
@@ -44,6 +48,9 @@ typedef int (*add_rmsnorm_fn)(const void *x, int64_t x_stride, const void *r, in
                               int64_t sum_stride, void *out, int64_t out_stride, int threads);
 typedef int (*act_mul_fn)(const void *gate, int64_t gate_stride, const void *up, int64_t up_stride, int64_t rows, int64_t n,
                           int act, int dtype, void *out, int64_t out_stride, int threads);
+typedef int (*moe_route_fn)(const float *x, int64_t ldx, int64_t rows, int64_t hidden, const float *gate, int64_t experts,
+                            int64_t top_k, int norm_topk, float *weights, int64_t *chosen, int threads);
+typedef int (*moe_shared_gate_fn)(const float *x, int64_t ldx, int64_t rows, int64_t hidden, const float *w, float *out);
 typedef int (*paged_decode_fn)(const void *q, int64_t ldq, const void *k, int64_t ldk, const void *v, int64_t ldv,
                                const void *cs, const void *sn, int dtype, const int64_t *pos, const int64_t *slots,
                                const int64_t *item, const int64_t *tables, int64_t nb, void *kpool, void *vpool, void *out,
@@ -65,10 +72,28 @@ typedef struct {
     int64_t groups, group;
 } ChainLinear;
 
+/* A gated MLP: gate|up joined into one weight [2I, hidden], then down [hidden, I]. */
+typedef struct {
+    ChainLinear gate_up, down;
+} ChainMLP;
+
+/* A sparse MoE block (runtime/models/moe.py): the router, each expert's MLP, and Qwen2-MoE's
+   shared expert with its sigmoid gate. */
+typedef struct {
+    const float *router; /* [experts, hidden] float32 */
+    int64_t experts, top_k;
+    int32_t norm_topk, pad;
+    const ChainMLP *expert;    /* [experts] */
+    const ChainMLP *shared;    /* or NULL */
+    const float *shared_gate;  /* [hidden], with shared */
+} ChainMoE;
+
 typedef struct {
     const float *norm_in;  /* before attention */
     const float *norm_mlp; /* before the MLP (Llama's post_attention_layernorm, Gemma's pre_feedforward) */
-    ChainLinear qkv, o, gate_up, down;
+    ChainLinear qkv, o;
+    ChainMLP mlp;          /* unless moe */
+    const ChainMoE *moe;   /* a sparse MoE block instead of the MLP, or NULL */
     void *kpool, *vpool; /* [slots, kv_heads, head_dim] float32 */
     int64_t window;      /* 0: none */
     int64_t rope;        /* index of this layer's cos/sin tables in the step */
@@ -81,13 +106,18 @@ typedef struct {
 
 typedef struct {
     const void *rmsnorm, *add_rmsnorm, *act_mul, *paged_decode;
+    const void *moe_route, *moe_shared_gate; /* moe_route.c's entry points (MoE layers only) */
     const ChainLayer *layers;
-    int64_t n_layers, hidden, heads, kv_heads, head_dim, inter, block_size;
+    int64_t n_layers, hidden, heads, kv_heads, head_dim;
+    int64_t inter;       /* the widest MLP's I (dense, expert or shared) */
+    int64_t max_top_k;   /* 0 without MoE layers */
+    int64_t block_size;
     float eps, scale;
     int32_t unit_offset, act;
 } Chain;
 
 #define MAX_ROPES 4
+#define LOWBIT_MAX_ROWS_MOE 4096 /* rows of one step through a MoE block (the engine's token budget is smaller) */
 
 /* What changes from step to step: the rows' positions, KV slots, items and block tables
    (runtime/engine/paged_attention.py DecodeIndex), and the rotary tables [rows, head_dim / 2]. */
@@ -111,6 +141,59 @@ static int linear(const ChainLinear *l, const float *x, int64_t ldx, int64_t M, 
         if (rc != 0) goto done;   \
     } while (0)
 
+/* Scratch of one call: an MLP's gate|up and activation rows, and the MoE block's. */
+typedef struct {
+    float *gu, *act;       /* [M, 2 * inter], [M, inter] */
+    float *xe, *ye;        /* [M, hidden]: an expert's gathered rows and its output */
+    float *wts, *sig;      /* [M, top_k], [M] */
+    int64_t *sel, *idx;    /* [M, top_k], [M] */
+} Scratch;
+
+/* y [M, H] = down(act(gate) * up) of rows h [M, H], as GatedMLP.forward with gate|up joined. */
+static int run_mlp(const Chain *c, const ChainMLP *m, const float *h, int64_t M, const Scratch *w, float *y, int threads) {
+    const int64_t H = c->hidden, I = m->gate_up.n / 2;
+    int rc = linear(&m->gate_up, h, H, M, w->gu, threads);
+    if (rc == 0) rc = ((act_mul_fn)c->act_mul)(w->gu, 2 * I, w->gu + I, 2 * I, M, I, c->act, 0, w->act, I, threads);
+    if (rc == 0) rc = linear(&m->down, w->act, I, M, y, threads);
+    return rc;
+}
+
+/* r [M, H] = the MoE block of rows h, as SparseMoE.forward computes it: route each row (the C
+   routing the model uses too), then per expert in order its rows gathered, its MLP, and
+   r[row] += y * weight for each (a token's experts are distinct: one add per expert); then the
+   shared expert, r = r + sigmoid(gate) * shared(h). */
+static int run_moe(const Chain *c, const ChainMoE *e, const float *h, int64_t M, const Scratch *w, float *r, int threads) {
+    const int64_t H = c->hidden, k = e->top_k;
+    int rc = ((moe_route_fn)c->moe_route)(h, H, M, H, e->router, e->experts, k, e->norm_topk, w->wts, w->sel, threads);
+    if (rc != 0) return rc;
+    for (int64_t i = 0; i < M * H; i++) r[i] = 0.0f;
+    for (int64_t ex = 0; ex < e->experts; ex++) {
+        int64_t n = 0;
+        float scale[LOWBIT_MAX_ROWS_MOE];
+        for (int64_t t = 0; t < M; t++)
+            for (int64_t j = 0; j < k; j++)
+                if (w->sel[t * k + j] == ex) {
+                    w->idx[n] = t;
+                    scale[n++] = w->wts[t * k + j];
+                }
+        if (n == 0) continue;
+        for (int64_t i = 0; i < n; i++) memcpy(w->xe + i * H, h + w->idx[i] * H, (size_t)H * sizeof(float));
+        if ((rc = run_mlp(c, e->expert + ex, w->xe, n, w, w->ye, threads)) != 0) return rc;
+        for (int64_t i = 0; i < n; i++) {
+            float *ri = r + w->idx[i] * H;
+            const float *yi = w->ye + i * H;
+            for (int64_t d = 0; d < H; d++) ri[d] += yi[d] * scale[i];
+        }
+    }
+    if (e->shared) {
+        if ((rc = ((moe_shared_gate_fn)c->moe_shared_gate)(h, H, M, H, e->shared_gate, w->sig)) != 0) return rc;
+        if ((rc = run_mlp(c, e->shared, h, M, w, w->ye, threads)) != 0) return rc;
+        for (int64_t t = 0; t < M; t++)
+            for (int64_t d = 0; d < H; d++) r[t * H + d] = r[t * H + d] + w->sig[t] * w->ye[t * H + d];
+    }
+    return 0;
+}
+
 /* Layers first..last-1 on x [rows, hidden] (float32, updated in place). With final_norm, out gets
    final_norm(x + r) and x keeps x + r; without, x gets x + r and out is untouched. Returns 0, -1
    for a malformed chain, -3 when out of memory, else the failing kernel's code. */
@@ -118,26 +201,30 @@ int lowbit_decode_layers(const Chain *c, const ChainStep *s, int64_t first, int6
                          float *out, int threads) {
     const int64_t M = s->rows, H = c->hidden, D = c->head_dim;
     const int64_t qs = c->heads * D, kvs = c->kv_heads * D, qkv_n = qs + 2 * kvs, I = c->inter;
-    if (M <= 0 || first < 0 || last > c->n_layers || first >= last) return -1;
+    if (M <= 0 || first < 0 || last > c->n_layers || first >= last || (c->max_top_k && M > LOWBIT_MAX_ROWS_MOE)) return -1;
     const rmsnorm_fn rmsnorm = (rmsnorm_fn)c->rmsnorm;
     const add_rmsnorm_fn add_rmsnorm = (add_rmsnorm_fn)c->add_rmsnorm;
-    const act_mul_fn act_mul = (act_mul_fn)c->act_mul;
     const paged_decode_fn paged_decode = (paged_decode_fn)c->paged_decode;
+    const int64_t kk = c->max_top_k > 0 ? c->max_top_k : 1;
     float *h = malloc((size_t)(M * H) * sizeof(float));
     float *qkv = malloc((size_t)(M * qkv_n) * sizeof(float));
     float *att = malloc((size_t)(M * qs) * sizeof(float));
     float *a = malloc((size_t)(M * H) * sizeof(float));
-    float *gu = malloc((size_t)(M * 2 * I) * sizeof(float));
-    float *act = malloc((size_t)(M * I) * sizeof(float));
     float *r = malloc((size_t)(M * H) * sizeof(float));
     float *qn = malloc((size_t)(M * qs) * sizeof(float));
     float *kn = malloc((size_t)(M * kvs) * sizeof(float));
+    Scratch w = {malloc((size_t)(M * 2 * I) * sizeof(float)), malloc((size_t)(M * I) * sizeof(float)),
+                 malloc((size_t)(M * H) * sizeof(float)), malloc((size_t)(M * H) * sizeof(float)),
+                 malloc((size_t)(M * kk) * sizeof(float)), malloc((size_t)M * sizeof(float)),
+                 malloc((size_t)(M * kk) * sizeof(int64_t)), malloc((size_t)M * sizeof(int64_t))};
     int rc = -3;
-    if (!h || !qkv || !att || !a || !gu || !act || !r || !qn || !kn) goto done;
+    if (!h || !qkv || !att || !a || !r || !qn || !kn || !w.gu || !w.act || !w.xe || !w.ye || !w.wts || !w.sig || !w.sel || !w.idx)
+        goto done;
     const float *pending_norm = NULL; /* the previous layer's post_ffn: applied to r in the next add */
     for (int64_t i = first; i < last; i++) {
         const ChainLayer *L = c->layers + i;
-        if (L->qkv.n != qkv_n || L->gate_up.n != 2 * I || L->rope < 0 || L->rope >= MAX_ROPES || !s->cos[L->rope]
+        if (L->qkv.n != qkv_n || (!L->moe && L->mlp.gate_up.n > 2 * I) || (L->moe && (L->moe->top_k > kk || !c->moe_route))
+            || L->rope < 0 || L->rope >= MAX_ROPES || !s->cos[L->rope]
             || (L->q_norm && (L->q_norm_width <= 0 || qs % L->q_norm_width)) || (L->k_norm && (L->k_norm_width <= 0 || kvs % L->k_norm_width))) {
             rc = -1;
             goto done;
@@ -161,9 +248,8 @@ int lowbit_decode_layers(const Chain *c, const ChainStep *s, int64_t first, int6
                            c->scale, threads));
         CHECK(linear(&L->o, att, qs, M, a, threads));
         CHECK(add_rmsnorm(x, H, a, H, L->post_attn, M, H, L->norm_mlp, c->eps, c->unit_offset, 0, x, H, h, H, threads));
-        CHECK(linear(&L->gate_up, h, H, M, gu, threads));
-        CHECK(act_mul(gu, 2 * I, gu + I, 2 * I, M, I, c->act, 0, act, I, threads));
-        CHECK(linear(&L->down, act, I, M, r, threads));
+        if (L->moe) CHECK(run_moe(c, L->moe, h, M, &w, r, threads));
+        else CHECK(run_mlp(c, &L->mlp, h, M, &w, r, threads));
         pending_norm = L->post_ffn;
     }
     if (final_norm)
@@ -177,8 +263,14 @@ done:
     free(qkv);
     free(att);
     free(a);
-    free(gu);
-    free(act);
     free(r);
+    free(w.gu);
+    free(w.act);
+    free(w.xe);
+    free(w.ye);
+    free(w.wts);
+    free(w.sig);
+    free(w.sel);
+    free(w.idx);
     return rc;
 }

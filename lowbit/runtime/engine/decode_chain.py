@@ -2,10 +2,11 @@
 
 `build(model, cache)` returns a `ChainedDecoder` when every decoder layer is one the C step
 computes exactly as the Python path would: a Llama-family or Gemma-3 layer (q/k norms and Gemma's
-post-norms included) with a dense gated MLP (silu or gelu_tanh), whose q|k|v and gate|up are
+post-norms included) with a gated MLP (silu or gelu_tanh) or a sparse MoE block of them (routed
+through the C routing the model uses too, kernels/cpu_moe.py), whose q|k|v and gate|up are
 joined (runtime/models/fusion.py) and whose projections all run on cpu-int4dot, cpu-int8f or
 the batch-invariant dense kernel, float32 activations and the paged cache's fused CPU decode
-attention. Anything else returns None and the model's own forward runs (MoE layers, bf16 compute,
+attention. Anything else returns None and the model's own forward runs (bf16 compute,
 quantized KV, outlier side matrices, biases on quantized layers, kernels other than those two).
 `why_not(model, cache)` says which.
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch.nn.modules import module as torch_module
 
-from lowbit.kernels import cpu_f32, cpu_rowops, decode_chain
+from lowbit.kernels import cpu_f32, cpu_moe, cpu_rowops, decode_chain
 from lowbit.kernels.cpu_f32 import InvariantLinear
 from lowbit.runtime.engine.paged_attention import StepMetadata
 from lowbit.runtime.engine.paged_cache import PagedKVCache
@@ -26,6 +27,7 @@ from lowbit.runtime.layers import GatedMLP, RMSNorm
 from lowbit.runtime.models.fusion import JoinedDense, JoinedLinear
 from lowbit.runtime.models.gemma3 import Gemma3DecoderLayer
 from lowbit.runtime.models.llama import LlamaDecoderLayer
+from lowbit.runtime.models.moe import SparseMoE
 from lowbit.runtime.quant_linear import QuantLinear
 
 
@@ -66,6 +68,33 @@ def _check_model(model, cache) -> None:
         raise Unsupported("norms of another dtype, eps or kind")
 
 
+def _gated(mlp) -> decode_chain.MLPSpec:
+    if type(mlp) is not GatedMLP or mlp.fused_gate_up is None or mlp.act_name is None:
+        raise Unsupported("an MLP whose gate/up are not joined, or an activation the C row op lacks")
+    return decode_chain.MLPSpec(_linear(mlp.fused_gate_up), _linear(mlp.down_proj))
+
+
+def _router(weight: torch.Tensor) -> torch.Tensor:
+    # SparseMoE routes through the C routing exactly when this holds (cpu_moe.usable), which the
+    # chain's MoE blocks call too
+    if weight.dtype is not torch.float32 or not weight.is_contiguous() or not cpu_moe.available() \
+            or weight.shape[0] > cpu_moe.MAX_EXPERTS:
+        raise Unsupported("a router the C routing does not take")
+    return weight.data
+
+
+def _mlp_spec(mlp) -> decode_chain.MLPSpec | decode_chain.MoESpec:
+    if type(mlp) is not SparseMoE:
+        return _gated(mlp)
+    if mlp.every_expert:
+        raise Unsupported("a MoE block in calibration mode (every expert runs)")
+    shared = None if mlp.shared_expert is None else _gated(mlp.shared_expert)
+    return decode_chain.MoESpec(
+        router=_router(mlp.gate.weight), experts=[_gated(e) for e in mlp.experts], top_k=mlp.top_k,
+        norm_topk=mlp.norm_topk_prob, shared=shared,
+        shared_gate=None if shared is None else _router(mlp.shared_expert_gate.weight)[0])
+
+
 def _weight(norm: RMSNorm | None) -> torch.Tensor | None:
     return None if norm is None else norm.weight.data
 
@@ -78,14 +107,12 @@ def _layer_spec(layer, rope: int, cache: PagedKVCache) -> decode_chain.ChainLaye
         norm_mlp, post_attn, post_ffn = layer.pre_feedforward_layernorm, layer.post_attention_layernorm, layer.post_feedforward_layernorm
     else:
         raise Unsupported(f"a {type(layer).__name__}")
-    attn, mlp = layer.self_attn, layer.mlp
+    attn = layer.self_attn
     if attn.fused_qkv is None:
         raise Unsupported("q/k/v not joined")
-    if type(mlp) is not GatedMLP or mlp.fused_gate_up is None or mlp.act_name is None:
-        raise Unsupported("a sparse or unjoined MLP, or an activation the C row op lacks")
     return decode_chain.ChainLayerSpec(
         norm_in=layer.input_layernorm.weight.data, norm_mlp=norm_mlp.weight.data,
-        qkv=_linear(attn.fused_qkv), o=_linear(attn.o_proj), gate_up=_linear(mlp.fused_gate_up), down=_linear(mlp.down_proj),
+        qkv=_linear(attn.fused_qkv), o=_linear(attn.o_proj), mlp=_mlp_spec(layer.mlp),
         key_pool=cache.keys[attn.layer], value_pool=cache.values[attn.layer], window=attn.window, rope=rope,
         q_norm=_weight(attn.q_norm), k_norm=_weight(attn.k_norm), post_attn=_weight(post_attn), post_ffn=_weight(post_ffn))
 
@@ -96,7 +123,9 @@ def _modules(model) -> list:
     found = [model.model.embed_tokens, model.model.norm]
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        found += [layer, attn.fused_qkv, attn.o_proj, getattr(mlp, "fused_gate_up", None), getattr(mlp, "down_proj", None)]
+        found += [layer, attn.fused_qkv, attn.o_proj]
+        for gated in (mlp.experts if type(mlp) is SparseMoE else [mlp]):
+            found += [gated.fused_gate_up, gated.down_proj]
     return found
 
 
@@ -168,10 +197,12 @@ def _chain(model, cache) -> decode_chain.DecodeChain:
     _check_model(model, cache)
     inner = model.model
     specs = [_layer_spec(layer, rope, cache) for layer, rope in zip(inner.layers, inner.layer_rotary)]
-    first = inner.layers[0]
-    attn, mlp = first.self_attn, first.mlp
+    attn = inner.layers[0].self_attn
+    acts = {m.act_name for m in model.modules() if isinstance(m, GatedMLP)}
+    if len(acts) != 1:
+        raise Unsupported("MLPs with different activations")
     config = model.config
     return decode_chain.DecodeChain(
         specs, hidden=config.hidden_size, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
-        head_dim=attn.head_dim, inter=mlp.down_proj.in_features, block_size=cache.block_size, eps=inner.norm.eps,
-        unit_offset=inner.norm.unit_offset, act=cpu_rowops.ACTS[mlp.act_name], scale=attn.scale)
+        head_dim=attn.head_dim, block_size=cache.block_size, eps=inner.norm.eps, unit_offset=inner.norm.unit_offset,
+        act=cpu_rowops.ACTS[acts.pop()], scale=attn.scale)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lowbit.kernels import cpu_moe
 from lowbit.runtime.config import ModelConfig
 from lowbit.runtime.layers import GatedMLP
 
@@ -64,12 +65,21 @@ class SparseMoE(nn.Module):
         The logits accumulate in float64 and round to float32: a float32 GEMM's blocking can change
         a logit's last bit with the number of rows, and top-k turns a last bit into another expert,
         so this keeps a token's routing independent of whatever else is in the batch. Softmax,
-        top-k and the renormalization run in float32, as transformers does."""
+        top-k and the renormalization run in float32, as transformers does. On CPU in float32 the C
+        routing (kernels/cpu_moe.py) computes the same steps, so the one-call decode step routes alike."""
+        if cpu_moe.usable(rows, self.gate.weight):  # the one-call decode step routes through the same C
+            return cpu_moe.route(rows, self.gate.weight, self.top_k, self.norm_topk_prob)
         logits = F.linear(rows.double(), self.gate.weight.double()).float()
         weights, experts = logits.softmax(dim=-1).topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, experts
+
+    def shared_gate(self, rows: torch.Tensor) -> torch.Tensor:
+        """Qwen2-MoE's sigmoid gate of the shared expert per row, [N, 1]."""
+        if cpu_moe.usable(rows, self.shared_expert_gate.weight):
+            return cpu_moe.shared_gate(rows, self.shared_expert_gate.weight)
+        return torch.sigmoid(self.shared_expert_gate(rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
@@ -98,5 +108,5 @@ class SparseMoE(nn.Module):
                 out.index_add_(0, idx, (y * scale[start : start + count]).to(out.dtype))
                 start += count
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(rows)) * self.shared_expert(rows)
+            out = out + self.shared_gate(rows) * self.shared_expert(rows)
         return out.view(x.shape)

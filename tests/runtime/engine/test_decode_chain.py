@@ -127,3 +127,23 @@ def test_models_it_cannot_run_say_why_and_keep_their_path(tiny_float_model, case
     assert reason in decode_chain.why_not(engine.model, engine.cache)
     assert engine.runner.chained is None
     assert len(engine.generate(prompts(1), GREEDY)[0].token_ids) == GREEDY.max_tokens
+
+
+@pytest.mark.parametrize("case, weights", [("mixtral", "bf16-stored"), ("mixtral", "int4"), ("qwen2_moe", "bf16-stored"),
+                                           ("qwen3_moe", "bf16-stored"), ("olmoe", "int4")])
+def test_moe_layers_take_the_chain_and_route_alike(tmp_path, case, weights):
+    # Mixtral; Qwen2-MoE's shared expert and dense layer; Qwen3-MoE's renormalized top-k, q/k norms and
+    # dense layer; OLMoE's whole-projection q/k norms: every chained step equals the model's forward
+    from tests.runtime.moe_models import save_moe
+
+    if weights == "int4" and not cpu_int4dot.available():
+        pytest.skip("no int4 kernel on this machine")
+    save_moe(case, tmp_path)
+    engine = _engine(tmp_path, QUANTIZED.get(weights))
+    rows = _checked(engine.runner)
+    outs = engine.generate(prompts(4), GREEDY)
+    assert any(isinstance(spec.mlp, kernel_chain.MoESpec) for spec in engine.runner.chained.chain._keep)
+    assert rows and max(rows) > 1
+    plain = _engine(tmp_path, QUANTIZED.get(weights))
+    plain.runner.chained = None
+    assert [o.token_ids for o in plain.generate(prompts(4), GREEDY)] == [o.token_ids for o in outs]
