@@ -14,6 +14,8 @@ Pictures:
                         roofline (bench/results/decode_vs_batch.json from bench/decode_vs_batch.py)
   kv_memory.png         KV cache memory vs context length, reserved vs paged, bf16 vs fp8 / int8,
                         computed with lowbit.plan.kv_cache (no measurement)
+  distill_loss.png      lowbit distill's end-to-end KL loss per step (bench/results/distill*.json from
+                        bench/distill.py), with each run's held-out KLD before and after
 A picture whose JSON is missing is skipped with a note, not an error.
 """
 
@@ -241,7 +243,36 @@ def plot_kv(out: Path) -> bool:
     return True
 
 
-PICTURES = {"quality_vs_bits.png": plot_quality, "decode_vs_batch.png": plot_decode, "kv_memory.png": plot_kv}
+def plot_distill(out: Path) -> bool:
+    """The end-to-end KL loss of each bench/distill.py run (bench/results/distill*.json), per step
+    and as a 10-step running mean, beside the held-out KLD before and after."""
+    runs = []
+    for path in sorted(RESULTS.glob("distill*.json")):
+        data = json.loads(path.read_text())
+        curve = data.get("distill", {}).get("loss_curve")
+        if curve:
+            runs.append((path.stem, data, curve))
+    if not runs:
+        return False
+    fig, ax = plt.subplots(figsize=(7.5, 4.4))
+    for color, (name, data, curve) in zip(("tab:blue", "tab:green", "tab:red", "tab:purple"), runs):
+        mean = [sum(curve[max(0, i - 9): i + 1]) / len(curve[max(0, i - 9): i + 1]) for i in range(len(curve))]
+        rows = data["rows"]
+        label = f"{rows[0]['checkpoint']}: held-out KLD {rows[0]['kld']:.4f} -> {rows[1]['kld']:.4f}"
+        ax.plot(range(1, len(curve) + 1), curve, color=color, alpha=0.25, lw=0.8)
+        ax.plot(range(1, len(curve) + 1), mean, color=color, label=label)
+    ax.set(xlabel="end-to-end step (one window of 512 tokens)", ylabel="KL(teacher || student) on the step's window",
+           title="lowbit distill: quantization recovery on SmolLM2-135M (wiki-calib windows)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=DPI)
+    plt.close(fig)
+    return True
+
+
+PICTURES = {"quality_vs_bits.png": plot_quality, "decode_vs_batch.png": plot_decode, "kv_memory.png": plot_kv,
+            "distill_loss.png": plot_distill}
 
 
 def pictures() -> dict:

@@ -13,6 +13,9 @@ build take several minutes.
 
     python bench/vs_llamacpp.py [--model smollm2-135m] [--cases int4,int4-g64,int8,bf16] [--pairs 3] [--threads 2]
         [--llama-bench PATH] [--json]
+
+--model takes any model lowbit quantizes, e.g. bench/moe_synthetic.py's mixture-of-experts model; its
+"decode ÷ roofline" then counts the active bytes (the routed experts') a token reads.
 """
 
 from __future__ import annotations
@@ -123,7 +126,7 @@ def main() -> None:
     args = parser.parse_args()
 
     binary = args.llama_bench or build_llama_cpp(lowbit_home() / "llamacpp") / "llama-bench"
-    work = args.work or lowbit_home() / "vs_llamacpp" / args.model
+    work = args.work or lowbit_home() / "vs_llamacpp" / Path(args.model).name
     work.mkdir(parents=True, exist_ok=True)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     rows = []
@@ -153,7 +156,7 @@ def main() -> None:
     result = {"script": "bench/vs_llamacpp.py", "date": time.strftime("%Y-%m-%d"), "model": args.model,
               "threads": args.threads, "machine": _machine(), "cases": rows}
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    _results_file().write_text(json.dumps(result, indent=2) + "\n")
+    _results_file(args.model).write_text(json.dumps(result, indent=2) + "\n")
     if args.json:
         print(json.dumps(result, indent=2))
         return
@@ -168,13 +171,15 @@ def main() -> None:
               f"{r['decode_vs_roofline']:.2f} |")
 
 
-def _results_file() -> Path:
-    """One latest file per CPU class: an AVX-512 machine's figures and an AVX2-only machine's are
-    two tables in docs/benchmarks.md (lowbit's kernels differ between them)."""
+def _results_file(model: str) -> Path:
+    """One latest file per model and CPU class: an AVX-512 machine's figures and an AVX2-only
+    machine's are two tables in docs/benchmarks.md (lowbit's kernels differ between them); the demo
+    model's file has no model name in it."""
     from lowbit.native.build import _cpu_flags
 
     flags = _cpu_flags().split()
-    return RESULTS_DIR / ("vs_llamacpp-avx2.json" if flags and "avx512f" not in flags else "vs_llamacpp.json")
+    name = "vs_llamacpp" if model == "smollm2-135m" else f"vs_llamacpp-{Path(model).name}"
+    return RESULTS_DIR / (f"{name}-avx2.json" if flags and "avx512f" not in flags else f"{name}.json")
 
 
 def _machine() -> str:

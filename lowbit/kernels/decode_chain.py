@@ -1,12 +1,13 @@
 """The decoder layers of an engine step in one C call (native/decode_layers.c): the structs it reads.
 
-A `DecodeChain` holds, per layer, the norm weights, the four projections (q|k|v joined, o,
-gate|up joined, down) as the C kernels take them, and the layer's KV pools; `run` computes a
-step of short items (decodes, speculative verifies) through all of them and the final norm.
-The C side only sequences the kernels the Python path calls (int4_vnni.c / int4_dot.c,
-int8_gemv.c, f32_dot.c, rowops.c, paged_decode.c), with the same arguments, so the hidden states are bit for
-bit the Python path's; what it saves is the interpreter between ~7 calls a layer, and the OpenMP
-workers' sleep in those pauses (docs/kernels.md, "One call per step").
+A `DecodeChain` holds, per layer, the norm weights, the projections (q|k|v joined, o, and the
+MLP's gate|up joined and down, or a MoE block's router and experts) as the C kernels take them,
+and the layer's KV pools; `run` computes a step of short items (decodes, speculative verifies)
+through all of them and the final norm. The C side only sequences the kernels the Python path
+calls (int4_vnni.c / int4_dot.c, int8_gemv.c, f32_dot.c, rowops.c, paged_decode.c, moe_route.c),
+with the same arguments, so the hidden states are bit for bit the Python path's; what it saves is
+the interpreter between ~7 calls a layer, and the OpenMP workers' sleep in those pauses
+(docs/kernels.md, "One call per step").
 
 This module knows kernels, not models: runtime/engine/decode_chain.py decides which model and
 cache can take it and hands over the weights.

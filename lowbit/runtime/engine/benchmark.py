@@ -61,9 +61,16 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def decode_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes a decode step streams: all weights except the embedding table (only rows are read),
-    unless the lm_head shares it."""
+    """Bytes a one-token decode step streams: all weights except the embedding table (only rows are
+    read), unless the lm_head shares it; of a mixture-of-experts block only its top_k experts'
+    (runtime/models/moe.py reads no other expert's weights for a token)."""
+    from lowbit.runtime.models.moe import SparseMoE
+
     total = weight_bytes(model)
+    for module in model.modules():
+        if isinstance(module, SparseMoE):
+            experts = weight_bytes(module.experts)
+            total -= round(experts * (1 - module.top_k / len(module.experts)))
     embed = getattr(model.model.embed_tokens, "weight", None)
     if embed is None:
         return total  # a quantized tied head (runtime/quant_embedding.py): counted once, as the head

@@ -40,3 +40,17 @@ def test_prefix_cache_hit_equals_miss(moe_engine):
     second = moe_engine.generate([p], GREEDY)[0]
     assert second.num_cached_tokens == 32 and moe_engine.stats().prefix_cache_hits - before == 32
     assert second.token_ids == first.token_ids
+
+
+def test_decode_bytes_count_only_the_routed_experts(moe_engine):
+    # the roofline `lowbit bench` reports: a token reads top_k of each block's experts, not all of them
+    from lowbit.runtime.engine.benchmark import decode_weight_bytes, weight_bytes
+    from lowbit.runtime.models.moe import SparseMoE
+
+    model = moe_engine.model
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    assert blocks
+    skipped = sum(weight_bytes(b.experts) * (1 - b.top_k / len(b.experts)) for b in blocks)
+    embed = model.model.embed_tokens.weight
+    dense = weight_bytes(model) - embed.numel() * embed.element_size()  # untied: the table is read by rows
+    assert decode_weight_bytes(model) == pytest.approx(dense - skipped, abs=len(blocks))
