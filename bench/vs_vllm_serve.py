@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -127,9 +128,14 @@ def levels(report: Path) -> list[dict]:
 
 
 def failure(log: Path) -> str:
-    """The server's own one-line reason, from its log (the last line naming an error)."""
-    lines = [line for line in log.read_text(errors="replace").splitlines() if "Error" in line or "error:" in line]
-    return lines[-1].strip()[-300:] if lines else f"see {log}"
+    """The server's own one-line reason, from its log: the first exception line (`SomeError: ...`,
+    the root cause before the wrappers that re-raise it), else the last line naming an error."""
+    lines = log.read_text(errors="replace").splitlines()
+    raised = [line for line in lines if re.search(r"\b\w+(Error|Exception): ", line) and "WARNING" not in line]
+    if raised:
+        return raised[0].strip()[-300:]
+    named = [line for line in lines if "Error" in line or "error:" in line]
+    return named[-1].strip()[-300:] if named else f"see {log}"
 
 
 def measure(kind: str, name: str, model: Path, args) -> list[dict] | str:
