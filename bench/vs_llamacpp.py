@@ -153,10 +153,20 @@ def main() -> None:
             "decode_vs_roofline": (1 / med("decode_tok_s", 0)) / roofline,
             "pairs": [{"lowbit": o, "llama.cpp": t} for o, t in pairs],
         })
-    result = {"script": "bench/vs_llamacpp.py", "date": time.strftime("%Y-%m-%d"), "model": args.model,
-              "threads": args.threads, "machine": _machine(), "cases": rows}
+    stamp = time.strftime("%Y-%m-%d %H:%M")
+    for row in rows:
+        row["date"] = stamp
+    # one latest file: this run's cases replace theirs, the other cases stay (each row dated)
+    path = _results_file(args.model)
+    ran = {r["case"] for r in rows}
+    kept = []
+    if path.exists():
+        old = json.loads(path.read_text())
+        kept = [{"date": old.get("date"), **r} for r in old.get("cases", []) if r["case"] not in ran]
+    result = {"script": "bench/vs_llamacpp.py", "date": stamp, "model": args.model,
+              "threads": args.threads, "machine": _machine(), "cases": kept + rows}
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    _results_file(args.model).write_text(json.dumps(result, indent=2) + "\n")
+    path.write_text(json.dumps(result, indent=2) + "\n")
     if args.json:
         print(json.dumps(result, indent=2))
         return
