@@ -48,10 +48,34 @@ def test_recipes_are_shipped():
     assert len(RECIPES) >= 5
 
 
+HEAD = {"lm_head": (49152, 576)}  # SmolLM2's tied embedding/head, quantized with --quantize-head
+
+
+def _names_head(path: Path) -> bool:
+    return any(rule.pattern == "lm_head" for rule in load_recipe(path).rules)
+
+
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_recipe_quantizes_every_linear(path):
-    rules = match_rules(load_recipe(path), list(MODULES))
+    # a recipe with an lm_head rule is meant for --quantize-head: the head is then one of the modules
+    modules = list(MODULES) + (list(HEAD) if _names_head(path) else [])
+    rules = match_rules(load_recipe(path), modules)
     assert all(rule is not None and rule.spec is not None for rule in rules.values())
+
+
+def test_the_q4km_budget_recipe_fits_q4km_bytes():
+    # issue 27's budget: no more bytes than llama.cpp's Q4_K_M file of SmolLM2 (105.5 MB), the
+    # quantized tied head, norms and 0.1 % outliers included (the measured directory: 100.1 MB)
+    from lowbit.quant.registry import weight_bytes
+
+    path = ROOT / "bench" / "recipes" / "q4km-budget.yaml"
+    modules = {**MODULES, **HEAD}
+    rules = match_rules(load_recipe(path), list(modules))
+    total = sum(weight_bytes(rules[m].spec, shape) for m, shape in modules.items())
+    n_linear = sum(a * b for a, b in MODULES.values())
+    total += BITS_PER_OUTLIER * n_linear * 0.1 / 100 / 8 + (2 * 30 + 1) * 576 * 2  # outliers, bf16 norms
+    assert rules["lm_head"].spec.bits == 8
+    assert 95e6 < total <= 105.5e6
 
 
 @pytest.mark.parametrize(("name", "pct", "expected"), [

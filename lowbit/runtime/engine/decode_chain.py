@@ -7,7 +7,7 @@ through the C routing the model uses too, kernels/cpu_moe.py), whose q|k|v and g
 joined (runtime/models/fusion.py) and whose projections all run on cpu-int4dot, cpu-int8f or
 the batch-invariant dense kernel, float32 activations and the paged cache's fused CPU decode
 attention. Anything else returns None and the model's own forward runs (bf16 compute,
-quantized KV, outlier side matrices, biases on quantized layers, kernels other than those two).
+quantized KV, outlier side matrices, biases on quantized layers, other kernels).
 `why_not(model, cache)` says which.
 
 The runner calls it for steps of short items only (decodes and speculative verifies, the steps
@@ -133,10 +133,8 @@ def _slots(model) -> list[tuple[dict, str, object]]:
         found += [at(inner.layers, str(i)), at(layer, "self_attn"), at(layer, "mlp"), at(attn, "fused_qkv", "__dict__"),
                   at(attn, "o_proj")]
         if type(mlp) is SparseMoE:
-            found.append(at(mlp, "experts"))
-            gated = [(mlp.experts, str(e), expert) for e, expert in enumerate(mlp.experts)]
-            found += [at(mlp.experts, name) for _, name, _ in gated]
-            members = [expert for _, _, expert in gated] + ([mlp.shared_expert] if mlp.shared_expert is not None else [])
+            found += [at(mlp, "experts"), at(mlp, "shared_expert")] + [at(mlp.experts, str(e)) for e in range(len(mlp.experts))]
+            members = list(mlp.experts) + ([mlp.shared_expert] if mlp.shared_expert is not None else [])
         else:
             members = [mlp]
         for g in members:
