@@ -165,8 +165,9 @@ class Answer:
     async def whole(self, request: Request) -> Response:
         watcher = asyncio.ensure_future(_watch_disconnect(request, self.tracker.stream))
         try:
-            async for out in self.tracker.outputs():
-                self._record(out)
+            async for outs in self.tracker.arrivals():
+                for out in outs:
+                    self._record(out)
         except APIError as exc:
             return self.server.error_response(exc)
         except ClientDisconnect:
@@ -245,16 +246,19 @@ class Answer:
                 for prompt in self.prompts:
                     for event in echo_chunks(prompt):
                         yield event
-            async for out in self.tracker.outputs():
-                choice, text, entries = self._record(out)
-                if id(choice.prompt) in echo_pending:
-                    for event in echo_chunks(choice.prompt):
-                        yield event
-                if not text and not entries and not out.finished:
-                    continue  # a prefill chunk or held-back bytes: nothing to say yet
-                finish = self._finish_reason(choice) if out.finished else None
-                yield chunk(choice.index, text, finish, entries)
-                offsets[choice.index] += len(text)
+            async for outs in self.tracker.arrivals():
+                events = []  # what arrived together goes out in one write
+                for out in outs:
+                    choice, text, entries = self._record(out)
+                    if id(choice.prompt) in echo_pending:
+                        events.extend(echo_chunks(choice.prompt))
+                    if not text and not entries and not out.finished:
+                        continue  # a prefill chunk or held-back bytes: nothing to say yet
+                    finish = self._finish_reason(choice) if out.finished else None
+                    events.append(chunk(choice.index, text, finish, entries))
+                    offsets[choice.index] += len(text)
+                if events:
+                    yield "".join(events)
             if usage_on:
                 yield _sse({**self._envelope(kind), "choices": [], "usage": self._usage()})
         except APIError as exc:

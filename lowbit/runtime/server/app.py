@@ -84,24 +84,43 @@ class Tracker:
     def finished(self) -> bool:
         return not self.open
 
-    async def outputs(self, disconnect_aware: bool = False) -> AsyncIterator[Any]:
-        """RequestOutputs until the last finished one; raises on engine failure or a vanished client."""
+    async def arrivals(self) -> AsyncIterator[list[Any]]:
+        """RequestOutputs as they arrive, each time all that is queued (so a stream that fell
+        behind the engine catches up in one write), until the last finished one; raises on engine
+        failure or a vanished client, after yielding the outputs that came before it."""
         while self.open:
-            item = await self.stream.queue.get()
-            if item is DISCONNECTED:
-                raise ClientDisconnect()
-            if isinstance(item, RequestRejected):
-                self.rejected = True  # close() aborts the siblings that did enter the engine
-                raise bad_request(str(item))
-            if isinstance(item, EngineFailure):
-                self.open.clear()  # the engine loop aborted them already
-                stopping = isinstance(item, EngineStopping)
-                if stopping:
-                    self.server.metrics.finished["abort"] += 1  # ended by the shutdown: counted as aborts
-                code = "shutting_down" if stopping else "engine_unavailable"
-                raise APIError(503, str(item), type="server_error", code=code)
-            self._time(item)
-            yield item
+            items = [await self.stream.queue.get()]
+            while not self.stream.queue.empty():
+                items.append(self.stream.queue.get_nowait())
+            outs, failure = [], None
+            for item in items:
+                if not self.open:
+                    break  # finished: whatever came after (a disconnect) is moot
+                failure = self._failure(item)
+                if failure is not None:
+                    break
+                self._time(item)
+                outs.append(item)
+            if outs:
+                yield outs
+            if failure is not None:
+                raise failure
+
+    def _failure(self, item: Any) -> Exception | None:
+        """The exception a queued item means for the handler, or None for a RequestOutput."""
+        if item is DISCONNECTED:
+            return ClientDisconnect()
+        if isinstance(item, RequestRejected):
+            self.rejected = True  # close() aborts the siblings that did enter the engine
+            return bad_request(str(item))
+        if isinstance(item, EngineFailure):
+            self.open.clear()  # the engine loop aborted them already
+            stopping = isinstance(item, EngineStopping)
+            if stopping:
+                self.server.metrics.finished["abort"] += 1  # ended by the shutdown: counted as aborts
+            code = "shutting_down" if stopping else "engine_unavailable"
+            return APIError(503, str(item), type="server_error", code=code)
+        return None
 
     def _time(self, out) -> None:
         now = time.perf_counter()

@@ -1,8 +1,9 @@
 """The one thread that owns the Engine: it loads the model, then steps while there is work.
 
 The HTTP side never calls the engine. It sends commands (add, abort, stop) through a
-thread-safe queue, and each request's outputs come back on that request's own asyncio queue via
-`loop.call_soon_threadsafe`, so the event loop is never blocked by a model step and the engine
+thread-safe queue, and each request's outputs come back on that request's own asyncio queue,
+all of one step's in a single `loop.call_soon_threadsafe` (one wake-up of the event loop per
+step, not one per request), so the event loop is never blocked by a model step and the engine
 is only ever touched from one thread. Commands are drained between steps, which is what makes a
 disconnect cancel its request "at the next step".
 
@@ -52,6 +53,23 @@ class RequestStream:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
+
+
+def _deliver(deliveries: list[tuple[RequestStream, Any]]) -> None:
+    """Hand one step's outputs to their streams with one wake-up per event loop (there is one)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
+    for stream, out in deliveries:
+        by_loop.setdefault(stream.loop, []).append((stream, out))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+
+def _put_all(items: list[tuple[RequestStream, Any]]) -> None:
+    for stream, out in items:
+        stream.queue.put_nowait(out)
 
 
 @dataclass(slots=True)
@@ -156,12 +174,14 @@ class EngineLoop:
                     return
                 self._apply(engine, command)
             if engine.has_unfinished_requests():
+                deliveries = []
                 for out in engine.step():
                     stream = self._streams.get(out.request_id)
                     if stream is not None:
-                        stream.put(out)
+                        deliveries.append((stream, out))
                         if out.finished:
                             del self._streams[out.request_id]
+                _deliver(deliveries)
             self.stats = engine.stats()
 
     def _apply(self, engine, command) -> None:
