@@ -27,6 +27,11 @@ def serve_command(
     draft: Optional[str] = typer.Option(None, "--draft", help="Speculative decoding draft: another model, "
                                         "self:FORMAT (a quantized copy of MODEL), self:layers=N (its first N layers + its head) or ngram."),
     max_running: int = typer.Option(64, "--max-running", help="Most requests decoded together in one batch."),
+    max_prefill_tokens: Optional[int] = typer.Option(
+        None, "--max-prefill-tokens", help="Most prompt tokens prefilled in one step while other requests run or "
+        "wait (longer prompts go in chunks, one prompt after another; a lone prompt is not capped). Default: 128 on "
+        "a CPU, where prefill costs ~2 ms a token and a big step makes every new request and every running stream "
+        "wait for all of it; uncapped on a GPU.", show_default=False),
     max_queue: int = typer.Option(256, "--max-queue", help="Most requests waiting beyond --max-running; "
                                   "more get HTTP 429 at once."),
     kv_memory: Optional[str] = typer.Option(None, "--kv-memory", help="Memory for the KV cache, e.g. 2GiB, 512MiB "
@@ -54,7 +59,8 @@ def serve_command(
 
     max_body = parse_size(max_body_size, "--max-body-bytes")
     for name, value in (("--max-running", max_running), ("--port", port), ("--max-body-bytes", max_body),
-                        ("--threads", 1 if threads is None else threads)):
+                        ("--threads", 1 if threads is None else threads),
+                        ("--max-prefill-tokens", 1 if max_prefill_tokens is None else max_prefill_tokens)):
         if value < 1:
             raise UsageError(f"{name} must be >= 1, got {value}")
     if max_queue < 0:
@@ -73,7 +79,7 @@ def serve_command(
         check_memory("--kv-memory", kv_memory, kv_bytes)
     build = engine_factory(path, dtype=dtype, kv_memory=kv_bytes,
                            max_running=max_running, max_model_len=max_model_len, draft=draft,
-                           threads=threads, kernel_settings=settings)
+                           threads=threads, kernel_settings=settings, max_prefill_tokens=max_prefill_tokens)
     config = ServerConfig(model_name=served_model_name or model, host=host, port=port, api_key=key,
                           max_running=max_running, max_queue=max_queue, max_body_bytes=max_body,
                           shutdown_timeout=shutdown_timeout)

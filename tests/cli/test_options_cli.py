@@ -157,3 +157,8 @@ def test_speculative_page_states_the_measured_accepted_length(smollm2_dir, run_c
                               "--threads", "1", "--draft", "self:int4", "--json"])
     assert code == 0, err
     assert json.loads(out)["mean_accepted_length"] == pytest.approx(float(stated[1]), abs=0.005)
+
+
+def test_serve_refuses_a_prefill_cap_below_one(tiny_float_model, run_cli):
+    code, _, err = run_cli(["serve", str(tiny_float_model()), "--max-prefill-tokens", "0"])
+    assert code == 2 and "--max-prefill-tokens must be >= 1, got 0" in err and err.count("\n") == 1, err

@@ -101,12 +101,22 @@ def default_kv_memory(device: torch.device) -> int:
     return min(int(available * 0.2), 4 << 30)
 
 
+# A CPU prefills ~2 ms a token (SmolLM2-135M, 2 cores): several prompts in one step make every
+# one of them wait for all, and stall the running decodes as long. 128 tokens a step took
+# guidellm's TTFT p50 from 765 to 432 ms at 4 concurrent and from 3.3 to 0.8 s at 16, at -4..+7 %
+# output tok/s (docs/engine.md, "Scheduling").
+CPU_MAX_PREFILL_TOKENS = 128
+
+
 class Engine:
     def __init__(self, model: str | Path, *, dtype=torch.float32, device: str | torch.device | None = None,
                  kv_memory: int | None = None, block_size: int = 16, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, kv_dtype: str | None = None, draft: str | None = None,
-                 num_speculative_tokens: int = 4):
+                 num_speculative_tokens: int = 4, max_prefill_tokens: int | None = None):
+        """max_prefill_tokens: while other sequences run or wait, a step prefills at most this many
+        prompt tokens (a lone prompt takes the whole max_num_batched_tokens); None: CPU_MAX_PREFILL_TOKENS
+        on a CPU, no cap elsewhere."""
         from lowbit.formats.resolve import resolve_model
         from lowbit.runtime.loader import load_model
         from lowbit.runtime.tokenizer import load_tokenizer
@@ -174,7 +184,10 @@ class Engine:
         self.runner = ModelRunner(self.model, self.cache)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         eos = set(self.tokenizer.eos_ids) | set(self.config.eos_token_ids)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, eos, self.max_model_len)
+        if max_prefill_tokens is None:
+            max_prefill_tokens = CPU_MAX_PREFILL_TOKENS if self.device.type == "cpu" else max_num_batched_tokens
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, eos, self.max_model_len,
+                                   max_prefill_tokens)
         self.scheduler.stop_checker = self._check_stop
         self.scheduler.needs_prompt_logits = self._needs_prompt_logits
         self.sampler = Sampler(eos)

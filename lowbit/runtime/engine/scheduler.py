@@ -2,7 +2,10 @@
 
 Every step is one mixed batch under a token budget (`max_num_batched_tokens`):
   1. decodes of running sequences (one token each), oldest first;
-  2. the next prefill chunk of running sequences still prefilling, oldest first;
+  2. the next prefill chunk of running sequences still prefilling, oldest first, under the
+     smaller `max_prefill_tokens` when any other sequence runs or waits (prompts then go through
+     one after another, so the first answers after its own prefill, not after everyone's, and
+     the running decodes are not stalled for all of them; a lone prompt takes the whole budget);
   3. new or preempted sequences from the waiting queue, strictly first come first served (the
      head of the queue blocks those behind it), while there are blocks, budget and room under
      `max_num_seqs`.
@@ -69,12 +72,15 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 eos_token_ids=(), max_model_len: int | None = None):
+                 eos_token_ids=(), max_model_len: int | None = None, max_prefill_tokens: int | None = None):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise UsageError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_tokens = max_num_batched_tokens if max_prefill_tokens is None else max_prefill_tokens
+        if self.max_prefill_tokens < 1:
+            raise UsageError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -143,6 +149,8 @@ class Scheduler:
             budget -= 1
 
         # 2. prefill chunks of running sequences that are still prefilling.
+        if len(self.running) + len(self.waiting) > 1:
+            budget = min(budget, self.max_prefill_tokens)
         for seq in self.running:
             remaining = seq.num_tokens - seq.num_computed_tokens
             if remaining > 1 and budget > 0:

@@ -14,7 +14,8 @@ DTYPES = ("f32", "bf16")
 
 def engine_factory(model_path: Path, *, dtype: str = "f32", kv_memory: int | None = None, max_running: int = 64,
                    max_model_len: int | None = None, draft: str | None = None,
-                   threads: int | None = None, kernel_settings=None) -> Callable[[], Any]:
+                   threads: int | None = None, kernel_settings=None,
+                   max_prefill_tokens: int | None = None) -> Callable[[], Any]:
     """A zero-argument builder the engine thread calls: loading happens off the event loop.
     kernel_settings: a kernels.dispatch.KernelSettings in effect while the model loads (--kernel,
     --int4-activations), else the environment's."""
@@ -32,6 +33,6 @@ def engine_factory(model_path: Path, *, dtype: str = "f32", kv_memory: int | Non
         torch_dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
         with use_settings(kernel_settings):  # None: KernelSettings(), the environment's choices
             return Engine(str(model_path), dtype=torch_dtype, kv_memory=kv_memory, max_num_seqs=max_running,
-                          max_model_len=max_model_len, draft=draft)
+                          max_model_len=max_model_len, draft=draft, max_prefill_tokens=max_prefill_tokens)
 
     return build

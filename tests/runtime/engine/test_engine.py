@@ -70,6 +70,15 @@ def test_chunked_prefill_and_tiled_attention(engine_llama_dir, monkeypatch):
     assert got == [contiguous_greedy(engine.model, p, GREEDY.max_tokens) for p in ps]
 
 
+def test_prefill_cap_changes_no_token(engine_llama_dir):
+    # prompts through 5 tokens a step while the others wait and decode: the same greedy text
+    engine = Engine(engine_llama_dir, kv_memory=2 << 20, max_prefill_tokens=5)
+    ps = prompts()
+    got = [c.token_ids for c in engine.generate(ps, GREEDY)]
+    assert got == [contiguous_greedy(engine.model, p, GREEDY.max_tokens) for p in ps]
+    assert engine.scheduler.max_prefill_tokens == 5
+
+
 def test_prefix_cache_hit_equals_miss(llama_engine):
     p = prompts(3)[2]  # 40 tokens: two full blocks can be reused
     first = llama_engine.generate([p], GREEDY)[0]

@@ -110,6 +110,36 @@ def test_chunked_prefill_under_token_budget_mixed_with_decodes():
     assert b.output_token_ids == reference_output(list(range(1, 21)), 2)
 
 
+def test_prefill_cap_one_prompt_after_another_while_others_wait():
+    sched = make(num_blocks=128, max_num_batched_tokens=64, max_prefill_tokens=10)
+    a, b = request("a", list(range(1, 15)), max_tokens=3), request("b", list(range(2, 10)), max_tokens=3)
+    sched.add(a)
+    sched.add(b)
+    runner = FakeRunner(sched)
+    plans = [[(it.seq.request_id, it.start, it.num_new_tokens, it.samples) for it in runner.step().items]
+             for _ in range(3)]
+    # 10 prompt tokens a step while b waits: a (14) finishes its prompt first and answers, then b
+    # goes, a's decode riding along; a lone prompt would have taken the whole budget.
+    assert plans == [
+        [("a", 0, 10, False)],
+        [("a", 10, 4, True), ("b", 0, 6, False)],
+        [("a", 14, 1, True), ("b", 6, 2, True)],
+    ]
+    runner.run()
+    assert a.output_token_ids == reference_output(list(range(1, 15)), 3)
+    assert b.output_token_ids == reference_output(list(range(2, 10)), 3)
+
+
+def test_prefill_cap_leaves_a_lone_prompt_whole():
+    sched = make(num_blocks=128, max_num_batched_tokens=64, max_prefill_tokens=10)
+    a = request("a", list(range(1, 41)), max_tokens=2)
+    sched.add(a)
+    out = FakeRunner(sched).step()
+    assert [(it.seq.request_id, it.num_new_tokens, it.samples) for it in out.items] == [("a", 40, True)]
+    with pytest.raises(UsageError, match="max_prefill_tokens"):
+        make(max_prefill_tokens=0)
+
+
 def test_stop_conditions():
     sched = make()
     prompt = [5, 6, 7]
@@ -215,9 +245,10 @@ def test_bad_requests():
         Scheduler(BlockManager(4), max_num_seqs=0)
 
 
-def test_randomized_load_matches_reference():
+@pytest.mark.parametrize("max_prefill_tokens", [None, 5])
+def test_randomized_load_matches_reference(max_prefill_tokens):
     rng = random.Random(3)
-    sched = make(num_blocks=20, max_num_seqs=5, max_num_batched_tokens=16)
+    sched = make(num_blocks=20, max_num_seqs=5, max_num_batched_tokens=16, max_prefill_tokens=max_prefill_tokens)
     shared = [rng.randrange(1, 47) for _ in range(9)]
     seqs = []
     runner = FakeRunner(sched)
