@@ -29,7 +29,7 @@ def serve_command(
     max_running: int = typer.Option(64, "--max-running", help="Most requests decoded together in one batch."),
     max_prefill_tokens: Optional[int] = typer.Option(
         None, "--max-prefill-tokens", help="Most prompt tokens prefilled in one step while other requests run or "
-        "wait (longer prompts go in chunks, one prompt after another; a lone prompt is not capped). Default: 128 on "
+        "wait (or 16 per decode in the step, if more; longer prompts go in chunks, one prompt after another; a lone prompt is not capped). Default: 128 on "
         "a CPU, where prefill costs ~2 ms a token and a big step makes every new request and every running stream "
         "wait for all of it; uncapped on a GPU.", show_default=False),
     max_queue: int = typer.Option(256, "--max-queue", help="Most requests waiting beyond --max-running; "
