@@ -11,7 +11,10 @@ checked identical, mean accepted length. Timed runs alternate (early-exit thresh
 baseline, each draft with plain) `--repeats` times; medians are reported. The VM is shared: the
 load average is printed before and after.
 
-    python bench/early_exit.py --threads 2 [--gen-tokens 128] [--prompts 3] [--repeats 1] [--json out.json]
+    python bench/early_exit.py --threads 2 [--model DIR] [--gen-tokens 128] [--prompts 3] [--repeats 1] [--json out.json]
+
+With --model a directory that `lowbit distill --exit-layers` wrote, every exit that has a trained
+adapter uses it (early exit, eval and the self-speculative drafts alike).
 """
 
 from __future__ import annotations
@@ -37,9 +40,9 @@ PROMPTS = [
 ]
 
 
-def exit_decode(model, prompt: list[int], gen: int, settings: ExitSettings) -> tuple[list[int], float, float]:
+def exit_decode(model, prompt: list[int], gen: int, settings: ExitSettings, adapters=None) -> tuple[list[int], float, float]:
     """(greedy tokens, decode tok/s over gen - 1 steps, mean layers per token)."""
-    dec = ExitDecoder(model, settings, len(prompt) + gen + 1)
+    dec = ExitDecoder(model, settings, len(prompt) + gen + 1, adapters)
     logits = dec.prefill(prompt)
     out = [int(logits.argmax())]
     start = time.perf_counter()
@@ -55,10 +58,10 @@ def agreement(a: list[int], b: list[int]) -> tuple[float, int]:
     return same, prefix
 
 
-def eval_kld(model, tokens, windows, settings: ExitSettings) -> dict:
+def eval_kld(model, tokens, windows, settings: ExitSettings, adapters=None) -> dict:
     from lowbit.runtime.evaluate import evaluate_tokens
 
-    early = EarlyExitLM(model, settings)
+    early = EarlyExitLM(model, settings, adapters)
     r = evaluate_tokens(early, tokens, windows, base_model=FullLogits(early))
     return {"ppl": r.ppl, "kld": r.kld.mean, "same_top_pct": r.kld.same_top_pct, "base_ppl": r.kld.base_ppl,
             "mean_layers": early.stats.mean_layers, "exit_rate": early.stats.rates()}
@@ -84,6 +87,8 @@ def engine_decode(engine: Engine, prompt: list[int], gen: int) -> tuple[list[int
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=MODEL, help="a model directory with exit_adapters.safetensors (lowbit distill "
+                    "--exit-layers) decodes through its adapters")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--gen-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1)
@@ -104,13 +109,16 @@ def main() -> None:
     from lowbit.runtime.tokenizer import load_tokenizer
 
     load = {"before": os.getloadavg()}
-    path = resolve_model(MODEL)
+    from lowbit.runtime.exit_adapters import load_adapters
+
+    path = resolve_model(args.model)
     tok = load_tokenizer(path)
     model = load_model(path, torch.float32, "cpu")
+    adapters = load_adapters(path, model.config)
     prompts = [tok.encode(p) for p in PROMPTS[: args.prompts]]
     layers = tuple(int(x) for x in args.exit_layers.split(","))
     thresholds = [float(x) for x in args.thresholds.split(",")]
-    result = {"model": MODEL, "threads": args.threads, "gen_tokens": args.gen_tokens, "exit_layers": list(layers),
+    result = {"model": args.model, "adapted_layers": sorted(adapters), "threads": args.threads, "gen_tokens": args.gen_tokens, "exit_layers": list(layers),
               "early_exit": [], "self_speculative": []}
 
     text_tokens, _ = tokenize_for_eval(tok, load_text("wiki-eval"))
@@ -125,7 +133,7 @@ def main() -> None:
             for _ in range(args.repeats):
                 for p_i, p in enumerate(prompts):
                     base_speeds.append(exit_decode(model, p, args.gen_tokens, ExitSettings(layers, 1.0))[1])
-                    ids, speed, ml = exit_decode(model, p, args.gen_tokens, s)
+                    ids, speed, ml = exit_decode(model, p, args.gen_tokens, s, adapters)
                     speeds.append(speed)
                     a, b = agreement(ids, full[p_i])
                     same.append(a)
@@ -137,16 +145,16 @@ def main() -> None:
                    "greedy_agreement_pct": 100 * statistics.mean(same),
                    "agree_prefix_tokens": statistics.median(prefix),
                    "decode_mean_layers": statistics.mean(mean_layers), **{"eval_" + k: v for k, v in
-                                                                          eval_kld(model, text_tokens, windows, s).items()}}
+                                                                          eval_kld(model, text_tokens, windows, s, adapters).items()}}
             result["early_exit"].append(row)
             print(json.dumps(row), flush=True)
             if t == 1.0 and conf == "margin":
                 result["early_exit"].pop()  # the same as top1's 1.0 row
 
     if not args.skip_spec:
-        plain = Engine(MODEL, max_num_seqs=1)
+        plain = Engine(args.model, max_num_seqs=1)
         for n in (int(x) for x in args.draft_layers.split(",")):
-            spec = Engine(MODEL, max_num_seqs=1, draft=f"self:layers={n}")
+            spec = Engine(args.model, max_num_seqs=1, draft=f"self:layers={n}")
             pairs, mals, identical = [], [], True
             for _ in range(args.repeats):
                 for p in prompts:

@@ -21,13 +21,19 @@ def distill_command(
                                                  "most important layers (1 - cos(input, output) on the windows; the ranking is printed); every weight trains; OUT is a Hugging Face directory."),
     drop_layers: Optional[str] = typer.Option(None, "--drop-layers", metavar="LIST", help="Student = TEACHER without these layers "
                                               "(e.g. 3,5,20-24); otherwise as --student-layers."),
+    exit_layers: Optional[str] = typer.Option(None, "--exit-layers", metavar="LIST", help="Train early-exit adapters at these "
+                                              "layers (e.g. 12,20) instead of a student: each exit's logits learn the full model's; "
+                                              "OUT is TEACHER with exit_adapters.safetensors beside it, which --early-exit and "
+                                              "--draft self:layers=N use (docs/early_exit.md)."),
+    exit_rank: int = typer.Option(64, "--exit-rank", metavar="N", help="Rank of each exit adapter (x + up(down(x)))."),
     output: str = typer.Option(..., "-o", "--output", help="Output checkpoint (a directory; a .gguf file for a GGUF student)."),
     steps: Optional[int] = typer.Option(None, "--steps", metavar="N", help="End-to-end steps on KL(teacher || student); 0 skips "
-                                        "the stage. Default: 100 for a quantized student, 200 for a float one."),
+                                        "the stage. Default: 100 for a quantized student, 200 for a float one or exit adapters."),
     block_steps: Optional[int] = typer.Option(None, "--block-steps", metavar="N", help="Quantized student: steps per decoder layer "
                                               "of the block-wise stage (each layer's output matched to the teacher's); 0 skips it. Default 20."),
     lr: Optional[float] = typer.Option(None, "--lr", help="Adam learning rate. Default: 2e-4 for a quantized student (its scales "
-                                       "train as multipliers of their stored values, so 2e-4 moves a scale about 0.02 % a step), 1e-4 for a float one."),
+                                       "train as multipliers of their stored values, so 2e-4 moves a scale about 0.02 % a step), 1e-4 for a float one, "
+                                       "1e-3 for exit adapters."),
     block_lr: Optional[float] = typer.Option(None, "--block-lr", help="Learning rate of the block-wise stage (default: --lr)."),
     samples: int = typer.Option(32, "--samples", metavar="N", help="Training windows drawn from the text (without overlap); "
                                 "steps cycle through them, a fresh order each pass."),
@@ -51,6 +57,25 @@ def distill_command(
     With --student-layers / --drop-layers (a cut of TEACHER) or a float --student: every weight
     trains on the KL divergence; OUT is a Hugging Face directory. A killed run resumes when rerun."""
     apply_threads(threads)
+    if exit_layers is not None:
+        if student is not None or student_layers is not None or drop_layers is not None or block_steps is not None or block_lr is not None or bf16:
+            from lowbit.errors import UsageError
+
+            raise UsageError("--exit-layers trains adapters on TEACHER itself: it does not combine with --student, "
+                             "--student-layers, --drop-layers, --block-steps, --block-lr or --bf16")
+        summary = _exits(teacher, data, exit_layers, exit_rank, output, steps, lr, samples, seqlen, batch, seed, save_every,
+                         eval_chunks, eval_data, overwrite)
+        if as_json:
+            print_json(summary)
+        else:
+            for layer, after in summary["heldout_after"].items():
+                before = summary["heldout_before"][layer]
+                console.print(f"exit {layer}: held-out KLD to the full model {before['kld']:.3f} → {after['kld']:.3f}, "
+                              f"same top {before['same_top_pct']:.1f} % → {after['same_top_pct']:.1f} %")
+            console.print(f"trained {len(summary['exit_layers'])} exit adapter(s) (rank {summary['rank']}) on "
+                          f"{summary['train_tokens']} tokens of {data}, {summary['steps']} steps → {summary['output']} "
+                          f"in {summary['seconds']:.0f} s")
+        return
     quantized = student is not None and student_layers is None and drop_layers is None and _is_quantized(student)
     if quantized:
         summary = _recover(teacher, data, student, output, steps, block_steps, lr, block_lr, samples, seqlen, batch, seed,
@@ -110,6 +135,19 @@ def _recover(teacher, data, student, output, steps, block_steps, lr, block_lr, s
         job = prepare_recover(teacher, data, student, output, options, overwrite=overwrite)
     with progress() as bar:
         return run_recover(job, _bar_callback(bar))
+
+
+def _exits(teacher, data, layers, rank, output, steps, lr, samples, seqlen, batch, seed, save_every, eval_chunks, eval_data,
+           overwrite) -> dict:
+    from lowbit.compress.distill.exits import ExitOptions, prepare_exits, run_exits
+
+    options = ExitOptions(layers=layers, rank=rank, steps=200 if steps is None else steps, lr=1e-3 if lr is None else lr,
+                          samples=samples, seqlen=seqlen, batch=batch, seed=seed, save_every=save_every,
+                          eval_chunks=eval_chunks, eval_data=eval_data)
+    with console.status("loading teacher and text"):
+        job = prepare_exits(teacher, data, output, options, overwrite=overwrite)
+    with progress() as bar:
+        return run_exits(job, _bar_callback(bar))
 
 
 def _dense(teacher, data, student, student_layers, drop_layers, output, steps, lr, samples, seqlen, batch, seed, save_every,

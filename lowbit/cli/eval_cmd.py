@@ -65,7 +65,8 @@ def eval_command(
     exits = None
     if early is not None:
         exits = {"layers": list(early.settings.layers), "threshold": early.settings.threshold,
-                 "confidence": early.settings.confidence, **early.stats.as_dict()}
+                 "confidence": early.settings.confidence, "adapted_layers": sorted(early.head.adapters),
+                 **early.stats.as_dict()}
     if as_json:
         print_json({**_as_json(report), **({"early_exit": exits} if exits else {}), "kernels": kernels})
     else:

@@ -128,6 +128,7 @@ def _generate_early_exit(model, text, params, chat, system, dtype, layers, thres
     from lowbit.kernels.dispatch import use_settings
     from lowbit.quant.dtypes import parse_dtype
     from lowbit.runtime.early_exit import check_confidence, check_threshold, generate_with_exits, settings_for
+    from lowbit.runtime.exit_adapters import load_adapters
     from lowbit.runtime.loader import load_model
     from lowbit.runtime.tokenizer import load_tokenizer
 
@@ -142,15 +143,17 @@ def _generate_early_exit(model, text, params, chat, system, dtype, layers, thres
 
         lm = load_model(path, parse_dtype(dtype), "cuda" if torch.cuda.is_available() else "cpu")
         exits = settings_for(lm, layers, threshold, confidence)
+        adapters = load_adapters(path, lm.config)
         prompt_ids = encode_prompt(tok, text, chat, system)
 
         def stream(delta: str) -> None:
             sys.stdout.write(delta)
             sys.stdout.flush()
 
-        g = generate_with_exits(lm, tok, prompt_ids, params, exits, None if json_out else stream)
+        g = generate_with_exits(lm, tok, prompt_ids, params, exits, None if json_out else stream, adapters)
     decode_tok_s = (len(g.token_ids) - 1) / g.decode_s if len(g.token_ids) > 1 and g.decode_s > 0 else 0.0
     info = {"layers": list(exits.layers), "threshold": exits.threshold, "confidence": exits.confidence,
+            "adapted_layers": sorted(adapters),
             **g.stats.as_dict()}
     if json_out:
         print_json({"text": g.text, "token_ids": g.token_ids, "finish_reason": g.finish_reason,

@@ -30,6 +30,7 @@ SIDE_FILES = (
     "generation_config.json",
     "chat_template.jinja",
     "chat_template.json",
+    "exit_adapters.safetensors",  # trained early-exit adapters (runtime/exit_adapters.py) travel with the model
     "tokenizer.model",
     "vocab.json",
     "merges.txt",

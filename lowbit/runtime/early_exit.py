@@ -19,8 +19,9 @@ in [0, 1]; bench/early_exit.py and docs/early_exit.md compare them.
 
 The layer loop mirrors DecoderModel.forward (runtime/models/base.py) statement for statement,
 deferred residuals included, so the final logits are the model's own bit for bit (tests check it).
-Adapter hook: `ExitHead(model, adapters)` applies an optional per-exit module (a trained exit
-adapter, lowbit distill) to the normed hidden state before the head; None uses the head as is.
+Adapters: `ExitHead(model, adapters)` applies a trained exit adapter (runtime/exit_adapters.py,
+`lowbit distill --exit-layers`) to the normed hidden state before the head where the model's
+directory has one for that exit; other exits use the head as is.
 """
 
 from __future__ import annotations
@@ -266,7 +267,11 @@ class FullLogits:
 def wrap_eval_job(job, layers: str, threshold: float, confidence: str = "top1") -> EarlyExitLM:
     """Make an eval job (runtime/evaluate.EvalJob) score the early-exit model; without a --base,
     KLD is against the full model itself."""
-    early = EarlyExitLM(job.model, settings_for(job.model, layers, threshold, confidence))
+    from lowbit.formats.resolve import resolve_model
+    from lowbit.runtime.exit_adapters import load_adapters
+
+    adapters = load_adapters(resolve_model(job.model_name), job.model.config)
+    early = EarlyExitLM(job.model, settings_for(job.model, layers, threshold, confidence), adapters)
     if job.base_model is None:
         job.base_model = FullLogits(early)
         job.base_name = f"{job.model_name} (all {early.stats.num_layers} layers)"

@@ -23,10 +23,10 @@ def _text(n_words: int, seed: int = 0) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n_words)) + "\n"
 
 
-def _tiny(directory, intermediate=128, seed=1, tie=False):
+def _tiny(directory, intermediate=128, seed=1, tie=False, layers=2):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(hidden_size=64, intermediate_size=intermediate, num_hidden_layers=2, num_attention_heads=4,
+    config = LlamaConfig(hidden_size=64, intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16, vocab_size=258, max_position_embeddings=512,
                          bos_token_id=256, eos_token_id=257, tie_word_embeddings=tie)
     gen = torch.Generator().manual_seed(seed)

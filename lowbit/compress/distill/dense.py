@@ -181,9 +181,10 @@ def run_dense(job: DenseJob, on_progress: train.ProgressFn | None = None) -> dic
         restore(train.trainable(student), saved[0])
         done, losses, opt_state = int(saved[2]["done"]), list(saved[2]["losses"]), saved[1]
         print(f"lowbit: resuming from {job.work.path}: end-to-end step {done} of {opts.steps}", file=sys.stderr, flush=True)
-    steps = train.end_to_end(student, job.teacher, teacher_final, ids, steps=opts.steps, lr=opts.lr, batch=opts.batch,
-                             seed=opts.seed, save_every=opts.save_every, work_path=job.work.path, done=done,
-                             losses=losses, opt_state=opt_state, on_progress=on_progress, bf16=opts.bf16)
+    steps = train.end_to_end(train.trainable(student), train.logits_kl(student, job.teacher, teacher_final, ids, opts.bf16),
+                             windows=ids.shape[0], steps=opts.steps, lr=opts.lr, batch=opts.batch, seed=opts.seed,
+                             save_every=opts.save_every, work_path=job.work.path, done=done, losses=losses,
+                             opt_state=opt_state, on_progress=on_progress)
     after = train.heldout_kld(student, job.teacher, job.windows, opts.seqlen, opts.eval_chunks)
     write_hf(student, source, job.output, job.overwrite)
     job.work.remove()

@@ -26,7 +26,12 @@ def run_layer(model, index: int, x: torch.Tensor) -> torch.Tensor:
 
 def head_logits(model, h: torch.Tensor) -> torch.Tensor:
     """Logits from the last layer's output: final norm, lm_head, Gemma's soft cap."""
-    logits = model.lm_head(model.model.norm(h))
+    return head_only(model, model.model.norm(h))
+
+
+def head_only(model, x: torch.Tensor) -> torch.Tensor:
+    """Logits from a final-normed hidden state: lm_head, Gemma's soft cap."""
+    logits = model.lm_head(x)
     cap = model.config.final_logit_softcapping
     if cap is not None:
         logits = torch.tanh(logits / cap) * cap

@@ -81,12 +81,29 @@ def autocast(enabled: bool):
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
 
 
-def end_to_end(student, teacher, teacher_final: torch.Tensor, ids: torch.Tensor, *, steps: int, lr: float, batch: int,
-               seed: int, save_every: int, work_path, done: int, losses: list[float], opt_state,
-               on_progress: ProgressFn | None, bf16: bool = False) -> int:
-    """Steps done..steps of Adam on KL(teacher || student), the teacher's logits made from its last
-    hidden states by its head; the state saved every `save_every` steps and at the end."""
-    params = trainable(student)
+# loss_of(rows): the loss of one step on those training windows, a float32 scalar with a graph
+LossFn = Callable[[list[int]], torch.Tensor]
+
+
+def logits_kl(student, teacher, teacher_final: torch.Tensor, ids: torch.Tensor, bf16: bool = False) -> LossFn:
+    """KL(teacher || student) on the windows' next-token distributions, the teacher's logits made
+    from its cached last hidden states by its head."""
+
+    def loss_of(rows: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            target = head_logits(teacher, teacher_final[rows])
+        with autocast(bf16):
+            logits = student(ids[rows])
+        return kl_divergence(logits, target)
+
+    return loss_of
+
+
+def end_to_end(params: dict[str, torch.nn.Parameter], loss_of: LossFn, *, windows: int, steps: int, lr: float,
+               batch: int, seed: int, save_every: int, work_path, done: int, losses: list[float], opt_state,
+               on_progress: ProgressFn | None) -> int:
+    """Steps done..steps of Adam on loss_of over `windows` training windows (step_indices picks each
+    step's), the state saved every `save_every` steps and at the end."""
     if steps == 0 or done >= steps:
         return max(steps, done)
     optimizer = make_optimizer(params, lr)
@@ -94,15 +111,10 @@ def end_to_end(student, teacher, teacher_final: torch.Tensor, ids: torch.Tensor,
         restore_optimizer(optimizer, opt_state)
     last_good = done
     for step in range(done, steps):
-        rows = step_indices(step, batch, ids.shape[0], seed)
-        with torch.no_grad():
-            target = head_logits(teacher, teacher_final[rows])
-        with autocast(bf16):
-            logits = student(ids[rows])
-        loss = kl_divergence(logits, target)
+        loss = loss_of(step_indices(step, batch, windows, seed))
         value = float(loss.detach())
         if not math.isfinite(value):
-            raise NanLoss(f"the KL loss became {value} at step {step + 1} (--lr {lr} too high?): stopped; the last "
+            raise NanLoss(f"the loss became {value} at step {step + 1} (--lr {lr} too high?): stopped; the last "
                           f"good state (step {last_good}) is kept in {work_path} and a rerun resumes from it "
                           "(with a lower --lr if you like); nothing was written to the output")
         optimizer.zero_grad(set_to_none=True)

@@ -152,9 +152,12 @@ class Engine:
         self.draft_dtype = torch.bfloat16 if self.dtype is torch.float32 and fast_bf16 else self.dtype
         if draft_kind == "layers":
             from lowbit.runtime.engine.draft_models import layer_prefix
+            from lowbit.runtime.exit_adapters import load_adapters
 
-            # the target's own first layers over its own KV: no weights, no cache of its own
-            draft_model = layer_prefix(self.model, draft_arg)
+            # the target's own first layers over its own KV: no weights, no cache of its own; the
+            # exit's trained adapter (lowbit distill --exit-layers) where the model has one
+            adapter = load_adapters(path, self.config).get(draft_arg)
+            draft_model = layer_prefix(self.model, draft_arg, None if adapter is None else adapter.to(self.device))
             self.draft_dtype = self.dtype
         elif draft_kind == "self":
             from lowbit.runtime.engine.draft_models import quantized_copy
