@@ -30,7 +30,13 @@ def eval_command(
     exit_threshold: float = typer.Option(1.0, "--exit-threshold", help="Exit confidence threshold in [0, 1] "
                                          "(1 = never exit: the full model)."),
     exit_confidence: str = typer.Option("top1", "--exit-confidence", help="top1 (top-1 probability) or margin "
-                                        "(top-1 minus top-2 probability)."),
+                                        "(top-1 minus top-2 probability); for --early-exit and --cascade."),
+    cascade: Optional[str] = typer.Option(
+        None, "--cascade", help="Token cascade: a cheap model (same tokenizer, or self:int4 for MODEL's own weights in "
+        "int4) answers each position whose confidence is above --cascade-threshold, MODEL the rest. KLD is against "
+        "MODEL itself unless --base is given. See docs/early_exit.md."),
+    cascade_threshold: float = typer.Option(0.9, "--cascade-threshold", help="Cascade confidence threshold in [0, 1] "
+                                            "(1 = never the cheap model)."),
     dtype: str = typer.Option("f32", "--dtype", help="Compute dtype: f32 (default, needed for small KLDs) or bf16 (float32, bfloat16 mean the same)."),
     kernel: Optional[str] = KERNEL_OPTION,
     int4_activations: Optional[str] = INT4_ACTIVATIONS_OPTION,
@@ -46,14 +52,26 @@ def eval_command(
 
     apply_threads(threads)
     settings = kernel_settings(kernel, int4_activations)
+    if early_exit is not None and cascade is not None:
+        from lowbit.errors import UsageError
+
+        raise UsageError("--early-exit and --cascade do not combine: price one at a time")
     if early_exit is not None:  # before any loading
         check_threshold(exit_threshold)
+        check_confidence(exit_confidence)
+    if cascade is not None:
+        check_threshold(cascade_threshold, "--cascade-threshold")
         check_confidence(exit_confidence)
     with use_settings(settings):
         with console.status("loading model and text"):
             job = prepare(model, data, ctx=ctx, chunks=chunks, stride=stride, base=base, dtype=dtype)
         kernels = kernel_summary(job.model)
         early = wrap_eval_job(job, early_exit, exit_threshold, exit_confidence) if early_exit is not None else None
+        if cascade is not None:
+            from lowbit.runtime.cascade import wrap_eval_job as wrap_cascade
+
+            with console.status("loading the cascade's cheap model"):
+                cheap = wrap_cascade(job, cascade, cascade_threshold, exit_confidence)
     with progress() as bar:
         task = bar.add_task("eval", total=len(job.windows), info="")
 
@@ -67,14 +85,22 @@ def eval_command(
         exits = {"layers": list(early.settings.layers), "threshold": early.settings.threshold,
                  "confidence": early.settings.confidence, "adapted_layers": sorted(early.head.adapters),
                  **early.stats.as_dict()}
+    cascaded = None
+    if cascade is not None:
+        cascaded = {"cheap": cascade, "threshold": cheap.settings.threshold, "confidence": cheap.settings.confidence,
+                    **cheap.stats.as_dict()}
     if as_json:
-        print_json({**_as_json(report), **({"early_exit": exits} if exits else {}), "kernels": kernels})
+        print_json({**_as_json(report), **({"early_exit": exits} if exits else {}),
+                    **({"cascade": cascaded} if cascaded else {}), "kernels": kernels})
     else:
         _print_summary(report)
         if exits:
             rates = ", ".join(f"{k}: {100 * v:.1f} %" for k, v in exits["exit_rate"].items())
             console.print(f"early exit ({exits['confidence']} > {exits['threshold']}): {rates}; "
                           f"{exits['mean_layers']:.2f} of {exits['num_layers']} layers per token")
+        if cascaded:
+            console.print(f"cascade ({cascaded['confidence']} > {cascaded['threshold']}): {cascade} answered "
+                          f"{100 * cascaded['cheap_rate']:.1f} % of positions, {model} {100 * cascaded['full_rate']:.1f} %")
         line = kernel_line(kernels)
         if line:
             console.print(line)

@@ -46,7 +46,13 @@ def generate(
         "is emitted from that layer and the later layers are skipped (approximate; docs/early_exit.md)."),
     exit_threshold: float = typer.Option(1.0, "--exit-threshold", help="Exit confidence threshold in [0, 1] "
                                          "(1 = never exit: the full model)."),
-    exit_confidence: str = typer.Option("top1", "--exit-confidence", help="top1 or margin (top-1 minus top-2)."),
+    exit_confidence: str = typer.Option("top1", "--exit-confidence", help="top1 or margin (top-1 minus top-2); for "
+                                        "--early-exit and --cascade."),
+    cascade: Optional[str] = typer.Option(
+        None, "--cascade", help="Token cascade: a cheap model (same tokenizer, or self:int4) generates; where its "
+        "confidence is not above --cascade-threshold the model takes that token (approximate; docs/early_exit.md)."),
+    cascade_threshold: float = typer.Option(0.9, "--cascade-threshold", help="Cascade confidence threshold in [0, 1] "
+                                            "(1 = the model alone)."),
     dtype: str = typer.Option("f32", "--dtype", help="Compute dtype: f32 (default), bf16 or f16 (float32, bfloat16, float16 mean the same)."),
     kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="Quantized KV cache: int8 or fp8."),
     threads: Optional[int] = THREADS_OPTION,
@@ -69,6 +75,11 @@ def generate(
 
     # before the model loads: with at least one prompt token, a --max-tokens of the whole context cannot fit
     check_positions("--max-tokens", max_tokens + 1, model_positions(model), spelled=f"--max-tokens {max_tokens} + the prompt")
+    if cascade is not None:
+        if early_exit is not None or draft is not None or kv_dtype is not None:
+            raise UsageError("--cascade does not combine with --early-exit, --draft or --kv-dtype")
+        return _generate_cascade(model, text, params, chat, system, dtype, cascade, cascade_threshold, exit_confidence,
+                                 json_out, settings)
     if early_exit is not None:
         if kv_dtype is not None:
             raise UsageError("--kv-dtype does not combine with --early-exit (it decodes over a float KV cache)")
@@ -111,6 +122,46 @@ def generate(
     if draft:
         note += f", mean accepted length {stats.spec_mean_accepted_length:.2f}"
     console.print(f"[dim]{note}[/dim]")
+
+
+def _generate_cascade(model, text, params, chat, system, dtype, cheap_spec, threshold, confidence, json_out,
+                      settings) -> None:
+    import torch
+
+    from lowbit.formats.resolve import resolve_model
+    from lowbit.kernels.dispatch import use_settings
+    from lowbit.quant.dtypes import parse_dtype
+    from lowbit.runtime.cascade import CascadeDecoder, CascadeSettings, load_cheap_model
+    from lowbit.runtime.early_exit import generate_with
+    from lowbit.runtime.loader import load_model
+    from lowbit.runtime.tokenizer import load_tokenizer
+
+    cascade = CascadeSettings(threshold, confidence)  # checked before anything loads
+    path = resolve_model(model)
+    tok = load_tokenizer(path)
+    with use_settings(settings):
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        lm = load_model(path, parse_dtype(dtype), device)
+        cheap = load_cheap_model(cheap_spec, path, tok, parse_dtype(dtype), device)
+        prompt_ids = encode_prompt(tok, text, chat, system)
+        decoder = CascadeDecoder(lm, cheap, cascade, len(prompt_ids) + params.max_tokens)
+
+        def stream(delta: str) -> None:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+
+        g = generate_with(decoder, lm, tok, prompt_ids, params, None if json_out else stream)
+    decode_tok_s = (len(g.token_ids) - 1) / g.decode_s if len(g.token_ids) > 1 and g.decode_s > 0 else 0.0
+    info = {"cheap": cheap_spec, "threshold": cascade.threshold, "confidence": cascade.confidence, **g.stats.as_dict()}
+    if json_out:
+        print_json({"text": g.text, "token_ids": g.token_ids, "finish_reason": g.finish_reason,
+                    "num_prompt_tokens": len(prompt_ids), "num_generated_tokens": len(g.token_ids),
+                    "ttft_s": g.ttft_s, "decode_tok_s": decode_tok_s, "cascade": info})
+        return
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    console.print(f"[dim]{len(g.token_ids)} tokens, {decode_tok_s:.1f} tok/s, finish: {g.finish_reason}, "
+                  f"{100 * info['cheap_rate']:.1f} % of tokens from {cheap_spec}[/dim]")
 
 
 def encode_prompt(tok, text: str, chat: bool, system: str | None) -> list[int]:

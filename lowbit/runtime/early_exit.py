@@ -45,9 +45,9 @@ class ExitSettings:
     confidence: str = "top1"
 
 
-def check_threshold(threshold: float) -> float:
+def check_threshold(threshold: float, flag: str = "--exit-threshold") -> float:
     if not 0.0 <= threshold <= 1.0:  # NaN fails too
-        raise UsageError(f"--exit-threshold must be in [0, 1], got {threshold}")
+        raise UsageError(f"{flag} must be in [0, 1], got {threshold}")
     return float(threshold)
 
 
@@ -351,7 +351,7 @@ class ExitGeneration:
     token_ids: list[int]
     text: str
     finish_reason: str  # "stop" | "length"
-    stats: ExitStats
+    stats: ExitStats  # or cascade.CascadeStats
     ttft_s: float
     decode_s: float
 
@@ -359,15 +359,22 @@ class ExitGeneration:
 def generate_with_exits(model, tokenizer, prompt_ids: list[int], params, settings: ExitSettings,
                         on_text=None, adapters: dict[int, nn.Module] | None = None) -> ExitGeneration:
     """`lowbit generate --early-exit`: one sequence, the prompt through the full model, each new
-    token through ExitDecoder.step. Greedy or sampled (the engine's logit processing: temperature,
-    top-k/p, min-p, penalties); stop strings and EOS end it. on_text(delta) streams the text."""
+    token through ExitDecoder.step."""
+    decoder = ExitDecoder(model, settings, len(prompt_ids) + params.max_tokens, adapters)
+    return generate_with(decoder, model, tokenizer, prompt_ids, params, on_text)
+
+
+def generate_with(decoder, model, tokenizer, prompt_ids: list[int], params, on_text=None) -> ExitGeneration:
+    """One sequence through a decoder with `prefill(ids) -> logits`, `step(token) -> logits` and
+    `stats` (ExitDecoder, cascade.CascadeDecoder). Greedy or sampled (the engine's logit
+    processing: temperature, top-k/p, min-p, penalties); stop strings and EOS end it.
+    on_text(delta) streams the text."""
     import time
 
     from lowbit.runtime.engine.detokenizer import IncrementalDetokenizer
     from lowbit.runtime.engine.sampler import process_logits
 
     eos = set(tokenizer.eos_ids) | set(model.config.eos_token_ids)
-    decoder = ExitDecoder(model, settings, len(prompt_ids) + params.max_tokens, adapters)
     detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.stop)
     generator = None
     if not params.greedy:

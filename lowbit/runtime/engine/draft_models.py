@@ -126,14 +126,14 @@ def quantized_copy(path, fmt: str, dtype: torch.dtype, device) -> nn.Module:
     return quantize_linears_(load_model(path, dtype, device), fmt, device, head_fmt=head)
 
 
-def load_draft_model(arg: str, target_tokenizer, dtype: torch.dtype, device) -> nn.Module:
+def load_draft_model(arg: str, target_tokenizer, dtype: torch.dtype, device, role: str = "draft model") -> nn.Module:
     from lowbit.formats.resolve import resolve_model
     from lowbit.runtime.loader import load_model
     from lowbit.runtime.tokenizer import load_tokenizer
 
     path = resolve_model(arg)
     if load_tokenizer(path).backend.get_vocab() != target_tokenizer.backend.get_vocab():
-        raise UsageError(f"draft model {arg} does not share the target's tokenizer")
+        raise UsageError(f"{role} {arg} does not share the target's tokenizer")
     from lowbit.runtime.models.fusion import fuse_projections
 
     model = load_model(path, dtype, device)

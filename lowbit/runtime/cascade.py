@@ -1,0 +1,147 @@
+"""Token-level cascade: a cheap model answers the tokens it is sure of, the full model the rest.
+
+The cheap model is any model with the full model's tokenizer (a distilled student, a quantized
+copy) or `self:FORMAT`, the full model's own weights RTN-quantized (the --draft rule). A position
+whose cheap-model confidence (runtime/early_exit.confidence_of: top-1 probability or top-1/top-2
+margin) is strictly above the threshold takes the cheap model's logits, else the full model's. So
+threshold 1.0 is the full model bit for bit, and 0.0 (top1) the cheap model everywhere.
+
+- `CascadeLM` wraps the pair for `lowbit eval --cascade`: both models score the same window, the
+  mixed logits come out, and `early_exit.FullLogits` hands the full model's to the evaluator as
+  the KLD base (no second forward).
+- `CascadeDecoder` decodes one sequence over two contiguous KV caches. The cheap model runs on
+  every token, so its cache is always complete; the full model runs only when the cheap one is
+  unsure, and then over every token it has not seen yet in one batched forward (its cache
+  catches up; on a CPU a forward over a few tokens costs about what one token does, since it is
+  bound by reading the weights). Which model answered each token is counted in `CascadeStats`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lowbit.errors import UsageError
+from lowbit.runtime.early_exit import check_confidence, check_threshold, confidence_of
+
+
+@dataclass(slots=True)
+class CascadeSettings:
+    threshold: float
+    confidence: str = "top1"
+
+    def __post_init__(self) -> None:
+        self.threshold = check_threshold(self.threshold, "--cascade-threshold")
+        check_confidence(self.confidence)
+
+
+@dataclass(slots=True)
+class CascadeStats:
+    cheap: int = 0
+    full: int = 0
+
+    def record(self, cheap: bool) -> None:
+        if cheap:
+            self.cheap += 1
+        else:
+            self.full += 1
+
+    def as_dict(self) -> dict:
+        n = self.cheap + self.full
+        return {"positions": n, "cheap_rate": self.cheap / n if n else 0.0, "full_rate": self.full / n if n else 0.0}
+
+
+def load_cheap_model(spec: str, path, tokenizer, dtype: torch.dtype, device) -> torch.nn.Module:
+    """`self:FORMAT` (the full model's weights RTN-quantized) or a model with the same tokenizer."""
+    from lowbit.runtime.engine.draft_models import load_draft_model, quantized_copy
+    from lowbit.runtime.engine.drafter import parse_draft
+
+    kind, arg = parse_draft(spec)
+    if kind == "self":
+        return quantized_copy(path, arg, dtype, device)
+    if kind == "model":
+        return load_draft_model(arg, tokenizer, dtype, device, role="--cascade model")
+    raise UsageError(f"--cascade {spec}: give a model with the same tokenizer or self:FORMAT (e.g. self:int4); "
+                     "the model's own early layers are --early-exit")
+
+
+class CascadeLM:
+    """`model(ids, logits_start=)` -> [1, R, V]: each row the cheap model's logits where its
+    confidence clears the threshold, else the full model's. Rows but the last are counted."""
+
+    def __init__(self, full, cheap, settings: CascadeSettings):
+        self.model = full
+        self.cheap = cheap
+        self.config = full.config
+        self.settings = settings
+        self.stats = CascadeStats()
+        self.last: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (ids, logits_start, full logits)
+
+    def parameters(self):
+        return self.model.parameters()
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, logits_start: int = 0) -> torch.Tensor:
+        full = self.model(input_ids, logits_start=logits_start).float()
+        cheap = self.cheap(input_ids, logits_start=logits_start).float()
+        self.last = (input_ids, logits_start, full)
+        take = confidence_of(cheap, self.settings.confidence) > self.settings.threshold
+        for taken in take[0, :-1].tolist():
+            self.stats.record(taken)
+        return torch.where(take[..., None], cheap, full)
+
+
+def wrap_eval_job(job, cheap_spec: str, threshold: float, confidence: str = "top1") -> CascadeLM:
+    """Make an eval job score the cascade; without a --base, KLD is against the full model itself."""
+    from lowbit.formats.resolve import resolve_model
+    from lowbit.runtime.early_exit import FullLogits
+    from lowbit.runtime.tokenizer import load_tokenizer
+
+    settings = CascadeSettings(threshold, confidence)
+    path = resolve_model(job.model_name)
+    device = job.model.model.norm.weight.device
+    cheap = load_cheap_model(cheap_spec, path, load_tokenizer(path), job.model.model.norm.weight.dtype, device)
+    cascade = CascadeLM(job.model, cheap, settings)
+    if job.base_model is None:
+        job.base_model = FullLogits(cascade)
+        job.base_name = f"{job.model_name} (the full model alone)"
+    job.model = cascade
+    return cascade
+
+
+class CascadeDecoder:
+    """Cascade decoding of one sequence (module docstring); `prefill` then `step` per token."""
+
+    def __init__(self, full, cheap, settings: CascadeSettings, max_len: int):
+        self.full, self.cheap, self.settings = full, cheap, settings
+        self.full_cache = full.new_cache(1, max_len)
+        self.cheap_cache = cheap.new_cache(1, max_len)
+        self.unseen: list[int] = []  # tokens the full model has not run on yet
+        self.stats = CascadeStats()
+
+    def _device(self, model) -> torch.device:
+        return model.model.norm.weight.device
+
+    @torch.inference_mode()
+    def prefill(self, prompt_ids: list[int]) -> torch.Tensor:
+        """Both models over the prompt; the full model's next-token logits [V] (the prompt is one
+        batched forward for it anyway, so the first token is always the full model's)."""
+        n = len(prompt_ids)
+        self.cheap(torch.tensor([prompt_ids], device=self._device(self.cheap)), cache=self.cheap_cache, logits_start=n - 1)
+        logits = self.full(torch.tensor([prompt_ids], device=self._device(self.full)), cache=self.full_cache,
+                           logits_start=n - 1)
+        return logits[0, -1].float()
+
+    @torch.inference_mode()
+    def step(self, token: int) -> torch.Tensor:
+        self.unseen.append(token)
+        cheap = self.cheap(torch.tensor([[token]], device=self._device(self.cheap)), cache=self.cheap_cache)[0, -1].float()
+        if float(confidence_of(cheap, self.settings.confidence)) > self.settings.threshold:
+            self.stats.record(True)
+            return cheap
+        ids = torch.tensor([self.unseen], device=self._device(self.full))
+        logits = self.full(ids, cache=self.full_cache, logits_start=len(self.unseen) - 1)[0, -1].float()
+        self.unseen = []
+        self.stats.record(False)
+        return logits
