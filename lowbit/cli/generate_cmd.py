@@ -151,17 +151,22 @@ def _generate_cascade(model, text, params, chat, system, dtype, cheap_spec, thre
             sys.stdout.flush()
 
         g = generate_with(decoder, lm, tok, prompt_ids, params, None if json_out else stream)
-    decode_tok_s = (len(g.token_ids) - 1) / g.decode_s if len(g.token_ids) > 1 and g.decode_s > 0 else 0.0
     info = {"cheap": cheap_spec, "threshold": cascade.threshold, "confidence": cascade.confidence, **g.stats.as_dict()}
+    _report(g, prompt_ids, json_out, "cascade", info, f"{100 * info['cheap_rate']:.1f} % of tokens from {cheap_spec}")
+
+
+def _report(g, prompt_ids: list[int], json_out: bool, key: str, info: dict, note: str) -> None:
+    """The end of a single-sequence decode outside the engine (early exit, cascade): the JSON
+    object, or a newline after the streamed text and one dim line of figures."""
+    decode_tok_s = (len(g.token_ids) - 1) / g.decode_s if len(g.token_ids) > 1 and g.decode_s > 0 else 0.0
     if json_out:
         print_json({"text": g.text, "token_ids": g.token_ids, "finish_reason": g.finish_reason,
                     "num_prompt_tokens": len(prompt_ids), "num_generated_tokens": len(g.token_ids),
-                    "ttft_s": g.ttft_s, "decode_tok_s": decode_tok_s, "cascade": info})
+                    "ttft_s": g.ttft_s, "decode_tok_s": decode_tok_s, key: info})
         return
     sys.stdout.write("\n")
     sys.stdout.flush()
-    console.print(f"[dim]{len(g.token_ids)} tokens, {decode_tok_s:.1f} tok/s, finish: {g.finish_reason}, "
-                  f"{100 * info['cheap_rate']:.1f} % of tokens from {cheap_spec}[/dim]")
+    console.print(f"[dim]{len(g.token_ids)} tokens, {decode_tok_s:.1f} tok/s, finish: {g.finish_reason}, {note}[/dim]")
 
 
 def encode_prompt(tok, text: str, chat: bool, system: str | None) -> list[int]:
@@ -202,16 +207,6 @@ def _generate_early_exit(model, text, params, chat, system, dtype, layers, thres
             sys.stdout.flush()
 
         g = generate_with_exits(lm, tok, prompt_ids, params, exits, None if json_out else stream, adapters)
-    decode_tok_s = (len(g.token_ids) - 1) / g.decode_s if len(g.token_ids) > 1 and g.decode_s > 0 else 0.0
     info = {"layers": list(exits.layers), "threshold": exits.threshold, "confidence": exits.confidence,
-            "adapted_layers": sorted(adapters),
-            **g.stats.as_dict()}
-    if json_out:
-        print_json({"text": g.text, "token_ids": g.token_ids, "finish_reason": g.finish_reason,
-                    "num_prompt_tokens": len(prompt_ids), "num_generated_tokens": len(g.token_ids),
-                    "ttft_s": g.ttft_s, "decode_tok_s": decode_tok_s, "early_exit": info})
-        return
-    sys.stdout.write("\n")
-    sys.stdout.flush()
-    console.print(f"[dim]{len(g.token_ids)} tokens, {decode_tok_s:.1f} tok/s, finish: {g.finish_reason}, "
-                  f"{info['mean_layers']:.2f} of {info['num_layers']} layers per token[/dim]")
+            "adapted_layers": sorted(adapters), **g.stats.as_dict()}
+    _report(g, prompt_ids, json_out, "early_exit", info, f"{info['mean_layers']:.2f} of {info['num_layers']} layers per token")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -56,17 +55,7 @@ class DenseOptions:
     bf16: bool = False  # bf16 autocast of the student's matmuls
 
     def __post_init__(self) -> None:
-        if self.steps < 0:
-            raise UsageError(f"--steps must be >= 0, got {self.steps}")
-        for name in ("samples", "batch", "save_every", "eval_chunks"):
-            if getattr(self, name) < 1:
-                raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.seqlen < 16 or self.seqlen % 2:
-            raise UsageError(f"--seqlen must be an even number >= 16, got {self.seqlen}")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise UsageError(f"--lr must be a positive number, got {self.lr}")
-        if self.batch > self.samples:
-            raise UsageError(f"--batch {self.batch} is more than --samples {self.samples}")
+        train.check_options(self)
         if self.student_layers is not None and self.drop_layers is not None:
             raise UsageError("give --student-layers or --drop-layers, not both")
 

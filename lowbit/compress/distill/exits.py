@@ -18,7 +18,6 @@ the other distillations (state.py, train.py).
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import shutil
 import sys
@@ -62,18 +61,9 @@ class ExitOptions:
     eval_data: str | None = None
 
     def __post_init__(self) -> None:
-        if self.steps < 0:
-            raise UsageError(f"--steps must be >= 0, got {self.steps}")
-        for name in ("rank", "samples", "batch", "save_every", "eval_chunks"):
-            if getattr(self, name) < 1:
-                flag = "exit-rank" if name == "rank" else name.replace("_", "-")
-                raise UsageError(f"--{flag} must be >= 1, got {getattr(self, name)}")
-        if self.seqlen < 16 or self.seqlen % 2:
-            raise UsageError(f"--seqlen must be an even number >= 16, got {self.seqlen}")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise UsageError(f"--lr must be a positive number, got {self.lr}")
-        if self.batch > self.samples:
-            raise UsageError(f"--batch {self.batch} is more than --samples {self.samples}")
+        if self.rank < 1:
+            raise UsageError(f"--exit-rank must be >= 1, got {self.rank}")
+        train.check_options(self)
 
 
 @dataclass(slots=True)

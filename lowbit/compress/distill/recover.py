@@ -72,20 +72,11 @@ class RecoverOptions:
     bf16: bool = False  # bf16 autocast of the student's matmuls
 
     def __post_init__(self) -> None:
-        for name in ("steps", "block_steps"):
-            if getattr(self, name) < 0:
-                raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        for name in ("samples", "batch", "save_every", "eval_chunks"):
-            if getattr(self, name) < 1:
-                raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.seqlen < 16 or self.seqlen % 2:
-            raise UsageError(f"--seqlen must be an even number >= 16, got {self.seqlen}")
-        for name in ("lr", "block_lr"):
-            value = getattr(self, name)
-            if value is not None and not (math.isfinite(value) and value > 0):
-                raise UsageError(f"--{name.replace('_', '-')} must be a positive number, got {value}")
-        if self.batch > self.samples:
-            raise UsageError(f"--batch {self.batch} is more than --samples {self.samples}")
+        if self.block_steps < 0:
+            raise UsageError(f"--block-steps must be >= 0, got {self.block_steps}")
+        if self.block_lr is not None and not (math.isfinite(self.block_lr) and self.block_lr > 0):
+            raise UsageError(f"--block-lr must be a positive number, got {self.block_lr}")
+        train.check_options(self)
 
 
 @dataclass(slots=True)

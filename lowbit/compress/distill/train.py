@@ -12,7 +12,7 @@ from lowbit.compress.distill.layers import embed, head_logits, propagate
 from lowbit.compress.distill.losses import kl_divergence
 from lowbit.compress.distill.state import restore_optimizer, save_state
 from lowbit.compress.distill.windows import Windows, step_indices
-from lowbit.errors import LowbitError
+from lowbit.errors import LowbitError, UsageError
 from lowbit.runtime.evaluate import chunk_windows, evaluate_tokens
 
 # Zero points are in code units (0..15 for 4 bits) and only move when they cross a half: they get
@@ -26,6 +26,21 @@ ProgressFn = Callable[[str, int, int, "float | None"], None]
 
 class NanLoss(LowbitError):
     pass
+
+
+def check_options(opts) -> None:
+    """The checks every distillation's options share (steps, windows, held-out chunks, lr, batch)."""
+    if opts.steps < 0:
+        raise UsageError(f"--steps must be >= 0, got {opts.steps}")
+    for name in ("samples", "batch", "save_every", "eval_chunks"):
+        if getattr(opts, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(opts, name)}")
+    if opts.seqlen < 16 or opts.seqlen % 2:
+        raise UsageError(f"--seqlen must be an even number >= 16, got {opts.seqlen}")
+    if not (math.isfinite(opts.lr) and opts.lr > 0):
+        raise UsageError(f"--lr must be a positive number, got {opts.lr}")
+    if opts.batch > opts.samples:
+        raise UsageError(f"--batch {opts.batch} is more than --samples {opts.samples}")
 
 
 def trainable(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
