@@ -170,10 +170,11 @@ def run_recover(job: RecoverJob, on_progress: ProgressFn | None = None) -> dict:
     teacher_final = final[0].clone()
     if stage == "block":
         done, losses = 0, []
-    steps_done = train.end_to_end(train.trainable(model), train.logits_kl(model, job.teacher, teacher_final, ids, opts.bf16),
-                             windows=ids.shape[0], steps=opts.steps, lr=opts.lr, batch=opts.batch, seed=opts.seed,
-                             save_every=opts.save_every, work_path=job.work.path, done=done, losses=losses,
-                             opt_state=opt_state, on_progress=on_progress)
+    steps_done = train.end_to_end(
+        train.trainable(model), train.logits_kl(model, job.teacher, teacher_final, ids, opts.bf16),
+        windows=ids.shape[0], steps=opts.steps, lr=opts.lr, batch=opts.batch, seed=opts.seed,
+        save_every=opts.save_every, work_path=job.work.path, done=done, losses=losses, opt_state=opt_state,
+        on_progress=on_progress)
     after = heldout_kld(job)
     write_student(job.student, job.output, overwrite=job.overwrite)
     job.work.remove()
