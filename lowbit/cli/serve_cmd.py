@@ -26,6 +26,13 @@ def serve_command(
                                                     help="The model id clients send (default: MODEL as given)."),
     draft: Optional[str] = typer.Option(None, "--draft", help="Speculative decoding draft: another model, "
                                         "self:FORMAT (a quantized copy of MODEL), self:layers=N (its first N layers + its head) or ngram."),
+    cascade: Optional[str] = typer.Option(
+        None, "--cascade", help="Query cascade: every request runs on this cheap model first (same tokenizer: a "
+        "quantized checkpoint, a distilled student, or self:FORMAT, MODEL's weights RTN-quantized on load) and "
+        "again on MODEL when the cheap answer's mean token probability is not above --cascade-threshold. The "
+        "answer's 'cascade' field and X-Lowbit-Answered-By header say which model answered (docs/serve.md)."),
+    cascade_threshold: float = typer.Option(0.8, "--cascade-threshold", help="Mean token probability in [0, 1] a "
+                                            "cheap answer must exceed to stand (1: every request escalates)."),
     max_running: int = typer.Option(64, "--max-running", help="Most requests decoded together in one batch."),
     max_prefill_tokens: Optional[int] = typer.Option(
         None, "--max-prefill-tokens", help="Most prompt tokens prefilled in one step while other requests run or "
@@ -55,7 +62,8 @@ def serve_command(
     from lowbit.formats.resolve import resolve_model
     from lowbit.runtime.server.app import ServerConfig, serve
     from lowbit.cli.sizes import MIB, check_memory, check_positions, model_positions, parse_size
-    from lowbit.runtime.server.launch import engine_factory
+    from lowbit.runtime.early_exit import check_threshold
+    from lowbit.runtime.server.launch import cascade_model, engine_factory
 
     max_body = parse_size(max_body_size, "--max-body-bytes")
     for name, value in (("--max-running", max_running), ("--port", port), ("--max-body-bytes", max_body),
@@ -67,6 +75,7 @@ def serve_command(
         raise UsageError(f"--max-queue must be >= 0, got {max_queue}")
     if max_model_len is not None and max_model_len < 2:
         raise UsageError(f"--max-model-len must be >= 2, got {max_model_len}")
+    check_threshold(cascade_threshold, "--cascade-threshold")
     settings = kernel_settings(kernel, int4_activations)
     key = api_key if api_key is not None else os.environ.get("LOWBIT_API_KEY") or None
     # the shared size syntax (lowbit/cli/sizes.py); 1MiB at least, so a bare 512 meant as MiB is an error
@@ -77,12 +86,20 @@ def serve_command(
         check_positions("--max-model-len", max_model_len, model_positions(str(path)))
     if kv_bytes is not None:
         check_memory("--kv-memory", kv_memory, kv_bytes)
-    build = engine_factory(path, dtype=dtype, kv_memory=kv_bytes,
-                           max_running=max_running, max_model_len=max_model_len, draft=draft,
-                           threads=threads, kernel_settings=settings, max_prefill_tokens=max_prefill_tokens)
+    # under --cascade each engine gets half of a given --kv-memory (unset: each its own share of what is free)
+    kv_each = kv_bytes // 2 if cascade is not None and kv_bytes is not None else kv_bytes
+    common = dict(dtype=dtype, kv_memory=kv_each, max_running=max_running, max_model_len=max_model_len,
+                  threads=threads, kernel_settings=settings, max_prefill_tokens=max_prefill_tokens)
+    build = engine_factory(path, draft=draft, **common)
+    build_cheap = None
+    if cascade is not None:
+        cheap_path, quantize_to = cascade_model(cascade, path)
+        build_cheap = engine_factory(cheap_path, quantize_to=quantize_to, **common)
     config = ServerConfig(model_name=served_model_name or model, host=host, port=port, api_key=key,
                           max_running=max_running, max_queue=max_queue, max_body_bytes=max_body,
                           shutdown_timeout=shutdown_timeout)
+    cascading = f", cascading from {cascade} (threshold {cascade_threshold:g})" if cascade else ""
     console.print(f"serving [bold]{config.model_name}[/bold] on http://{host}:{port}/v1 "
-                  f"({'API key required' if key else 'no API key'}); loading the model in the background")
-    serve(config, build)
+                  f"({'API key required' if key else 'no API key'}{cascading}); loading the model in the background")
+    serve(config, build, build_cheap, cascade_threshold, cascade or "")
+

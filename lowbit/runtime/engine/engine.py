@@ -113,10 +113,12 @@ class Engine:
                  kv_memory: int | None = None, block_size: int = 16, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, kv_dtype: str | None = None, draft: str | None = None,
-                 num_speculative_tokens: int = 4, max_prefill_tokens: int | None = None):
+                 num_speculative_tokens: int = 4, max_prefill_tokens: int | None = None,
+                 quantize_to: str | None = None):
         """max_prefill_tokens: while other sequences run or wait, a step prefills at most this many
         prompt tokens (a lone prompt takes the whole max_num_batched_tokens); None: CPU_MAX_PREFILL_TOKENS
-        on a CPU, no cap elsewhere."""
+        on a CPU, no cap elsewhere. quantize_to: a format the model's Linears are RTN-quantized to as
+        it loads (the `self:FORMAT` rule of drafts; serve --cascade self:int4 runs such a copy)."""
         from lowbit.formats.resolve import resolve_model
         from lowbit.runtime.loader import load_model
         from lowbit.runtime.tokenizer import load_tokenizer
@@ -132,7 +134,12 @@ class Engine:
         path = resolve_model(model)
         self.model_path = path
         self.tokenizer = load_tokenizer(path)  # first: a missing or bad tokenizer fails before seconds of loading
-        self.model = load_model(path, self.dtype, self.device)
+        if quantize_to is None:
+            self.model = load_model(path, self.dtype, self.device)
+        else:
+            from lowbit.runtime.engine.draft_models import quantized_copy
+
+            self.model = quantized_copy(path, quantize_to, self.dtype, self.device)
         if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
             # batch-invariant float32 (and bf16) Linears: a verify of 1 + k rows computes each row
             # as a plain step does

@@ -70,10 +70,13 @@ class Answer:
     max_tokens 0 (echo or prompt_logprobs only) ran one token in the engine; it is dropped here,
     so the answer is the prompt alone, finish_reason "length"."""
 
-    def __init__(self, server: Server, req: GenerationRequest, tracker: Tracker, tokenizer, prompts: list[Prompt]):
+    def __init__(self, server: Server, req: GenerationRequest, tracker: Tracker, tokenizer, prompts: list[Prompt],
+                 route=None):
         """tracker.engine_ids: best_of sequences per prompt, prompt by prompt, each prompt's first
-        sequence first (the one that reports its prompt logprobs and cache hits)."""
+        sequence first (the one that reports its prompt logprobs and cache hits). route: under
+        --cascade, the query_cascade.CascadeRoute that says which model answered (in every body and chunk)."""
         self.server = server
+        self.route = route
         self.req = req
         self.tracker = tracker
         self.tokenizer = tokenizer
@@ -138,9 +141,16 @@ class Answer:
     def _finish_reason(self, choice: Choice) -> str | None:
         return "length" if self.score_only else choice.last.finish_reason
 
+    def headers(self) -> dict[str, str]:
+        """Under --cascade, X-Lowbit-Answered-By: cheap | full (the body's "cascade" says it too)."""
+        return {} if self.route is None else {"X-Lowbit-Answered-By": self.route.answered_by}
+
     def _envelope(self, kind: str) -> dict[str, Any]:
-        return {"id": self.tracker.request_id, "object": kind, "created": self.created,
-                "model": self.server.config.model_name}
+        envelope = {"id": self.tracker.request_id, "object": kind, "created": self.created,
+                    "model": self.server.config.model_name}
+        if self.route is not None:
+            envelope["cascade"] = self.route.as_dict()
+        return envelope
 
     def _usage(self) -> dict[str, Any]:
         lasts = [c.last for c in self.choices.values() if c.last is not None]
@@ -163,7 +173,7 @@ class Answer:
 
     # -- whole ----------------------------------------------------------------------------------
     async def whole(self, request: Request) -> Response:
-        watcher = asyncio.ensure_future(_watch_disconnect(request, self.tracker.stream))
+        watcher = asyncio.ensure_future(watch_disconnect(request, self.tracker.stream))
         try:
             async for outs in self.tracker.arrivals():
                 for out in outs:
@@ -185,7 +195,7 @@ class Answer:
             prompt_lps = self._vllm_prompt_logprobs(self.prompts[0])
             if prompt_lps is not None:
                 body["prompt_logprobs"] = prompt_lps  # vLLM puts a chat request's at the top level
-            return JSONResponse(body)
+            return JSONResponse(body, headers=self.headers())
         choices = []
         for i, c in enumerate(self._returned()):
             echo, echo_lps, prompt_lps = self._echo_text(c.prompt), self._echo_logprobs(c.prompt), self._vllm_prompt_logprobs(c.prompt)
@@ -197,7 +207,8 @@ class Answer:
             if prompt_lps is not None:
                 choice["prompt_logprobs"] = prompt_lps
             choices.append(choice)
-        return JSONResponse({**self._envelope("text_completion"), "choices": choices, "usage": use})
+        return JSONResponse({**self._envelope("text_completion"), "choices": choices, "usage": use},
+                            headers=self.headers())
 
     # -- streamed -------------------------------------------------------------------------------
     async def events(self) -> AsyncIterator[str]:
@@ -284,7 +295,7 @@ def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False).translate(_SPLITTERS)}\n\n"
 
 
-async def _watch_disconnect(request: Request, stream: RequestStream) -> None:
+async def watch_disconnect(request: Request, stream: RequestStream) -> None:
     # The body is read already, so the next ASGI message can only be the disconnect.
     while True:
         message = await request.receive()

@@ -40,6 +40,7 @@ from lowbit.runtime.server.answer import DISCONNECTED, Answer, Prompt, SSERespon
 from lowbit.runtime.server.engine_loop import EngineFailure, EngineLoop, EngineStopping, RequestRejected, RequestStream
 from lowbit.runtime.server.metrics import Metrics
 from lowbit.runtime.server.protocol import APIError, GenerationRequest, bad_request
+from lowbit.runtime.server.query_cascade import CascadeRoute, QueryCascade
 
 log = logging.getLogger("lowbit.serve")
 
@@ -66,12 +67,15 @@ class Tracker:
     """One admitted request: its output queue, its latency figures, and its single cleanup.
 
     A request with n > 1 (or best_of) is several engine requests (`engine_ids`) sharing this one
-    queue; outputs carry their engine id, and the request is done when all of them are."""
+    queue; outputs carry their engine id, and the request is done when all of them are.
+    engine_loop: where they run (the served model's, or --cascade's cheap model's)."""
 
-    def __init__(self, server: Server, request_id: str, loop: asyncio.AbstractEventLoop, engine_ids: list[str]):
+    def __init__(self, server: Server, request_id: str, loop: asyncio.AbstractEventLoop, engine_ids: list[str],
+                 engine_loop: EngineLoop | None = None):
         self.server = server
         self.request_id = request_id
         self.engine_ids = engine_ids
+        self.engine_loop = engine_loop or server.engine_loop
         self.open = set(engine_ids)  # engine requests not finished yet
         self.stream = RequestStream(loop)
         self.arrival = time.perf_counter()
@@ -149,16 +153,17 @@ class Tracker:
         self.closed = True
         self.server.metrics.in_flight -= 1
         for engine_id in self.open:  # aborting an id the engine never took is a no-op
-            self.server.engine_loop.abort(engine_id)
+            self.engine_loop.abort(engine_id)
             if not self.rejected:
                 self.server.metrics.finished["abort"] += 1
         self.open.clear()
 
 
 class Server:
-    def __init__(self, config: ServerConfig, engine_loop: EngineLoop):
+    def __init__(self, config: ServerConfig, engine_loop: EngineLoop, cascade: QueryCascade | None = None):
         self.config = config
         self.engine_loop = engine_loop
+        self.cascade = cascade
         self.metrics = Metrics()
         self.stopping = False
         self.created = protocol.now()
@@ -172,8 +177,21 @@ class Server:
         self.stopping = True
         log.info("shutting down: %d request(s) in flight get %g s to finish", self.metrics.in_flight,
                  self.config.shutdown_timeout)
-        asyncio.get_running_loop().call_later(self.config.shutdown_timeout, self.engine_loop.end_all,
-                                              "the server is shutting down")
+        for loop in self.loops():
+            asyncio.get_running_loop().call_later(self.config.shutdown_timeout, loop.end_all,
+                                                  "the server is shutting down")
+
+    def loops(self) -> list[EngineLoop]:
+        """The engine loops this server runs: the model's, then --cascade's cheap model's."""
+        return [self.engine_loop] + ([self.cascade.loop] if self.cascade is not None else [])
+
+    def _state(self) -> tuple[str, str | None]:
+        """The loops' joint state: the first not ready, with its error (a cheap model's is named)."""
+        for loop in self.loops():
+            if loop.state != "ready":
+                error = loop.error if loop is self.engine_loop or loop.error is None else f"the cheap model: {loop.error}"
+                return loop.state, error
+        return "ready", None
 
     # -- plumbing -------------------------------------------------------------------------------
     def authorize(self, request: Request) -> None:
@@ -187,16 +205,16 @@ class Server:
                            code="invalid_api_key")
 
     def require_ready(self) -> Any:
-        loop = self.engine_loop
         if self.stopping:
             raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
-        if loop.state == "loading":
+        state, error = self._state()
+        if state == "loading":
             raise APIError(503, "the model is still loading; retry when /health answers 200",
                            type="server_error", code="model_loading")
-        if loop.state != "ready":
-            raise APIError(503, f"the engine is {loop.state}: {loop.error}", type="server_error",
+        if state != "ready":
+            raise APIError(503, f"the engine is {state}: {error}", type="server_error",
                            code="engine_unavailable")
-        return loop.engine
+        return self.engine_loop.engine
 
     async def read_body(self, request: Request) -> bytes:
         limit = self.config.max_body_bytes
@@ -218,19 +236,21 @@ class Server:
 
     # -- endpoints ------------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
-        loop = self.engine_loop
         if self.stopping:
             return JSONResponse({"status": "stopping"}, status_code=503)
-        if loop.state == "ready":
+        state, error = self._state()
+        if state == "ready":
             return JSONResponse({"status": "ok"})
-        body = {"status": loop.state}
-        if loop.error:
-            body["error"] = loop.error
+        body = {"status": state}
+        if error:
+            body["error"] = error
         return JSONResponse(body, status_code=503)
 
     async def metrics_text(self, request: Request) -> Response:
-        return PlainTextResponse(self.metrics.render(self.engine_loop.stats),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+        text = self.metrics.render(self.engine_loop.stats)
+        if self.cascade is not None:
+            text += "\n".join(self.cascade.metrics_lines()) + "\n"
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def models(self, request: Request) -> Response:
         try:
@@ -339,11 +359,14 @@ class Server:
                 engine_ids = [f"{request_id}-{i}" for i in range(per)]
             else:
                 engine_ids = [f"{request_id}-{p}-{i}" for p in range(len(prompts)) for i in range(per)]
+            # sequence i shares prompt i // per with the prompt's first sequence, engine_ids[i - i % per]
+            prompt_ids = [prompts[i // per].ids for i in range(len(engine_ids))]
+            share_with = [engine_ids[i - i % per] if i % per else None for i in range(len(engine_ids))]
+            if self.cascade is not None and not req.max_tokens == 0:
+                return await self._cascaded(request, req, prompts, request_id, engine_ids, prompt_ids, params,
+                                            share_with)
             tracker = Tracker(self, request_id, asyncio.get_running_loop(), engine_ids)
-            for i, (engine_id, sampling) in enumerate(zip(engine_ids, params)):
-                first = engine_ids[i - i % per]
-                self.engine_loop.submit(engine_id, prompts[i // per].ids, sampling, tracker.stream,
-                                        share_prefix_with=first if engine_id != first else None)
+            self._submit(tracker, prompt_ids, params, share_with)
             self.metrics.in_flight += 1
         except APIError as exc:
             return self.error_response(exc)
@@ -354,11 +377,50 @@ class Server:
         except LowbitError as exc:  # a chat template that refuses the messages, for one
             return self.error_response(bad_request(str(exc)))
 
-        answer = Answer(self, req, tracker, engine.tokenizer, prompts)
+        return await self._answer(request, req, tracker, engine.tokenizer, prompts, None)
+
+    def _submit(self, tracker: Tracker, prompt_ids: list[list[int]], params: list, share_with: list) -> None:
+        for engine_id, ids, sampling, share in zip(tracker.engine_ids, prompt_ids, params, share_with):
+            tracker.engine_loop.submit(engine_id, ids, sampling, tracker.stream, share_prefix_with=share)
+
+    async def _answer(self, request: Request, req: GenerationRequest, tracker: Tracker, tokenizer,
+                      prompts: list[Prompt], route: CascadeRoute | None) -> Response:
+        answer = Answer(self, req, tracker, tokenizer, prompts, route)
         if req.stream:
-            return SSEResponse(answer.events(), tracker, media_type="text/event-stream",
-                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **answer.headers()}
+            return SSEResponse(answer.events(), tracker, media_type="text/event-stream", headers=headers)
         return await answer.whole(request)
+
+    async def _cascaded(self, request: Request, req: GenerationRequest, prompts: list[Prompt], request_id: str,
+                        engine_ids: list[str], prompt_ids: list[list[int]], params: list, share_with: list) -> Response:
+        """--cascade: the cheap model answers the whole request first; the answer stands when its
+        confidence clears the threshold, else the full model answers (query_cascade.py). Time to
+        first token counts from the arrival, so the cheap run is part of it."""
+        arrival = time.perf_counter()
+        self.metrics.in_flight += 1
+        try:
+            outs, confidence = await self.cascade.try_cheap(request, engine_ids, prompt_ids, params, share_with)
+        except APIError as exc:
+            self.metrics.in_flight -= 1
+            return self.error_response(exc)
+        except ClientDisconnect:
+            self.metrics.in_flight -= 1
+            return Response(status_code=499)
+        route = self.cascade.decide(confidence)
+        cheap = route.answered_by == "cheap"
+        tracker = Tracker(self, request_id, asyncio.get_running_loop(), engine_ids,
+                          self.cascade.loop if cheap else self.engine_loop)
+        tracker.arrival = arrival
+        if cheap:
+            for out in outs:  # finished already: the answer reads them as if they were arriving
+                tracker.stream.queue.put_nowait(out)
+        else:
+            try:
+                self._submit(tracker, prompt_ids, params, share_with)
+            except EngineFailure as exc:
+                tracker.close()
+                return self.error_response(APIError(503, str(exc), type="server_error", code="engine_unavailable"))
+        return await self._answer(request, req, tracker, self.engine_loop.engine.tokenizer, prompts, route)
 
 
 def _tokenize(tokenizer, req: GenerationRequest) -> list[Prompt]:
@@ -429,8 +491,8 @@ def _check_token_ids(ids: list[int], vocab_size: int, name: str = "prompt") -> N
         raise bad_request(f"token id {protocol.show(bad)}{where} is outside the vocabulary [0, {vocab_size})", "prompt")
 
 
-def create_app(config: ServerConfig, engine_loop: EngineLoop) -> Starlette:
-    server = Server(config, engine_loop)
+def create_app(config: ServerConfig, engine_loop: EngineLoop, cascade: QueryCascade | None = None) -> Starlette:
+    server = Server(config, engine_loop, cascade)
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         code = "not_found" if exc.status_code == 404 else None
@@ -440,12 +502,14 @@ def create_app(config: ServerConfig, engine_loop: EngineLoop) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        engine_loop.start()  # loads the model in the background: the socket binds meanwhile
+        for loop in server.loops():
+            loop.start()  # loads the model in the background: the socket binds meanwhile
         try:
             yield
         finally:
             server.stopping = True
-            await asyncio.to_thread(engine_loop.stop)
+            for loop in server.loops():
+                await asyncio.to_thread(loop.stop)
 
     routes = [
         Route("/health", server.health, methods=["GET"]),
@@ -465,10 +529,12 @@ def create_app(config: ServerConfig, engine_loop: EngineLoop) -> Starlette:
     return app
 
 
-def serve(config: ServerConfig, build_engine) -> None:
+def serve(config: ServerConfig, build_engine, build_cheap_engine=None, cascade_threshold: float = 0.0,
+          cheap_name: str = "") -> None:
     """Bind, load the model in the background, serve until SIGTERM/SIGINT; graceful shutdown.
+    build_cheap_engine: --cascade's cheap model (query_cascade.py), loaded beside the model.
 
-    Raises LowbitError if the model fails to load (after the server has stopped)."""
+    Raises LowbitError if a model fails to load (after the server has stopped)."""
     import uvicorn
 
     holder: dict[str, uvicorn.Server] = {}
@@ -477,7 +543,11 @@ def serve(config: ServerConfig, build_engine) -> None:
         holder["server"].should_exit = True
 
     engine_loop = EngineLoop(build_engine, on_load_failure=stop_on_load_failure)
-    app = create_app(config, engine_loop)
+    cascade = None
+    if build_cheap_engine is not None:
+        cascade = QueryCascade(EngineLoop(build_cheap_engine, on_load_failure=stop_on_load_failure), cascade_threshold,
+                               cheap_name)
+    app = create_app(config, engine_loop, cascade)
 
     class DrainingServer(uvicorn.Server):
         async def shutdown(self, sockets=None) -> None:
@@ -505,6 +575,8 @@ def serve(config: ServerConfig, build_engine) -> None:
         signal.signal(signal.SIGTERM, previous)
     if engine_loop.failed_during_load:
         raise LowbitError(f"could not load the model: {engine_loop.error}")
+    if cascade is not None and cascade.loop.failed_during_load:
+        raise LowbitError(f"could not load the cheap model ({cheap_name}): {cascade.loop.error}")
 
 
 def _json_h11_protocol():

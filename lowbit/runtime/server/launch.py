@@ -15,10 +15,11 @@ DTYPES = ("f32", "bf16")
 def engine_factory(model_path: Path, *, dtype: str = "f32", kv_memory: int | None = None, max_running: int = 64,
                    max_model_len: int | None = None, draft: str | None = None,
                    threads: int | None = None, kernel_settings=None,
-                   max_prefill_tokens: int | None = None) -> Callable[[], Any]:
+                   max_prefill_tokens: int | None = None, quantize_to: str | None = None) -> Callable[[], Any]:
     """A zero-argument builder the engine thread calls: loading happens off the event loop.
     kernel_settings: a kernels.dispatch.KernelSettings in effect while the model loads (--kernel,
-    --int4-activations), else the environment's."""
+    --int4-activations), else the environment's. quantize_to: RTN-quantize the Linears as they load
+    (--cascade self:FORMAT)."""
     dtype = dtype_name(dtype, allowed=DTYPES)  # float32/bfloat16 spelled out are the same
 
     def build():
@@ -33,6 +34,28 @@ def engine_factory(model_path: Path, *, dtype: str = "f32", kv_memory: int | Non
         torch_dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
         with use_settings(kernel_settings):  # None: KernelSettings(), the environment's choices
             return Engine(str(model_path), dtype=torch_dtype, kv_memory=kv_memory, max_num_seqs=max_running,
-                          max_model_len=max_model_len, draft=draft, max_prefill_tokens=max_prefill_tokens)
+                          max_model_len=max_model_len, draft=draft, max_prefill_tokens=max_prefill_tokens,
+                          quantize_to=quantize_to)
 
     return build
+
+
+def cascade_model(spec: str, model_path):
+    """--cascade's (model path, format to quantize to on load): self:FORMAT is MODEL's own weights;
+    any other model must share MODEL's tokenizer (checked here, before anything loads)."""
+    from lowbit.errors import UsageError
+    from lowbit.formats.resolve import resolve_model
+    from lowbit.quant.registry import get_format
+    from lowbit.runtime.engine.drafter import parse_draft
+    from lowbit.runtime.tokenizer import load_tokenizer
+
+    kind, arg = parse_draft(spec)
+    if kind == "self":
+        get_format(arg)  # an unknown format is a one-line error now, not a failed load later
+        return model_path, arg
+    if kind != "model":
+        raise UsageError(f"--cascade {spec}: give a model with the same tokenizer or self:FORMAT (e.g. self:int4)")
+    cheap_path = resolve_model(arg)
+    if load_tokenizer(cheap_path).backend.get_vocab() != load_tokenizer(model_path).backend.get_vocab():
+        raise UsageError(f"--cascade {spec} does not share {model_path}'s tokenizer")
+    return cheap_path, None
