@@ -42,6 +42,10 @@ def plan_command(
     ),
     acceptance: Optional[float] = typer.Option(None, "--acceptance", help="Probability a draft token is accepted, in (0, 1]; needed with --draft."),
     draft_tokens: int = typer.Option(4, "--draft-tokens", help="Tokens the draft proposes per target pass (k)."),
+    exit_layer: Optional[int] = typer.Option(
+        None, "--exit-layer", help="Price an early exit checked after this layer (with --exit-rate; lowbit generate --early-exit)."),
+    exit_rate: Optional[float] = typer.Option(
+        None, "--exit-rate", help="Fraction of tokens, in [0, 1], that leave at --exit-layer (measure it: lowbit generate --early-exit --json)."),
     quantize_head: bool = typer.Option(False, "--quantize-head", help="Count the lm_head (and a tied embedding) in the format too."),
     act_quant: bool = typer.Option(
         False, "--act-quant", help="Assume activations are quantized too, so fp8 / fp4 formats use the GPU's fp8 / fp4 tensor cores."
@@ -75,7 +79,8 @@ def plan_command(
         draft_tokens=draft_tokens,
         acceptance=acceptance,
     )
-    plan = make_plan(model, hardware, scenario, formats=formats, group_size=group_size, draft=draft)
+    plan = make_plan(model, hardware, scenario, formats=formats, group_size=group_size, draft=draft,
+                     exit_layer=exit_layer, exit_rate=exit_rate)
     if as_json:
         print_json(plan.to_dict())
     else:

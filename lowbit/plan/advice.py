@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lowbit.plan.early_exit import ExitEstimate
 from lowbit.plan.estimate import FormatEstimate, Scenario
 from lowbit.plan.hardware import GIB, Hardware
 
@@ -71,8 +72,9 @@ def tricks(
     kv_fp8: FormatEstimate,
     scenario: Scenario,
     reserve_tokens: int,
+    early_exit: ExitEstimate | None = None,
 ) -> list[Trick]:
-    """What quantized weights, fp8 KV, paging and speculation each change for the chosen format.
+    """What quantized weights, fp8 KV, paging, speculation and early exit each change for the chosen format.
 
     `quantized` is the chosen row, or the fastest quantized one when bf16 was chosen, so the
     first line always shows what quantizing would change.
@@ -82,6 +84,7 @@ def tricks(
         _fp8_kv(kv_bf16, kv_fp8),
         _paging(chosen, scenario, reserve_tokens),
         _speculation(chosen, scenario),
+        _early_exit(early_exit),
     ]
 
 
@@ -158,4 +161,20 @@ def _speculation(row: FormatEstimate, scenario: Scenario) -> Trick:
             "speedup_aggregate": spec.speedup_aggregate,
             "best_draft_tokens": spec.best_draft_tokens,
         },
+    )
+
+
+def _early_exit(estimate: ExitEstimate | None) -> Trick:
+    if estimate is None:
+        return Trick("early exit", "not evaluated: pass --exit-layer L --exit-rate R", "—")
+    e = estimate
+    mb = 1e6
+    even = f"break-even at {100 * e.break_even_rate:.0f} % of tokens exiting"
+    return Trick(
+        f"early exit (layer {e.exit_layer}, {100 * e.exit_rate:.0f} % of tokens)",
+        f"batch-1 decode {_times(e.speedup)}: {e.bytes_plain / mb:.1f} → {e.bytes_expected / mb:.1f} MB read per "
+        f"token ({e.bytes_exited / mb:.1f} MB when a token exits); {even}",
+        f"every token pays one more head read for the check ({e.bytes_not_exited / mb:.1f} MB when it does not exit); "
+        "the skipped layers' K/V still filled; quality: measure with `lowbit eval --early-exit`",
+        e.to_dict(),
     )

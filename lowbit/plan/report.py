@@ -8,10 +8,11 @@ from lowbit.errors import UsageError
 from lowbit.plan import kv_cache
 from lowbit.plan.advice import Trick, choose, recommendation, tricks
 from lowbit.plan.config_source import load_config
-from lowbit.plan.estimate import Draft, FormatEstimate, Scenario, estimate_format
+from lowbit.plan.early_exit import check_exit, estimate_exit
+from lowbit.plan.estimate import Draft, FormatEstimate, Scenario, estimate_format, weight_bytes_read
 from lowbit.plan.hardware import Hardware
 from lowbit.plan.model_shape import ModelShape, shape_from_config
-from lowbit.plan.weights import PlanFormat, plan_format
+from lowbit.plan.weights import PlanFormat, plan_format, weight_budget
 
 DEFAULT_FORMATS = ("bf16", "int8", "fp8", "int4-g128", "nf4", "mxfp4", "nvfp4")
 
@@ -27,6 +28,8 @@ class Plan:
     recommended: str | None
     recommendation: str
     draft: str | None = None
+    exit_layer: int | None = None
+    exit_rate: float | None = None
 
     def to_dict(self) -> dict:
         s = self.shape
@@ -64,6 +67,8 @@ class Plan:
                 "draft": self.draft,
                 "draft_tokens": self.scenario.draft_tokens if self.draft else None,
                 "acceptance": self.scenario.acceptance,
+                "exit_layer": self.exit_layer,
+                "exit_rate": self.exit_rate,
             },
             "formats": [row.to_dict() for row in self.rows],
             "tricks": [{"name": t.name, "buys": t.buys, "costs": t.costs, "numbers": t.numbers} for t in self.tricks],
@@ -94,7 +99,11 @@ def make_plan(
     formats: list[str] | tuple[str, ...] | None = None,
     group_size: int | None = None,
     draft: str | None = None,
+    exit_layer: int | None = None,
+    exit_rate: float | None = None,
 ) -> Plan:
+    """exit_layer / exit_rate: price an early exit at that layer taken by that fraction of tokens
+    (plan/early_exit.py) for the recommended format."""
     scenario.validate()
     if draft is not None and scenario.acceptance is None:
         raise UsageError("--draft needs --acceptance A (the probability a draft token is accepted, in (0, 1])")
@@ -104,6 +113,7 @@ def make_plan(
         raise UsageError("--group-size must be positive, or -1 for one scale per output row")
     fmts = _formats(formats or DEFAULT_FORMATS, group_size)
     shape, source = load_shape(model)
+    check_exit(exit_layer, exit_rate, shape.num_layers)
     draft_model = load_draft(draft, shape, group_size) if draft else None
 
     rows = [estimate_format(shape, fmt, hardware, scenario, draft_model) for fmt in fmts]
@@ -117,7 +127,13 @@ def make_plan(
         quantized = max(fitting, key=lambda r: r.decode_tok_s_single) if fitting else focus
     kv_bf16 = estimate_format(shape, focus_fmt, hardware, replace(scenario, kv_dtype="bf16"))
     kv_fp8 = estimate_format(shape, focus_fmt, hardware, replace(scenario, kv_dtype="fp8"))
-    trick_list = tricks(focus, quantized, baseline, kv_bf16, kv_fp8, scenario, scenario.reserve_tokens(shape))
+    exit_estimate = None
+    if exit_layer is not None:
+        budget = weight_budget(shape, focus_fmt, scenario.quantize_head)
+        exit_estimate = estimate_exit(shape, focus_fmt, budget, weight_bytes_read(shape, budget, 1), exit_layer,
+                                      exit_rate)
+    trick_list = tricks(focus, quantized, baseline, kv_bf16, kv_fp8, scenario, scenario.reserve_tokens(shape),
+                        exit_estimate)
     return Plan(
         shape=shape,
         source=source,
@@ -128,6 +144,8 @@ def make_plan(
         recommended=chosen.format if chosen else None,
         recommendation=recommendation(rows, chosen, scenario, hardware),
         draft=draft,
+        exit_layer=exit_layer,
+        exit_rate=exit_rate,
     )
 
 
