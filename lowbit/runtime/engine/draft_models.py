@@ -10,20 +10,6 @@ from torch import nn
 from lowbit.errors import UsageError
 
 
-class PreparedLinear(nn.Module):
-    """A Linear whose weight is a quantized, kernel-prepared matrix (kernels.prepare)."""
-
-    def __init__(self, prepared, bias: torch.Tensor | None):
-        super().__init__()
-        self.prepared = prepared
-        self.bias = bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from lowbit.kernels import qmatmul
-
-        return qmatmul(x, self.prepared, self.bias)
-
-
 # A draft's lm_head is read in full at every draft step (28M weights on SmolLM2, a large share of
 # a bf16 draft step), and its precision only moves the acceptance rate, never the output. int8 keeps
 # the acceptance: measured on SmolLM2 with a GPTQ int4 draft, mean accepted length 3.37 with a
@@ -80,14 +66,10 @@ def _draft_head(qt, bias, device) -> nn.Module:
 def quantize_linears_(model: nn.Module, fmt: str, device, head_fmt: str | None = None) -> nn.Module:
     """Replace every nn.Linear by its RTN-quantized `fmt` version, in place; lm_head too, in
     `head_fmt` when given."""
-    from lowbit.kernels import prepare
     from lowbit.quant.rtn import quantize_rtn
     from lowbit.quant.spec import parse_spec
+    from lowbit.runtime.quant_linear import QuantLinear
 
-    try:
-        from lowbit.runtime.quant_linear import QuantLinear
-    except ImportError:  # the runtime's QuantLinear is newer than this module
-        QuantLinear = None
     spec = parse_spec(fmt)
     head = getattr(model, "lm_head", None)
     for module in list(model.modules()):
@@ -95,12 +77,8 @@ def quantize_linears_(model: nn.Module, fmt: str, device, head_fmt: str | None =
             if isinstance(child, nn.Linear):
                 is_head = bool(head_fmt) and child is head
                 qt = quantize_rtn(child.weight.detach().float(), parse_spec(head_fmt) if is_head else spec)
-                if is_head and QuantLinear is not None:
-                    setattr(module, name, _draft_head(qt, child.bias, device))
-                elif QuantLinear is not None:
-                    setattr(module, name, QuantLinear(qt, child.bias, device))
-                else:
-                    setattr(module, name, PreparedLinear(prepare(qt, device), child.bias))
+                setattr(module, name, _draft_head(qt, child.bias, device) if is_head
+                        else QuantLinear(qt, child.bias, device))
     from lowbit.runtime.models.fusion import fuse_projections
 
     fuse_projections(model)
