@@ -135,3 +135,20 @@ def test_a_cheap_model_with_another_tokenizer_is_refused(tiny_model_dir, tmp_pat
                           str(other)], capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
     assert "does not share" in run.stderr and "tokenizer" in run.stderr
+
+
+def test_a_cheap_model_that_fails_to_load_stops_the_server_with_one_line(tiny_model_dir, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # cut short: the header promises more than is there
+    from conftest import free_port
+
+    run = subprocess.run([sys.executable, "-m", "lowbit", "serve", str(tiny_model_dir), "--port", str(free_port()),
+                          *TINY_ARGS, "--cascade", str(broken)], capture_output=True, text=True, timeout=180)
+    assert run.returncode == 1
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"lowbit: error: could not load the cheap model ({broken})"), run.stderr
+    assert "Traceback" not in run.stderr

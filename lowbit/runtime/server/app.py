@@ -40,7 +40,7 @@ from lowbit.runtime.server.answer import DISCONNECTED, Answer, Prompt, SSERespon
 from lowbit.runtime.server.engine_loop import EngineFailure, EngineLoop, EngineStopping, RequestRejected, RequestStream
 from lowbit.runtime.server.metrics import Metrics
 from lowbit.runtime.server.protocol import APIError, GenerationRequest, bad_request
-from lowbit.runtime.server.query_cascade import CascadeRoute, QueryCascade
+from lowbit.runtime.server.query_cascade import CHEAP, CascadeRoute, QueryCascade
 
 log = logging.getLogger("lowbit.serve")
 
@@ -67,15 +67,12 @@ class Tracker:
     """One admitted request: its output queue, its latency figures, and its single cleanup.
 
     A request with n > 1 (or best_of) is several engine requests (`engine_ids`) sharing this one
-    queue; outputs carry their engine id, and the request is done when all of them are.
-    engine_loop: where they run (the served model's, or --cascade's cheap model's)."""
+    queue; outputs carry their engine id, and the request is done when all of them are."""
 
-    def __init__(self, server: Server, request_id: str, loop: asyncio.AbstractEventLoop, engine_ids: list[str],
-                 engine_loop: EngineLoop | None = None):
+    def __init__(self, server: Server, request_id: str, loop: asyncio.AbstractEventLoop, engine_ids: list[str]):
         self.server = server
         self.request_id = request_id
         self.engine_ids = engine_ids
-        self.engine_loop = engine_loop or server.engine_loop
         self.open = set(engine_ids)  # engine requests not finished yet
         self.stream = RequestStream(loop)
         self.arrival = time.perf_counter()
@@ -153,7 +150,7 @@ class Tracker:
         self.closed = True
         self.server.metrics.in_flight -= 1
         for engine_id in self.open:  # aborting an id the engine never took is a no-op
-            self.engine_loop.abort(engine_id)
+            self.server.engine_loop.abort(engine_id)
             if not self.rejected:
                 self.server.metrics.finished["abort"] += 1
         self.open.clear()
@@ -177,21 +174,8 @@ class Server:
         self.stopping = True
         log.info("shutting down: %d request(s) in flight get %g s to finish", self.metrics.in_flight,
                  self.config.shutdown_timeout)
-        for loop in self.loops():
-            asyncio.get_running_loop().call_later(self.config.shutdown_timeout, loop.end_all,
-                                                  "the server is shutting down")
-
-    def loops(self) -> list[EngineLoop]:
-        """The engine loops this server runs: the model's, then --cascade's cheap model's."""
-        return [self.engine_loop] + ([self.cascade.loop] if self.cascade is not None else [])
-
-    def _state(self) -> tuple[str, str | None]:
-        """The loops' joint state: the first not ready, with its error (a cheap model's is named)."""
-        for loop in self.loops():
-            if loop.state != "ready":
-                error = loop.error if loop is self.engine_loop or loop.error is None else f"the cheap model: {loop.error}"
-                return loop.state, error
-        return "ready", None
+        asyncio.get_running_loop().call_later(self.config.shutdown_timeout, self.engine_loop.end_all,
+                                              "the server is shutting down")
 
     # -- plumbing -------------------------------------------------------------------------------
     def authorize(self, request: Request) -> None:
@@ -207,7 +191,7 @@ class Server:
     def require_ready(self) -> Any:
         if self.stopping:
             raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
-        state, error = self._state()
+        state, error = self.engine_loop.state, self.engine_loop.error
         if state == "loading":
             raise APIError(503, "the model is still loading; retry when /health answers 200",
                            type="server_error", code="model_loading")
@@ -238,7 +222,7 @@ class Server:
     async def health(self, request: Request) -> Response:
         if self.stopping:
             return JSONResponse({"status": "stopping"}, status_code=503)
-        state, error = self._state()
+        state, error = self.engine_loop.state, self.engine_loop.error
         if state == "ready":
             return JSONResponse({"status": "ok"})
         body = {"status": state}
@@ -381,7 +365,7 @@ class Server:
 
     def _submit(self, tracker: Tracker, prompt_ids: list[list[int]], params: list, share_with: list) -> None:
         for engine_id, ids, sampling, share in zip(tracker.engine_ids, prompt_ids, params, share_with):
-            tracker.engine_loop.submit(engine_id, ids, sampling, tracker.stream, share_prefix_with=share)
+            self.engine_loop.submit(engine_id, ids, sampling, tracker.stream, share_prefix_with=share)
 
     async def _answer(self, request: Request, req: GenerationRequest, tracker: Tracker, tokenizer,
                       prompts: list[Prompt], route: CascadeRoute | None) -> Response:
@@ -408,8 +392,7 @@ class Server:
             return Response(status_code=499)
         route = self.cascade.decide(confidence)
         cheap = route.answered_by == "cheap"
-        tracker = Tracker(self, request_id, asyncio.get_running_loop(), engine_ids,
-                          self.cascade.loop if cheap else self.engine_loop)
+        tracker = Tracker(self, request_id, asyncio.get_running_loop(), engine_ids)
         tracker.arrival = arrival
         if cheap:
             for out in outs:  # finished already: the answer reads them as if they were arriving
@@ -502,14 +485,12 @@ def create_app(config: ServerConfig, engine_loop: EngineLoop, cascade: QueryCasc
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        for loop in server.loops():
-            loop.start()  # loads the model in the background: the socket binds meanwhile
+        engine_loop.start()  # loads the model in the background: the socket binds meanwhile
         try:
             yield
         finally:
             server.stopping = True
-            for loop in server.loops():
-                await asyncio.to_thread(loop.stop)
+            await asyncio.to_thread(engine_loop.stop)
 
     routes = [
         Route("/health", server.health, methods=["GET"]),
@@ -542,11 +523,10 @@ def serve(config: ServerConfig, build_engine, build_cheap_engine=None, cascade_t
     def stop_on_load_failure() -> None:
         holder["server"].should_exit = True
 
-    engine_loop = EngineLoop(build_engine, on_load_failure=stop_on_load_failure)
-    cascade = None
-    if build_cheap_engine is not None:
-        cascade = QueryCascade(EngineLoop(build_cheap_engine, on_load_failure=stop_on_load_failure), cascade_threshold,
-                               cheap_name)
+    # --cascade's cheap model is a second engine of the same loop (engine_loop.py says why one thread)
+    others = {CHEAP: (build_cheap_engine, f"the cheap model ({cheap_name})")} if build_cheap_engine else None
+    engine_loop = EngineLoop(build_engine, on_load_failure=stop_on_load_failure, others=others)
+    cascade = QueryCascade(engine_loop, cascade_threshold) if build_cheap_engine else None
     app = create_app(config, engine_loop, cascade)
 
     class DrainingServer(uvicorn.Server):
@@ -574,9 +554,9 @@ def serve(config: ServerConfig, build_engine, build_cheap_engine=None, cascade_t
     finally:
         signal.signal(signal.SIGTERM, previous)
     if engine_loop.failed_during_load:
-        raise LowbitError(f"could not load the model: {engine_loop.error}")
-    if cascade is not None and cascade.loop.failed_during_load:
-        raise LowbitError(f"could not load the cheap model ({cheap_name}): {cascade.loop.error}")
+        error = engine_loop.error
+        raise LowbitError(f"could not load {error}" if error.startswith("the cheap model") else
+                          f"could not load the model: {error}")
 
 
 def _json_h11_protocol():

@@ -1,5 +1,10 @@
 """The one thread that owns the Engine: it loads the model, then steps while there is work.
 
+It may own more engines (serve --cascade's cheap model, by name): they are loaded and stepped by
+the same thread, in turn, because OpenMP work started from a second thread gives the process two
+thread pools, and libgomp then throttles its spin-waits (more pool threads than CPUs), which made
+every decode step two to three times slower on a 2-core machine (docs/serve.md, "Query cascade").
+
 The HTTP side never calls the engine. It sends commands (add, abort, stop) through a
 thread-safe queue, and each request's outputs come back on that request's own asyncio queue,
 all of one step's in a single `loop.call_soon_threadsafe` (one wake-up of the event loop per
@@ -72,6 +77,9 @@ def _put_all(items: list[tuple[RequestStream, Any]]) -> None:
         stream.queue.put_nowait(out)
 
 
+MAIN = "model"  # the served model's engine; other engines have names of their own
+
+
 @dataclass(slots=True)
 class _Add:
     request_id: str
@@ -79,6 +87,7 @@ class _Add:
     params: Any
     stream: RequestStream
     share_prefix_with: str | None = None
+    engine: str = MAIN
 
 
 @dataclass(slots=True)
@@ -96,30 +105,35 @@ class _Stop:
 
 
 class EngineLoop:
-    def __init__(self, build_engine: Callable[[], Any], on_load_failure: Callable[[], None] | None = None):
-        self._build_engine = build_engine
+    def __init__(self, build_engine: Callable[[], Any], on_load_failure: Callable[[], None] | None = None,
+                 others: dict[str, tuple[Callable[[], Any], str]] | None = None):
+        """others: {name: (builder, what it is, for errors)} engines loaded after the model's."""
+        self._builders = {MAIN: (build_engine, "the model"), **(others or {})}
         self._on_load_failure = on_load_failure
         self._commands: queue.Queue = queue.Queue()
         self._lock = threading.Lock()  # orders state changes against submissions
         self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._owner: dict[str, Any] = {}  # request id -> the engine running it (engine thread only)
         self._thread = threading.Thread(target=self._run, name="lowbit-engine", daemon=True)
         self.state = "loading"
         self.error: str | None = None
         self.failed_during_load = False
         self.engine = None  # read-only facts for the server (tokenizer, max_model_len) once ready
-        self.stats = None  # the latest Engine.stats(), replaced (never mutated) after each step
+        self.engines: dict[str, Any] = {}  # every engine by name, MAIN's first, once ready
+        self.stats = None  # the latest Engine.stats() of MAIN's engine, replaced (never mutated) after each step
 
     # -- called from the server -----------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
 
     def submit(self, request_id: str, prompt_ids: list[int], params, stream: RequestStream,
-               share_prefix_with: str | None = None) -> None:
-        """share_prefix_with: an earlier request id with the same prompt (the choices of n > 1)."""
+               share_prefix_with: str | None = None, engine: str = MAIN) -> None:
+        """share_prefix_with: an earlier request id with the same prompt (the choices of n > 1);
+        engine: which engine runs it (MAIN, or a name given in `others`)."""
         with self._lock:
             if self.state != "ready":
                 raise EngineFailure(f"the engine is {self.state}")
-            self._commands.put(_Add(request_id, prompt_ids, params, stream, share_prefix_with))
+            self._commands.put(_Add(request_id, prompt_ids, params, stream, share_prefix_with, engine))
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
@@ -137,29 +151,32 @@ class EngineLoop:
 
     # -- the engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
-        try:
-            engine = self._build_engine()
-        except BaseException as exc:  # noqa: BLE001 - any load failure must reach /health and the CLI
-            log.error("could not load the model: %s", _one_line(exc))
-            self.failed_during_load = True
-            self._fail(exc)
-            if self._on_load_failure is not None:
-                self._on_load_failure()
-            return
-        self.engine = engine
-        self.stats = engine.stats()
+        engines = {}
+        for name, (build, what) in self._builders.items():
+            try:
+                engines[name] = build()
+            except BaseException as exc:  # noqa: BLE001 - any load failure must reach /health and the CLI
+                log.error("could not load %s: %s", what, _one_line(exc))
+                self.failed_during_load = True
+                self._fail(exc, what if name != MAIN else None)
+                if self._on_load_failure is not None:
+                    self._on_load_failure()
+                return
+        self.engines = engines
+        self.engine = engines[MAIN]
+        self.stats = self.engine.stats()
         with self._lock:
             self.state = "ready"
-        log.info("model loaded; ready")
+        log.info("model loaded; ready" if len(engines) == 1 else f"{len(engines)} models loaded; ready")
         try:
-            self._serve(engine)
+            self._serve()
         except BaseException as exc:  # noqa: BLE001 - a crashed step must not kill the server silently
             log.error("the engine failed: %s\n%s", _one_line(exc), traceback.format_exc())
             self._fail(exc)
 
-    def _serve(self, engine) -> None:
+    def _serve(self) -> None:
         while True:
-            busy = engine.has_unfinished_requests()
+            busy = any(engine.has_unfinished_requests() for engine in self.engines.values())
             commands = []
             try:
                 # Idle: sleep until a command arrives. Busy: take whatever is queued, then step.
@@ -170,22 +187,28 @@ class EngineLoop:
                 pass
             for command in commands:
                 if isinstance(command, _Stop):
-                    self._shutdown(engine)
+                    self._shutdown()
                     return
-                self._apply(engine, command)
-            if engine.has_unfinished_requests():
-                deliveries = []
-                for out in engine.step():
-                    stream = self._streams.get(out.request_id)
-                    if stream is not None:
-                        deliveries.append((stream, out))
-                        if out.finished:
-                            del self._streams[out.request_id]
-                _deliver(deliveries)
-            self.stats = engine.stats()
+                self._apply(command)
+            for engine in self.engines.values():  # in turn: one step each that has work
+                if engine.has_unfinished_requests():
+                    self._step(engine)
+            self.stats = self.engine.stats()
 
-    def _apply(self, engine, command) -> None:
+    def _step(self, engine) -> None:
+        deliveries = []
+        for out in engine.step():
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                deliveries.append((stream, out))
+                if out.finished:
+                    del self._streams[out.request_id]
+                    del self._owner[out.request_id]
+        _deliver(deliveries)
+
+    def _apply(self, command) -> None:
         if isinstance(command, _Add):
+            engine = self.engines[command.engine]
             try:
                 engine.add_request(command.request_id, command.prompt_ids, command.params,
                                    share_prefix_with=command.share_prefix_with)
@@ -193,28 +216,31 @@ class EngineLoop:
                 command.stream.put(RequestRejected(_one_line(exc)))
                 return
             self._streams[command.request_id] = command.stream
+            self._owner[command.request_id] = engine
         elif isinstance(command, _Abort):
             # Only requests still running: aborting a finished id would be an unknown-id error.
             if self._streams.pop(command.request_id, None) is not None:
-                engine.abort_request(command.request_id)
+                self._owner.pop(command.request_id).abort_request(command.request_id)
         elif isinstance(command, _EndAll):
-            self._end_all(engine, command.message)
+            self._end_all(command.message)
 
-    def _end_all(self, engine, message: str) -> None:
+    def _end_all(self, message: str) -> None:
         for request_id, stream in self._streams.items():
-            engine.abort_request(request_id)  # blocks freed at the next step
+            self._owner[request_id].abort_request(request_id)  # blocks freed at the next step
             stream.put(EngineStopping(message))
         self._streams.clear()
+        self._owner.clear()
 
-    def _shutdown(self, engine) -> None:
-        self._end_all(engine, "the server is shutting down")
+    def _shutdown(self) -> None:
+        self._end_all("the server is shutting down")
         with self._lock:
             self.state = "stopped"
 
-    def _fail(self, exc: BaseException) -> None:
+    def _fail(self, exc: BaseException, what: str | None = None) -> None:
+        """what: the engine that failed to load when it is not the model's (named in the error)."""
         with self._lock:
             self.state = "failed"
-            self.error = _one_line(exc)
+            self.error = _one_line(exc) if what is None else f"{what}: {_one_line(exc)}"
             failure = EngineFailure(f"the engine failed: {self.error}")
             for stream in self._streams.values():
                 stream.put(failure)

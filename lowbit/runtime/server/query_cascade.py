@@ -12,6 +12,9 @@ The cheap answer is held until it is complete, since it may be thrown away: a st
 first token waits for the whole cheap answer (or, escalated, for the full model's first token).
 Scoring requests (max_tokens 0: echo / prompt_logprobs only) are the full model's alone: a score is
 a measurement of the served model, not an answer to cascade.
+
+The cheap model is a second engine of the server's one EngineLoop (engine_loop.py: one thread for
+all OpenMP work), stepped in turn with the model's.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 from starlette.requests import ClientDisconnect, Request
 
 from lowbit.runtime.server.answer import DISCONNECTED, watch_disconnect
-from lowbit.runtime.server.engine_loop import EngineFailure, EngineLoop, RequestRejected, RequestStream
+from lowbit.runtime.server.engine_loop import EngineFailure, EngineLoop, EngineStopping, RequestRejected, RequestStream
 from lowbit.runtime.server.protocol import APIError, bad_request
 
 
@@ -39,13 +42,15 @@ class CascadeRoute:
         return {"answered_by": self.answered_by, "cheap_confidence": self.cheap_confidence}
 
 
-class QueryCascade:
-    """The cheap model's engine loop, the threshold, and the counts /metrics reports."""
+CHEAP = "cheap"  # the cheap model's engine in the server's EngineLoop
 
-    def __init__(self, loop: EngineLoop, threshold: float, cheap_name: str):
+
+class QueryCascade:
+    """The threshold, the engine loop that holds the cheap model's engine, and the counts /metrics reports."""
+
+    def __init__(self, loop: EngineLoop, threshold: float):
         self.loop = loop
         self.threshold = threshold
-        self.cheap_name = cheap_name
         self.answered = {"cheap": 0, "full": 0}
         self.escalations = 0
 
@@ -61,7 +66,7 @@ class QueryCascade:
         try:
             for engine_id, ids, sampling, share in zip(engine_ids, prompt_ids, params, share_with):
                 chosen = sampling if sampling.logprobs is not None else dataclasses.replace(sampling, logprobs=0)
-                self.loop.submit(engine_id, ids, chosen, stream, share_prefix_with=share)
+                self.loop.submit(engine_id, ids, chosen, stream, share_prefix_with=share, engine=CHEAP)
             while open_ids:
                 item = await stream.queue.get()
                 if item is DISCONNECTED:
@@ -70,12 +75,13 @@ class QueryCascade:
                     raise bad_request(str(item))
                 if isinstance(item, EngineFailure):
                     open_ids.clear()  # the loop ended them already
-                    raise APIError(503, f"the cheap model: {item}", type="server_error", code="engine_unavailable")
+                    code = "shutting_down" if isinstance(item, EngineStopping) else "engine_unavailable"
+                    raise APIError(503, str(item), type="server_error", code=code)
                 outs.append(item)
                 if item.finished:
                     open_ids.discard(item.request_id)
         except EngineFailure as exc:  # submit() on a loop that is not ready
-            raise APIError(503, f"the cheap model: {exc}", type="server_error", code="engine_unavailable") from None
+            raise APIError(503, str(exc), type="server_error", code="engine_unavailable") from None
         finally:
             watcher.cancel()
             for engine_id in open_ids:
