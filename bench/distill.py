@@ -6,7 +6,7 @@ smollm2-135m`, ctx 2048, text the training never sees), runs `lowbit distill` on
 the stated budget, scores the result the same way, and prints KLD against whole-checkpoint bytes
 beside llama.cpp's Q4_K_M of this model (105.5 MB, KLD 0.054: the issue's figures).
 
-    python bench/distill.py [--work DIR] [--samples 64] [--seqlen 512] [--block-steps 20] [--steps 100]
+    python bench/distill.py [--teacher smollm2-135m] [--work DIR] [--samples 64] [--seqlen 512] [--block-steps 20] [--steps 100]
         [--batch 1] [--lr 2e-4] [--threads 2] [--chunks 10] [--student DIR] [--quantize-head] [--json]
     python bench/distill.py --recipe bench/recipes/q4km-budget.yaml ...   # a student within Q4_K_M's bytes
 
@@ -48,6 +48,8 @@ def directory_bytes(path: Path) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--teacher", default="smollm2-135m", help="the model quantized and distilled back (llama.cpp's "
+                    "Q4_K_M row is the demo model's; gemma3-270m is itself a dequantized Q4_K_M)")
     ap.add_argument("--work", type=Path, default=Path("bench-distill"))
     ap.add_argument("--student", type=Path, help="an existing quantized student (default: make README command 1's)")
     ap.add_argument("--samples", type=int, default=64)
@@ -72,20 +74,21 @@ def main() -> None:
     threads = ["--threads", str(args.threads)]
     head = ["--quantize-head"] if args.quantize_head or args.recipe else []
     calib = ["--data", "wiki-calib", "--samples", "128", "--seqlen", "512"]
+    short = args.teacher.split("-")[0]  # smollm2, gemma3: names the students in --work
     if args.recipe:
-        student = args.student or args.work / f"smollm2-{args.recipe.stem}"
+        student = args.student or args.work / f"{short}-{args.recipe.stem}"
         label = f"{args.recipe.stem} recipe, {args.method}, {args.keep_outliers} % outliers, quantized head"
         make = ["--recipe", str(args.recipe), "--method", args.method, "--keep-outliers", str(args.keep_outliers)]
     else:
-        student = args.student or args.work / ("smollm2-int4-head" if head else "smollm2-int4")
-        label = "int4 g64 GPTQ" + (" + int4 head" if head else " (README command 1)")
+        student = args.student or args.work / (f"{short}-int4-head" if head else f"{short}-int4")
+        label = "int4 g64 GPTQ" + (" + int4 head" if head else " (README command 1)" if short == "smollm2" else "")
         make = ["--format", "int4", "--group-size", "64", "--method", "gptq"]
     if not student.is_dir():
-        lowbit("quantize", "smollm2-135m", *make, *calib, "-o", str(student), *head, *threads)
-    score = ["--data", "wiki-eval", "--chunks", str(args.chunks), "--base", "smollm2-135m", *threads]
+        lowbit("quantize", args.teacher, *make, *calib, "-o", str(student), *head, *threads)
+    score = ["--data", "wiki-eval", "--chunks", str(args.chunks), "--base", args.teacher, *threads]
     before = lowbit("eval", str(student), *score)
     out = args.work / f"{student.name}-distilled-s{args.samples}-b{args.block_steps}-e{args.steps}"
-    run = lowbit("distill", "smollm2-135m", "--data", "wiki-calib", "--student", str(student), "-o", str(out), "--overwrite",
+    run = lowbit("distill", args.teacher, "--data", "wiki-calib", "--student", str(student), "-o", str(out), "--overwrite",
                  "--samples", str(args.samples), "--seqlen", str(args.seqlen), "--block-steps", str(args.block_steps),
                  "--steps", str(args.steps), "--batch", str(args.batch), "--lr", str(args.lr),
                  "--eval-data", "wiki-eval", "--eval-chunks", "2", *threads)
@@ -95,15 +98,18 @@ def main() -> None:
          before["kld"]["mean"], before["kld"]["err"]),
         (f"  + distill ({args.block_steps} steps/layer, {args.steps} end-to-end)", directory_bytes(out),
          after["kld"]["mean"], after["kld"]["err"]),
-        ("llama.cpp Q4_K_M (issue's figures)", int(Q4_K_M_BYTES), Q4_K_M_KLD, None),
     ]
-    result = {"budget": {k: getattr(args, k) for k in ("samples", "seqlen", "block_steps", "steps", "batch", "lr", "threads",
+    if args.teacher == "smollm2-135m":
+        rows.append(("llama.cpp Q4_K_M (issue's figures)", int(Q4_K_M_BYTES), Q4_K_M_KLD, None))
+    result = {"teacher": args.teacher, "budget": {k: getattr(args, k) for k in ("samples", "seqlen", "block_steps", "steps", "batch", "lr", "threads",
                                                         "quantize_head")},
               "distill_seconds": run["seconds"], "distill": run,
               "rows": [{"checkpoint": r[0].strip(), "bytes": r[1], "kld": r[2], "kld_err": r[3]} for r in rows]}
     result["budget"]["recipe"] = str(args.recipe) if args.recipe else None
     results = (RESULTS.with_name(f"distill-{args.recipe.stem}.json") if args.recipe
                else RESULTS.with_name("distill-head.json") if head else RESULTS)
+    if args.teacher != "smollm2-135m":  # one latest file per teacher too
+        results = results.with_name(f"{results.stem}-{args.teacher}.json")
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps(result, indent=2) + "\n")
     if args.json:

@@ -89,8 +89,10 @@ def main() -> None:
         "draft_student": lowbit("bench", args.teacher, *bench, "--draft", str(student)),
         "draft_self_int4": lowbit("bench", args.teacher, *bench, "--draft", "self:int4"),
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+    # one latest file per teacher: the demo model's is distill_smaller.json
+    results = RESULTS if args.teacher == "smollm2-135m" else RESULTS.with_name(f"distill_smaller-{args.teacher}.json")
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps(result, indent=1) + "\n")
     report(result)
     if args.json:
         print(json.dumps(result))

@@ -189,16 +189,16 @@ class Server:
                            code="invalid_api_key")
 
     def require_ready(self) -> Any:
+        loop = self.engine_loop
         if self.stopping:
             raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
-        state, error = self.engine_loop.state, self.engine_loop.error
-        if state == "loading":
+        if loop.state == "loading":
             raise APIError(503, "the model is still loading; retry when /health answers 200",
                            type="server_error", code="model_loading")
-        if state != "ready":
-            raise APIError(503, f"the engine is {state}: {error}", type="server_error",
+        if loop.state != "ready":
+            raise APIError(503, f"the engine is {loop.state}: {loop.error}", type="server_error",
                            code="engine_unavailable")
-        return self.engine_loop.engine
+        return loop.engine
 
     async def read_body(self, request: Request) -> bytes:
         limit = self.config.max_body_bytes
@@ -220,14 +220,14 @@ class Server:
 
     # -- endpoints ------------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
+        loop = self.engine_loop
         if self.stopping:
             return JSONResponse({"status": "stopping"}, status_code=503)
-        state, error = self.engine_loop.state, self.engine_loop.error
-        if state == "ready":
+        if loop.state == "ready":
             return JSONResponse({"status": "ok"})
-        body = {"status": state}
-        if error:
-            body["error"] = error
+        body = {"status": loop.state}
+        if loop.error:
+            body["error"] = loop.error
         return JSONResponse(body, status_code=503)
 
     async def metrics_text(self, request: Request) -> Response:
@@ -346,7 +346,7 @@ class Server:
             # sequence i shares prompt i // per with the prompt's first sequence, engine_ids[i - i % per]
             prompt_ids = [prompts[i // per].ids for i in range(len(engine_ids))]
             share_with = [engine_ids[i - i % per] if i % per else None for i in range(len(engine_ids))]
-            if self.cascade is not None and not req.max_tokens == 0:
+            if self.cascade is not None and req.max_tokens != 0:
                 return await self._cascaded(request, req, prompts, request_id, engine_ids, prompt_ids, params,
                                             share_with)
             tracker = Tracker(self, request_id, asyncio.get_running_loop(), engine_ids)
