@@ -16,6 +16,9 @@ Pictures:
                         computed with lowbit.plan.kv_cache (no measurement)
   distill_loss.png      lowbit distill's end-to-end KL loss per step (bench/results/distill*.json from
                         bench/distill.py), with each run's held-out KLD before and after
+  speed_quality.png     decode speedup vs greedy agreement with the full model: early exit, the token
+                        cascade, exact self-speculation (bench/results/early_exit.json from
+                        bench/early_exit.py) and serve's query cascade (query_cascade.json)
 A picture whose JSON is missing is skipped with a note, not an error.
 """
 
@@ -250,7 +253,7 @@ def plot_distill(out: Path) -> bool:
     for path in sorted(RESULTS.glob("distill*.json")):
         data = json.loads(path.read_text())
         curve = data.get("distill", {}).get("loss_curve")
-        if curve:
+        if curve and "rows" in data:  # bench/distill.py's (distill_smaller/_exits' have no before/after rows)
             runs.append((path.stem, data, curve))
     if not runs:
         return False
@@ -258,11 +261,12 @@ def plot_distill(out: Path) -> bool:
     for color, (name, data, curve) in zip(("tab:blue", "tab:green", "tab:red", "tab:purple"), runs):
         mean = [sum(curve[max(0, i - 9): i + 1]) / len(curve[max(0, i - 9): i + 1]) for i in range(len(curve))]
         rows = data["rows"]
-        label = f"{rows[0]['checkpoint']}: held-out KLD {rows[0]['kld']:.4f} -> {rows[1]['kld']:.4f}"
+        label = (f"{data.get('teacher', 'smollm2-135m')}, {rows[0]['checkpoint']}: held-out KLD {rows[0]['kld']:.4f}"
+                 f" -> {rows[1]['kld']:.4f}")
         ax.plot(range(1, len(curve) + 1), curve, color=color, alpha=0.25, lw=0.8)
         ax.plot(range(1, len(curve) + 1), mean, color=color, label=label)
     ax.set(xlabel="end-to-end step (one window of 512 tokens)", ylabel="KL(teacher || student) on the step's window",
-           title="lowbit distill: quantization recovery on SmolLM2-135M (wiki-calib windows)")
+           title="lowbit distill: quantization recovery (wiki-calib windows)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -271,8 +275,54 @@ def plot_distill(out: Path) -> bool:
     return True
 
 
+def plot_speed_quality(out: Path) -> bool:
+    """Decode speedup against greedy agreement with the full model for every approximate setting
+    measured (bench/results/early_exit.json, query_cascade.json), beside issue 28's target corner."""
+    exits, query = RESULTS / "early_exit.json", RESULTS / "query_cascade.json"
+    if not exits.exists() and not query.exists():
+        return False
+    series = []  # (label, color, marker, [(agreement %, speedup, threshold)])
+    if exits.exists():
+        data = json.loads(exits.read_text())
+        for conf, color in (("top1", "tab:blue"), ("margin", "tab:cyan")):
+            rows = [r for r in data["early_exit"] if r["confidence"] == conf]
+            series.append((f"early exit {'/'.join(map(str, data['exit_layers']))}, {conf} (single sequence)", color, "o",
+                           [(r["greedy_agreement_pct"], r["speedup"], r["threshold"]) for r in rows]))
+        for cheap in sorted({r["cheap"] for r in data["cascade"]}):
+            rows = [r for r in data["cascade"] if r["cheap"] == cheap]
+            series.append((f"token cascade, {cheap} (single sequence)", "tab:green", "s",
+                           [(r["greedy_agreement_pct"], r["speedup"], r["threshold"]) for r in rows]))
+        spec = data.get("self_speculative") or []
+        if spec:
+            series.append(("exact self-speculation, self:layers=N (engine)", "tab:gray", "D",
+                           [(100.0, r["speedup"], r["draft"].split("=")[-1]) for r in spec]))
+    if query.exists():
+        data = json.loads(query.read_text())
+        for conc, color in ((1, "tab:red"), (max(r["concurrency"] for r in data["rows"]), "tab:orange")):
+            rows = [r for r in data["rows"] if r["concurrency"] == conc and r["threshold"] is not None]
+            series.append((f"query cascade, serve --cascade {data['cheap']}, {conc} concurrent", color, "^",
+                           [(r["agreement_pct"], r["speedup"], r["threshold"]) for r in rows]))
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    ax.axhspan(1.5, 2.6, xmin=0.9, xmax=1.0, color="tab:green", alpha=0.12, label="issue 28's target (≥ 1.5×, ≥ 90 %)")
+    for label, color, marker, points in series:
+        points = sorted(points)
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker=marker, color=color, label=label, lw=1, ms=5)
+        for x, y, t in points:
+            if t != "":
+                ax.annotate(f"{t}", (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6, color=color)
+    ax.axhline(1.0, color="black", lw=0.6)
+    ax.set(xlim=(0, 100), ylim=(0, 2.6), xlabel="greedy agreement with the full model (% of positions)",
+           ylabel="decode speed ÷ the full model's", title="SmolLM2-135M: cheap first, escalate when unsure (labels: T)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=DPI)
+    plt.close(fig)
+    return True
+
+
 PICTURES = {"quality_vs_bits.png": plot_quality, "decode_vs_batch.png": plot_decode, "kv_memory.png": plot_kv,
-            "distill_loss.png": plot_distill}
+            "distill_loss.png": plot_distill, "speed_quality.png": plot_speed_quality}
 
 
 def pictures() -> dict:
