@@ -92,7 +92,7 @@ def tripwires(monkeypatch):
     monkeypatch.setattr("lowbit.compress.calibrate.load_text", no_text)
     monkeypatch.setattr("lowbit.compress.calibrate.LayerwiseModel.embed", no_activations)
     monkeypatch.setattr("lowbit.runtime.engine.engine.Engine", StopEngine)
-    monkeypatch.setattr("lowbit.runtime.server.app.serve", lambda config, build: wires.served.append(config))
+    monkeypatch.setattr("lowbit.runtime.server.app.serve", lambda config, build, *cascade: wires.served.append(config))
     return wires
 
 
