@@ -258,7 +258,7 @@ def plot_distill(out: Path) -> bool:
     if not runs:
         return False
     fig, ax = plt.subplots(figsize=(7.5, 4.4))
-    for color, (name, data, curve) in zip(("tab:blue", "tab:green", "tab:red", "tab:purple"), runs):
+    for color, (name, data, curve) in zip(("tab:blue", "tab:green", "tab:red", "tab:purple", "tab:orange", "tab:brown"), runs):
         mean = [sum(curve[max(0, i - 9): i + 1]) / len(curve[max(0, i - 9): i + 1]) for i in range(len(curve))]
         rows = data["rows"]
         label = (f"{data.get('teacher', 'smollm2-135m')}, {rows[0]['checkpoint']}: held-out KLD {rows[0]['kld']:.4f}"
