@@ -36,7 +36,7 @@ class CascadeRoute:
     """Which model answered a request, and the cheap answer's confidence that decided it."""
 
     answered_by: str  # "cheap" | "full"
-    cheap_confidence: float | None  # None: the request never ran on the cheap model (a score)
+    cheap_confidence: float  # the cheap answer's mean token probability (rounded to 6 digits)
 
     def as_dict(self) -> dict:
         return {"answered_by": self.answered_by, "cheap_confidence": self.cheap_confidence}
