@@ -104,14 +104,21 @@ def quantized_copy(path, fmt: str, dtype: torch.dtype, device) -> nn.Module:
     return quantize_linears_(load_model(path, dtype, device), fmt, device, head_fmt=head)
 
 
+def check_same_tokenizer(path, target_tokenizer, what: str, whose: str = "the target's") -> None:
+    """A one-line UsageError unless the model at `path` has the target's vocabulary (a draft's or a
+    cascade's tokens must mean the same ids)."""
+    from lowbit.runtime.tokenizer import load_tokenizer
+
+    if load_tokenizer(path).backend.get_vocab() != target_tokenizer.backend.get_vocab():
+        raise UsageError(f"{what} does not share {whose} tokenizer")
+
+
 def load_draft_model(arg: str, target_tokenizer, dtype: torch.dtype, device, role: str = "draft model") -> nn.Module:
     from lowbit.formats.resolve import resolve_model
     from lowbit.runtime.loader import load_model
-    from lowbit.runtime.tokenizer import load_tokenizer
 
     path = resolve_model(arg)
-    if load_tokenizer(path).backend.get_vocab() != target_tokenizer.backend.get_vocab():
-        raise UsageError(f"{role} {arg} does not share the target's tokenizer")
+    check_same_tokenizer(path, target_tokenizer, f"{role} {arg}")
     from lowbit.runtime.models.fusion import fuse_projections
 
     model = load_model(path, dtype, device)

@@ -46,6 +46,7 @@ def cascade_model(spec: str, model_path):
     from lowbit.errors import UsageError
     from lowbit.formats.resolve import resolve_model
     from lowbit.quant.registry import get_format
+    from lowbit.runtime.engine.draft_models import check_same_tokenizer
     from lowbit.runtime.engine.drafter import parse_draft
     from lowbit.runtime.tokenizer import load_tokenizer
 
@@ -56,6 +57,5 @@ def cascade_model(spec: str, model_path):
     if kind != "model":
         raise UsageError(f"--cascade {spec}: give a model with the same tokenizer or self:FORMAT (e.g. self:int4)")
     cheap_path = resolve_model(arg)
-    if load_tokenizer(cheap_path).backend.get_vocab() != load_tokenizer(model_path).backend.get_vocab():
-        raise UsageError(f"--cascade {spec} does not share {model_path}'s tokenizer")
+    check_same_tokenizer(cheap_path, load_tokenizer(model_path), f"--cascade {spec}", f"{model_path}'s")
     return cheap_path, None
