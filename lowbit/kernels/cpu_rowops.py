@@ -113,3 +113,28 @@ def act_mul(gate: torch.Tensor, up: torch.Tensor | None, act: str) -> torch.Tens
     _check(_lib().lowbit_act_mul(gp, gs, up_ptr, us, rows, n, ACTS[act], _DTYPES[gate.dtype], out.data_ptr(), n,
                                  torch.get_num_threads()), "lowbit_act_mul")
     return out
+
+
+def _logit_rows(logits: torch.Tensor, argmax: torch.Tensor | None) -> bool:
+    x, rows, stride = _rows(logits)
+    return bool(_lib().lowbit_logit_rows(x.data_ptr(), stride, rows, x.shape[-1],
+                                         None if argmax is None else argmax.data_ptr()))
+
+
+def logits_usable(logits: torch.Tensor) -> bool:
+    """Whether `nonfinite` / `argmax` run in C for these logits (CPU float32 rows)."""
+    return logits.is_cpu and logits.dtype is torch.float32 and logits.dim() == 2 and logits.shape[1] > 0 \
+        and _lib() is not None
+
+
+def nonfinite(logits: torch.Tensor) -> bool:
+    """Whether any logit is NaN or infinite (`logits_usable` ones), in one pass."""
+    return _logit_rows(logits, None)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits, dim=-1) of finite `logits_usable` rows (the first index among ties),
+    about twenty times faster on a 49152-logit row."""
+    out = torch.empty(logits.shape[0], dtype=torch.long)
+    _logit_rows(logits, out)
+    return out

@@ -202,6 +202,37 @@ def test_portable_build_computes_the_same_bits(monkeypatch):
             with torch.inference_mode():
                 ops += [cpu_rowops.rmsnorm(x, w, EPS, False), *cpu_rowops.add_rmsnorm(x, r, rw, EPS, True, r_weight=rw),
                         cpu_rowops.act_mul(gate, None, "silu"), cpu_rowops.act_mul(gate, None, "gelu_tanh")]
+        logits = torch.randn(3, 1003, generator=torch.Generator().manual_seed(12))
+        logits[1, 500] = logits[1, 900] = 9.0
+        ops += [cpu_rowops.argmax(logits), torch.tensor(cpu_rowops.nonfinite(logits))]
+        logits[2, 1002] = float("nan")
+        ops.append(torch.tensor(cpu_rowops.nonfinite(logits)))
         results.append(ops)
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("n", [49152, 1000, 7, 1])
+def test_logit_argmax_is_torchs_first_index_among_ties(n):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(6, n, generator=g)
+    x[1] = 0.5  # a row of ties: index 0
+    if n > 10:
+        x[2, 3] = x[2, n - 2] = 100.0  # two tied maxima: the first
+        x[3, n - 1] = 100.0  # the max in the scalar tail
+    x[4] = -torch.arange(n, dtype=torch.float32)  # the max at index 0
+    assert torch.equal(cpu_rowops.argmax(x), x.argmax(dim=-1))
+    assert not cpu_rowops.nonfinite(x)
+    strided = torch.randn(3, n + 5, generator=g)[:, :n]  # rows with a stride
+    assert torch.equal(cpu_rowops.argmax(strided), strided.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("at", [0, 5, 49151])
+def test_logit_nonfinite_finds_one_bad_value_anywhere(bad, at):
+    x = torch.randn(2, 49152)
+    assert not cpu_rowops.nonfinite(x)
+    x[1, at] = bad
+    assert cpu_rowops.nonfinite(x)
+    assert cpu_rowops.nonfinite(x[1:])
+    assert not cpu_rowops.nonfinite(x[:1])

@@ -16,6 +16,8 @@ whose metadata carries a `decode` index); prefill chunks keep the model's forwar
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch.nn.modules import module as torch_module
 
@@ -150,7 +152,12 @@ class ChainedDecoder:
         self.model = model
         self.cache = cache
         self.chain: decode_chain.DecodeChain | None = _chain(model, cache)
-        self._built_from = _slots(model)
+        self._watch(_slots(model))
+
+    def _watch(self, slots: list[tuple[dict, str, object]]) -> None:
+        # three parallel lists, so the per-step check runs in C (map, operator.is_): 215 slots on
+        # SmolLM2 took 0.2 ms a step through a generator expression
+        self._dicts, self._names, self._modules = (list(column) for column in zip(*slots))
 
     def usable(self, meta: StepMetadata) -> bool:
         """Whether this step can take the C call: short items only, no forward hooks (calibration
@@ -160,8 +167,8 @@ class ChainedDecoder:
         inner = self.model.model
         if any(layer._forward_hooks or layer._forward_pre_hooks for layer in inner.layers):
             return False
-        if any(d.get(name) is not module for d, name, module in self._built_from):
-            self._built_from = _slots(self.model)
+        if not all(map(operator.is_, map(dict.get, self._dicts, self._names), self._modules)):
+            self._watch(_slots(self.model))
             try:
                 self.chain = _chain(self.model, self.cache)
             except Unsupported:

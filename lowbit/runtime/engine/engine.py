@@ -31,7 +31,7 @@ from lowbit.runtime.engine.detokenizer import IncrementalDetokenizer
 from lowbit.runtime.engine.drafter import LayerPrefixDrafter, ModelDrafter, NgramDrafter, parse_draft
 from lowbit.runtime.engine.model_runner import ModelRunner, PromptLogprob, Work
 from lowbit.runtime.engine.paged_cache import PagedKVCache, kv_bytes_per_token
-from lowbit.runtime.engine.sampler import Sampler, _logprobs, _uses_outputs, process_logits
+from lowbit.runtime.engine.sampler import Sampler, _logprobs, _uses_outputs, greedy, nonfinite, process_logits
 from lowbit.runtime.engine.scheduler import Scheduler
 from lowbit.runtime.engine.sequence import SamplingParams, Sequence
 from lowbit.runtime.engine.speculative import AdaptiveK, SpecStats, rejection_sample
@@ -403,10 +403,8 @@ class Engine:
                 done = self._prompt_lps[item.seq.request_id]
                 del done[item.start :]  # a prefill restarted after preemption overwrites its entries
                 done.extend(got)
-        if logits is not None and not bool(torch.isfinite(logits.sum())):
-            # argmax over NaN is token 0 and sampling is undefined: never emit text from such logits.
-            # One sum is NaN/inf exactly when some logit is (sane logits are far from overflowing it),
-            # and costs one reduction per step instead of four elementwise passes.
+        if logits is not None and nonfinite(logits):
+            # argmax over NaN is token 0 and sampling is undefined: never emit text from such logits
             raise LowbitError(f"{self.model_path}: the model's logits hold NaN or inf (corrupt weights, or "
                               f"activations that overflow {str(self.dtype).removeprefix('torch.')})")
 
@@ -442,7 +440,7 @@ class Engine:
         eos = self.sampler.eos_token_ids
         if p.greedy:
             if not p.changes_logits:
-                target = logits.argmax(dim=-1).tolist()
+                target = greedy(logits).tolist()
             else:
                 target = process_logits(logits, [p] * (k + 1), histories, outputs, eos_ids=eos).argmax(dim=-1).tolist()
             accepted = 0

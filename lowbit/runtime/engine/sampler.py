@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lowbit.kernels import cpu_rowops
 from lowbit.runtime.engine.sequence import SamplingParams, Sequence
 
 
@@ -160,6 +161,21 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams], histories
     return x
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1) of finite logit rows (the first index among ties), in C on a CPU."""
+    if cpu_rowops.logits_usable(logits):
+        return cpu_rowops.argmax(logits)
+    return logits.argmax(dim=-1)
+
+
+def nonfinite(logits: torch.Tensor) -> bool:
+    """Whether any logit is NaN or infinite: one pass in C on a CPU; elsewhere one sum, which is
+    NaN/inf exactly when some logit is (sane logits are far from overflowing it)."""
+    if cpu_rowops.logits_usable(logits):
+        return cpu_rowops.nonfinite(logits)
+    return not bool(torch.isfinite(logits.sum()))
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
            generators: list[torch.Generator | None] | None = None, outputs: list[list[int]] | None = None, *,
            eos_ids=frozenset(), allowed: AllowedTokens | None = None) -> SamplerOutput:
@@ -170,7 +186,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], histories: list[l
         raise ValueError(f"{B} logit rows but {len(params)} params and {len(histories)} histories")
     generators = generators or [None] * B
     if allowed is None and all(p.greedy and not p.changes_logits for p in params):
-        chosen = logits.argmax(dim=-1)
+        chosen = greedy(logits)
     else:
         x = process_logits(logits, params, histories, outputs, eos_ids=eos_ids, allowed=allowed)
         chosen = x.argmax(dim=-1)
