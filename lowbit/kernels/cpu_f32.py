@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from lowbit.kernels import hugepages
 from lowbit.native import f32_dot
 
 _LIB = None
@@ -127,6 +128,9 @@ def use_invariant_linears(model: torch.nn.Module) -> int:
             module.__class__ = InvariantLinear
             if module.weight.dtype is torch.float32:
                 _compact(module)
+            if not module.weight.requires_grad:
+                # .data in place, as _compact: a tied embedding moves along (in an engine's arena)
+                module.weight.data = hugepages.place(module.weight.data)
             count += 1
     return count
 

@@ -35,7 +35,7 @@ import os
 import torch
 
 from lowbit.errors import LowbitError
-from lowbit.kernels import layout
+from lowbit.kernels import hugepages, layout
 from lowbit.native import int4_dot, int4_vnni
 from lowbit.kernels.prepared import PreparedWeight
 from lowbit.quant.qtensor import QTensor
@@ -215,6 +215,9 @@ def untile_groups(v: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _struct(tensors: dict, n: int, k: int, groups: int, cpg: int) -> dict:
+    for name in ("codes", "scales", "zeros", "szs"):  # the arrays a matmul streams (in an engine's arena)
+        if name in tensors:
+            tensors[name] = hugepages.place(tensors[name])
     codes = tensors["codes"]
     if "offset" in tensors:  # int8 activations (native/int4_vnni.c)
         zeros = tensors.get("zeros")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.kernels import layout
+from lowbit.kernels import hugepages, layout
 from lowbit.kernels.prepared import PreparedWeight
 from lowbit.native import int8_gemv
 from lowbit.quant.qtensor import QTensor
@@ -73,7 +73,7 @@ def prepare(qt: QTensor) -> PreparedWeight:
     group = k if groups == 1 else gs.group_size
     return PreparedWeight(
         path=PATH, shape=(n, k), label=qt.spec.label, device=torch.device("cpu"),
-        tensors={"codes": qt.qweight.contiguous(), "scales": scales},
+        tensors={"codes": hugepages.place(qt.qweight.contiguous()), "scales": hugepages.place(scales)},
         params={"group": group, "groups": groups},
     )
 
@@ -87,7 +87,7 @@ def concat(parts: list[PreparedWeight]) -> PreparedWeight:
         raise ValueError("only cpu-int8f weights with the same input width and grouping can be joined")
     return PreparedWeight(
         path=PATH, shape=(sum(p.shape[0] for p in parts), k), label=first.label, device=torch.device("cpu"),
-        tensors={name: torch.cat([p.tensors[name] for p in parts]) for name in ("codes", "scales")},
+        tensors={name: hugepages.place(torch.cat([p.tensors[name] for p in parts])) for name in ("codes", "scales")},
         params=dict(first.params),
     )
 

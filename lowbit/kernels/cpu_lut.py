@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.kernels import layout
+from lowbit.kernels import hugepages, layout
 from lowbit.native import lut_gemv
 from lowbit.kernels.prepared import PreparedWeight
 from lowbit.quant.qtensor import QTensor
@@ -70,6 +70,7 @@ def prepare(qt: QTensor) -> PreparedWeight:
         params["scale_mode"] = 0
     if gs.zero is not None:
         tensors["zeros"] = gs.zero.float().contiguous()
+    tensors = {name: hugepages.place(t) for name, t in tensors.items()}  # in an engine's arena
     return PreparedWeight(path="cpu-lut", shape=(n, k), label=qt.spec.label, device=torch.device("cpu"), tensors=tensors, params=params)
 
 

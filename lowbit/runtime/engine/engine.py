@@ -25,6 +25,7 @@ import torch
 
 from lowbit.errors import LowbitError, UsageError
 from lowbit.quant.dtypes import parse_dtype
+from lowbit.kernels import hugepages
 from lowbit.kernels.cpu_f32 import bf16_available, use_invariant_linears
 from lowbit.runtime.engine.block_manager import BlockManager
 from lowbit.runtime.engine.detokenizer import IncrementalDetokenizer
@@ -134,17 +135,18 @@ class Engine:
         path = resolve_model(model)
         self.model_path = path
         self.tokenizer = load_tokenizer(path)  # first: a missing or bad tokenizer fails before seconds of loading
-        if quantize_to is None:
-            self.model = load_model(path, self.dtype, self.device)
-        else:
-            from lowbit.runtime.engine.draft_models import quantized_copy
+        with hugepages.arena():  # the weights decode streams, on 2 MB pages (kernels/hugepages.py)
+            if quantize_to is None:
+                self.model = load_model(path, self.dtype, self.device)
+            else:
+                from lowbit.runtime.engine.draft_models import quantized_copy
 
-            self.model = quantized_copy(path, quantize_to, self.dtype, self.device)
-        if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
-            # batch-invariant float32 (and bf16) Linears: a verify of 1 + k rows computes each row
-            # as a plain step does
-            use_invariant_linears(self.model)
-        fuse_projections(self.model)  # q/k/v and gate/up as one matmul where exact (int4dot, invariant dense)
+                self.model = quantized_copy(path, quantize_to, self.dtype, self.device)
+            if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
+                # batch-invariant float32 (and bf16) Linears: a verify of 1 + k rows computes each row
+                # as a plain step does
+                use_invariant_linears(self.model)
+            fuse_projections(self.model)  # q/k/v and gate/up as one matmul where exact (int4dot, invariant dense)
         self.config = self.model.config
         if num_speculative_tokens < 1:
             raise UsageError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")

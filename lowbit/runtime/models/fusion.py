@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lowbit.kernels import hugepages
 from lowbit.runtime.attention import SelfAttention
 from lowbit.runtime.layers import GatedMLP
 
@@ -57,7 +58,7 @@ def _join_dense(modules: list[nn.Module]) -> JoinedDense | None:
            or m.in_features != first.in_features or (m.bias is None) != (first.bias is None) for m in modules):
         return None
     with torch.no_grad():
-        weight = torch.cat([m.weight.data for m in modules])
+        weight = hugepages.place(torch.cat([m.weight.data for m in modules]))
         bias = None if first.bias is None else torch.cat([m.bias.data for m in modules])
     joined = InvariantLinear.__new__(InvariantLinear)
     nn.Module.__init__(joined)
