@@ -19,6 +19,7 @@ ENV_SWITCHES = (
     ("LOWBIT_INT4_ACTIVATIONS", "int8 or bf16 activations for the int4 decode kernel (like --int4-activations)"),
     ("LOWBIT_NO_NATIVE", "any value: no C kernels (torch's int4/int8 ops or the reference path instead)"),
     ("LOWBIT_NO_CHAIN", "any value: engine decode steps go layer by layer through Python, not in one C call (same numbers, slower)"),
+    ("LOWBIT_HUGEPAGES", "0: the engine leaves its weights on 4 KB pages instead of copying them onto 2 MB transparent huge pages"),
     ("TRITON_INTERPRET", "1: Triton kernels run interpreted on the CPU (tests only; --kernel triton is then allowed)"),
     ("LOWBIT_HOME", "where demo assets and the compiled C kernels live (default ~/.cache/lowbit)"),
     ("CC", "the C compiler that builds the kernels (default gcc, then cc)"),
