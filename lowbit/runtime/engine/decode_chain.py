@@ -158,14 +158,14 @@ class ChainedDecoder:
         # three parallel lists, so the per-step check runs in C (map, operator.is_): 215 slots on
         # SmolLM2 took 0.2 ms a step through a generator expression
         self._dicts, self._names, self._modules = (list(column) for column in zip(*slots))
+        # the layers' hook tables: registering a hook fills one of these very dicts
+        self._hook_tables = [table for layer in self.model.model.layers
+                             for table in (layer._forward_hooks, layer._forward_pre_hooks)]
 
     def usable(self, meta: StepMetadata) -> bool:
         """Whether this step can take the C call: short items only, no forward hooks (calibration
         and tests hook modules, as DecoderModel's deferred path checks), the same modules."""
         if meta.decode is None or torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
-            return False
-        inner = self.model.model
-        if any(layer._forward_hooks or layer._forward_pre_hooks for layer in inner.layers):
             return False
         if not all(map(operator.is_, map(dict.get, self._dicts, self._names), self._modules)):
             self._watch(_slots(self.model))
@@ -173,7 +173,7 @@ class ChainedDecoder:
                 self.chain = _chain(self.model, self.cache)
             except Unsupported:
                 self.chain = None
-        if self.chain is None:
+        if self.chain is None or any(self._hook_tables):
             return False
         # grouped int8 weights take another route past their kernel's rows
         return self.chain.max_rows is None or meta.slot_mapping.numel() <= self.chain.max_rows

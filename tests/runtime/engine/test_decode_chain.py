@@ -99,6 +99,19 @@ def test_a_swapped_module_rebuilds_the_chain(tiny_float_model):
     assert engine.runner.chained.chain._keep[0].qkv.struct.kind == 1
 
 
+def test_a_hooked_layer_keeps_steps_off_the_chain_until_the_hook_goes(tiny_float_model):
+    engine = _engine(tiny_float_model())
+    rows = _checked(engine.runner)
+    seen = []
+    handle = engine.model.model.layers[1].register_forward_hook(lambda module, args, out: seen.append(1))
+    engine.generate(prompts(1), GREEDY)
+    assert seen and not rows  # every step went through the modules, so the hook saw them
+    handle.remove()
+    seen.clear()
+    engine.generate(prompts(1), GREEDY)
+    assert rows and not seen
+
+
 def test_qk_norm_layers_take_the_chain(tmp_path):
     # Qwen3: per-head q/k RMSNorm in a Llama-family layer
     from tests.runtime.engine.conftest import save_with_tokenizer
