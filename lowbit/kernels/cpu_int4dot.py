@@ -63,7 +63,7 @@ class I4VWeightStruct(ctypes.Structure):
     _fields_ = [
         ("codes", ctypes.c_void_p), ("tile_bytes", ctypes.c_int64), ("scales", ctypes.c_void_p), ("zeros", ctypes.c_void_p),
         ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("chunks", ctypes.c_int64), ("groups", ctypes.c_int64),
-        ("cpg", ctypes.c_int32), ("offset", ctypes.c_int32), ("bits", ctypes.c_int32),
+        ("cpg", ctypes.c_int32), ("offset", ctypes.c_int32), ("bits", ctypes.c_int32), ("scales16", ctypes.c_void_p),
     ]
 
 
@@ -214,7 +214,22 @@ def untile_groups(v: torch.Tensor, n: int) -> torch.Tensor:
     return v.permute(0, 2, 1).reshape(-1, v.shape[1])[:n]
 
 
+def _scales16(scales: torch.Tensor, bits: int) -> torch.Tensor | None:
+    """The scales as float16 for the AVX2 int8-route kernel (int4_vnni.c `scales16`) where every
+    one is exactly a float16; None elsewhere (the AVX-512 section reads float32)."""
+    lib = _I4V or int4_vnni.library()
+    if lib is None or lib.lowbit_i4v_available() != 2 or bits != 4:
+        return None
+    if scales.dtype is torch.float16:
+        return scales
+    half = scales.half()
+    return half if torch.equal(half.float(), scales) else None
+
+
 def _struct(tensors: dict, n: int, k: int, groups: int, cpg: int) -> dict:
+    half = _scales16(tensors["scales"], int(tensors["bits"])) if "offset" in tensors else None
+    if half is not None:
+        tensors["scales"] = half  # the one copy: 4.5 bits a weight at group 32 instead of 5
     for name in ("codes", "scales", "zeros", "szs"):  # the arrays a matmul streams (in an engine's arena)
         if name in tensors:
             tensors[name] = hugepages.place(tensors[name])
@@ -222,9 +237,12 @@ def _struct(tensors: dict, n: int, k: int, groups: int, cpg: int) -> dict:
     if "offset" in tensors:  # int8 activations (native/int4_vnni.c)
         zeros = tensors.get("zeros")
         bits = int(tensors["bits"])
+        scales = tensors["scales"]
+        wide = scales.dtype is torch.float32
         struct = I4VWeightStruct(
-            codes.data_ptr(), codes.shape[1] // 4, tensors["scales"].data_ptr(), None if zeros is None else zeros.data_ptr(),
+            codes.data_ptr(), codes.shape[1] // 4, scales.data_ptr() if wide else None, None if zeros is None else zeros.data_ptr(),
             n, k, codes.shape[1] // (64 * bits), groups, cpg, int(tensors["offset"]), bits,
+            None if wide else scales.data_ptr(),
         )
         act = "int8"
     else:

@@ -1,5 +1,7 @@
 """The int8-activation int4 kernel (native/int4_vnni.c) against its float64 oracle, row by row."""
 
+import ctypes
+
 import pytest
 import torch
 
@@ -194,3 +196,39 @@ def test_the_avx2_build_gives_the_avx512_bits(label, tmp_path):
     pw8 = cpu_int4dot.prepare(quantized("int8", 32, 64), act="int8")
     y = torch.empty(1, 32)
     assert avx2.lowbit_i4v_matmul(pw8.params["ref"], torch.randn(1, 64).data_ptr(), 0, 64, 1, y.data_ptr(), 0, 32, 1) == -1
+
+
+@pytest.mark.parametrize("label", ["int4-g32", "int4-asym-g64", "int4"])
+def test_avx2_float16_scales_give_the_float32_scales_bits(label, tmp_path):
+    # Where every scale is exactly a float16 (RTN's are), the AVX2 build streams them as float16:
+    # the same values, so the same outputs bit for bit, from a tenth fewer bytes at group 32.
+    from lowbit.native import int4_vnni
+    from tests.kernels.cases import avx2_library
+
+    lib = int4_vnni.library()
+    if lib.lowbit_i4v_available() != 2:
+        lib = avx2_library("int4_vnni", int4_vnni.SIGNATURES, tmp_path)
+        if lib is None:
+            pytest.skip("no compiler or no AVX2 here")
+    qt = quantized(label, 70, 576)
+    pw = prepared(qt)
+    t = pw.tensors
+    wide = t["scales"].float().contiguous()
+    half = wide.half()
+    assert torch.equal(half.float(), wide)
+    if cpu_int4dot.vnni_available() and int4_vnni.library().lowbit_i4v_available() == 2:
+        assert t["scales"].dtype is torch.float16  # prepare chose them on this AVX2 machine
+    codes, zeros = t["codes"], t.get("zeros")
+    structs = [cpu_int4dot.I4VWeightStruct(
+        codes.data_ptr(), codes.shape[1] // 4, None if s16 else wide.data_ptr(), None if zeros is None else zeros.data_ptr(),
+        70, 576, codes.shape[1] // 256, pw.params["groups"], pw.params["cpg"], int(t["offset"]), 4,
+        half.data_ptr() if s16 else None) for s16 in (False, True)]
+    for m in (1, 3, 17):
+        x = torch.randn(m, 576)
+        ys = []
+        for struct in structs:
+            y = torch.empty(m, 70)
+            assert lib.lowbit_i4v_matmul(ctypes.byref(struct), x.data_ptr(), 0, 576, m, y.data_ptr(), 0, 70, 2) == 0
+            ys.append(y)
+        assert torch.equal(ys[0], ys[1]), (label, m)
+        assert rel_err(ys[1], int8_oracle(x, qt)) < 1e-5
