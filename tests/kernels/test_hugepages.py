@@ -54,12 +54,18 @@ def _huge_kb_at(address: int) -> int:
 
 
 @pytest.mark.demo
-def test_an_engine_streams_its_head_and_linears_from_huge_pages(smollm2_dir):
+def test_an_engine_streams_its_head_and_linears_from_huge_pages(smollm2_dir, monkeypatch):
     if not hugepages.enabled():
         pytest.skip("the kernel offers no transparent huge pages here")
     from lowbit.runtime.engine.engine import Engine
 
+    taken = []
+    real_take = hugepages._take
+    monkeypatch.setattr(hugepages, "_take", lambda nbytes: taken.append(nbytes) or real_take(nbytes))
     engine = Engine(smollm2_dir, max_model_len=64)
+    # every weight copied once: joined q/k/v and gate/up are placed by the join, not before it too
+    params = {p.data_ptr(): p.numel() * p.element_size() for p in engine.model.parameters()}
+    assert sum(taken) <= 1.02 * sum(params.values())
     head = engine.model.lm_head.weight  # the tied embedding, compacted to bf16: 57 MB
     assert _huge_kb_at(head.data_ptr()) >= 2048
     down = engine.model.model.layers[3].mlp.down_proj.weight

@@ -26,7 +26,7 @@ import torch
 from lowbit.errors import LowbitError, UsageError
 from lowbit.quant.dtypes import parse_dtype
 from lowbit.kernels import hugepages
-from lowbit.kernels.cpu_f32 import bf16_available, use_invariant_linears
+from lowbit.kernels.cpu_f32 import bf16_available, place_weights, use_invariant_linears
 from lowbit.runtime.engine.block_manager import BlockManager
 from lowbit.runtime.engine.detokenizer import IncrementalDetokenizer
 from lowbit.runtime.engine.drafter import LayerPrefixDrafter, ModelDrafter, NgramDrafter, parse_draft
@@ -147,6 +147,7 @@ class Engine:
                 # as a plain step does
                 use_invariant_linears(self.model)
             fuse_projections(self.model)  # q/k/v and gate/up as one matmul where exact (int4dot, invariant dense)
+            place_weights(self.model)
         self.config = self.model.config
         if num_speculative_tokens < 1:
             raise UsageError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
