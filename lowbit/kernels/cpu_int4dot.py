@@ -220,8 +220,6 @@ def _scales16(scales: torch.Tensor, bits: int) -> torch.Tensor | None:
     lib = _I4V or int4_vnni.library()
     if lib is None or lib.lowbit_i4v_available() != 2 or bits != 4:
         return None
-    if scales.dtype is torch.float16:
-        return scales
     half = scales.half()
     return half if torch.equal(half.float(), scales) else None
 

@@ -127,7 +127,7 @@ PASS(pass_one_tile, 1, NT) PASS(pass_one_row, 1, 1) PASS(pass_grp_tile, 0, NT) P
 
 #if HAVE_INT8F_AVX2
 /* AVX2: 16 ymm registers, so fewer x rows per pass (one group per row: 8 accumulators + 2 x + 1
-   weight; grouped: 4 group accumulators + 4 totals + 1 x + 1 weight). */
+   weight; grouped rows go one x row at a time, grouped_rows8 below). */
 #define NT 4
 #define MT 2
 #define MT_GROUP 1
@@ -137,58 +137,45 @@ PASS(pass_one_tile, 1, NT) PASS(pass_one_row, 1, 1) PASS(pass_grp_tile, 0, NT) P
 /* Eight codes as float32 (exact). */
 INLINE __m256 codes8(const int8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
 
-/* The int8_tile of the AVX-512 section in 8 lanes: per group one accumulator over k in order
-   (the last partial vector zero-padded), tot = acc * s + tot per group (acc * s with one group),
-   one fixed horizontal sum (lowbit_hsum8). */
-INLINE void int8_tile8(const int ONE, const int NB, const int MB, const Weight8 *w, int64_t n0, const float *x, int64_t ldx,
-                       float *out) {
+/* One group per row (per-channel weights): the int8_tile of the AVX-512 section in 8 lanes, one
+   accumulator over k in order (the last partial vector zero-padded), times the row's scale, one
+   fixed horizontal sum (lowbit_hsum8). */
+INLINE void channel_tile8(const int NB, const int MB, const Weight8 *w, int64_t n0, const float *x, int64_t ldx, float *out) {
     const int8_t *q = w->q + n0 * w->ldw;
-    const int64_t ldw = w->ldw, K = w->K, G = ONE ? 1 : w->G, group = ONE ? K : w->group;
-    const float *s = w->s + n0 * G;
-    __m256 acc[NT][MT], tot[NT][MT];
+    const int64_t ldw = w->ldw, K = w->K;
+    __m256 acc[NT][MT];
     for (int nb = 0; nb < NB; nb++)
-        for (int m = 0; m < MB; m++) tot[nb][m] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < G; j++) {
-        const int64_t k0 = j * group, k1 = k0 + group < K ? k0 + group : K;
-        for (int nb = 0; nb < NB; nb++)
-            for (int m = 0; m < MB; m++) acc[nb][m] = _mm256_setzero_ps();
-        int64_t k = k0;
-        for (; k + 8 <= k1; k += 8) {
-            __m256 xv[MT];
-            for (int m = 0; m < MB; m++) xv[m] = _mm256_loadu_ps(x + m * ldx + k);
-            for (int nb = 0; nb < NB; nb++) {
-                if ((k & 63) == 0) _mm_prefetch((const char *)(q + (PREFETCH_TILES * NB + nb) * ldw + k), _MM_HINT_T1);
-                const __m256 wv = codes8(q + nb * ldw + k);
-                for (int m = 0; m < MB; m++) acc[nb][m] = _mm256_fmadd_ps(wv, xv[m], acc[nb][m]);
-            }
+        for (int m = 0; m < MB; m++) acc[nb][m] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        __m256 xv[MT];
+        for (int m = 0; m < MB; m++) xv[m] = _mm256_loadu_ps(x + m * ldx + k);
+        for (int nb = 0; nb < NB; nb++) {
+            if ((k & 63) == 0) _mm_prefetch((const char *)(q + (PREFETCH_TILES * NB + nb) * ldw + k), _MM_HINT_T1);
+            const __m256 wv = codes8(q + nb * ldw + k);
+            for (int m = 0; m < MB; m++) acc[nb][m] = _mm256_fmadd_ps(wv, xv[m], acc[nb][m]);
         }
-        if (k < k1) { /* zero-padded copies of the last partial vector */
-            const int64_t n = k1 - k;
-            __m256 xv[MT];
-            for (int m = 0; m < MB; m++) {
-                float pad[8] = {0};
-                for (int64_t i = 0; i < n; i++) pad[i] = x[m * ldx + k + i];
-                xv[m] = _mm256_loadu_ps(pad);
-            }
-            for (int nb = 0; nb < NB; nb++) {
-                int8_t pad[8] = {0};
-                for (int64_t i = 0; i < n; i++) pad[i] = q[nb * ldw + k + i];
-                const __m256 wv = codes8(pad);
-                for (int m = 0; m < MB; m++) acc[nb][m] = _mm256_fmadd_ps(wv, xv[m], acc[nb][m]);
-            }
+    }
+    if (k < K) { /* zero-padded copies of the last partial vector */
+        const int64_t n = K - k;
+        __m256 xv[MT];
+        for (int m = 0; m < MB; m++) {
+            float pad[8] = {0};
+            for (int64_t i = 0; i < n; i++) pad[i] = x[m * ldx + k + i];
+            xv[m] = _mm256_loadu_ps(pad);
         }
         for (int nb = 0; nb < NB; nb++) {
-            const __m256 sv = _mm256_set1_ps(s[nb * G + j]);
-            for (int m = 0; m < MB; m++)
-                tot[nb][m] = ONE ? _mm256_mul_ps(acc[nb][m], sv) : _mm256_fmadd_ps(acc[nb][m], sv, tot[nb][m]);
+            int8_t pad[8] = {0};
+            for (int64_t i = 0; i < n; i++) pad[i] = q[nb * ldw + k + i];
+            const __m256 wv = codes8(pad);
+            for (int m = 0; m < MB; m++) acc[nb][m] = _mm256_fmadd_ps(wv, xv[m], acc[nb][m]);
         }
     }
     for (int nb = 0; nb < NB; nb++)
-        for (int m = 0; m < MB; m++) out[m * NB + nb] = lowbit_hsum8(tot[nb][m]);
+        for (int m = 0; m < MB; m++) out[m * NB + nb] = lowbit_hsum8(_mm256_mul_ps(acc[nb][m], _mm256_set1_ps(w->s[n0 + nb])));
 }
 
-/* One group's accumulator of int8_tile8 (one x row): over k in order, the last partial vector
-   zero-padded. */
+/* One group's accumulator (one x row): over k in order, the last partial vector zero-padded. */
 INLINE __m256 group_acc8(const int8_t *q, const float *x, int64_t k, int64_t k1) {
     __m256 acc = _mm256_setzero_ps();
     for (; k + 8 <= k1; k += 8) acc = _mm256_fmadd_ps(codes8(q + k), _mm256_loadu_ps(x + k), acc);
@@ -201,10 +188,10 @@ INLINE __m256 group_acc8(const int8_t *q, const float *x, int64_t k, int64_t k1)
     return acc;
 }
 
-/* Grouped weights at one x row, row by row: int8_tile8's numbers exactly (each group's
-   accumulator over k in order, then tot = acc * s + tot in group order, one horizontal sum), but
-   each weight row is read front to back on its own, four groups side by side (four independent
-   FMA chains), with the row PREFETCH_ROWS on pulled into L1 - the order that took SmolLM2's bf16
+/* Grouped weights at one x row, row by row: each group's accumulator over k in order, then
+   tot = acc * s + tot in group order, one horizontal sum (the numbers of the tiled loop this
+   replaced, which read a tile's four rows side by side); each weight row is read front to back on
+   its own, four groups side by side (four independent FMA chains), with the row PREFETCH_ROWS on pulled into L1 - the order that took SmolLM2's bf16
    head from 3.2 to 2.65 ms in f32_dot.c. int8-g32 on 2 Zen 3 cores: see docs/kernels.md. */
 #define PREFETCH_ROWS 4
 static void grouped_rows8(const Weight8 *w, int64_t n0, int nb, const float *x, float *out) {
@@ -238,8 +225,8 @@ typedef void (*pass_fn)(const Weight8 *, int64_t, int, const float *, int64_t, f
         if (!ONE) { /* grouped passes have one x row (MT_GROUP) */                                   \
             (void)mb; (void)ldx;                                                                     \
             grouped_rows8(w, n0, NB, x, out);                                                        \
-        } else if (mb >= 2) int8_tile8(ONE, NB, 2, w, n0, x, ldx, out);                             \
-        else int8_tile8(ONE, NB, 1, w, n0, x, ldx, out);                                           \
+        } else if (mb >= 2) channel_tile8(NB, 2, w, n0, x, ldx, out);                                \
+        else channel_tile8(NB, 1, w, n0, x, ldx, out);                                              \
     }
 PASS(pass_one_tile, 1, NT) PASS(pass_one_row, 1, 1) PASS(pass_grp_tile, 0, NT) PASS(pass_grp_row, 0, 1)
 #endif
