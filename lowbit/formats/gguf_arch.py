@@ -116,10 +116,11 @@ def expert_names(hf_name: str, experts: int) -> list[str]:
     return [f"{head}.{e}.{kind}.weight" for e in range(experts)]
 
 
-def gguf_block_name(hf_part: str) -> str | None:
-    """llama.cpp's block tensor name for a layer's HF module (`self_attn.q_proj` → `attn_q`,
-    `mlp.gate` → `ffn_gate_inp`), None when there is none."""
-    for table in (_LLAMA_BLOCK, _MOE_BLOCK):
+def gguf_block_name(hf_part: str, arch: str = "llama") -> str | None:
+    """llama.cpp's block tensor name for a layer's HF module in architecture `arch`
+    (`self_attn.q_proj` → `attn_q`, `mlp.gate` → `ffn_gate_inp`), None when there is none."""
+    spec = ARCHITECTURES.get(arch)
+    for table in ((spec.block_map if spec else _LLAMA_BLOCK), _MOE_BLOCK):
         for gguf_part, hf in table.items():
             if hf == hf_part:
                 return gguf_part

@@ -7,7 +7,8 @@ requantized from the dequantized weight (llama.cpp's Q4_K reference algorithm, l
 Q4_0/Q8_0/MXFP4) and only with `allow_requant`. Q4_K needs rows of 256: like llama-quantize,
 narrower rows fall back (to Q4_0 here). Norms are F32, embeddings keep their dense dtype.
 Llama's q/k rows are permuted into llama.cpp's interleaved rotary order (Qwen's are not).
-Architectures: llama (incl. Mistral-style and Mixtral), qwen2, qwen3, and the MoE families
+Architectures: llama (incl. Mistral-style and Mixtral), qwen2, qwen3, gemma3 (text; see
+gguf_export_gemma3 for its norms and sliding layers), and the MoE families
 qwen2moe (shared expert: ffn_*_shexp, ffn_gate_inp_shexp), qwen3moe and olmoe. Every MoE
 family stacks each kind of expert projection into blk.L.ffn_{gate,up,down}_exps [experts, rows,
 columns] and calls the router ffn_gate_inp; llama.cpp builds every layer of them as a sparse
@@ -18,7 +19,6 @@ grouped k/v heads, whose k norm llama.cpp sizes to the hidden width) are refused
 
 from __future__ import annotations
 
-import json
 import re
 from collections import Counter
 from pathlib import Path
@@ -30,16 +30,17 @@ from lowbit.errors import LowbitError, UsageError
 from lowbit.formats.checkpoint import Checkpoint
 from lowbit.formats.gguf_arch import _GLOBAL, gguf_block_name, llama3_rope_divisors, permute_qk
 from lowbit.formats.gguf_blocks import exact_gguf_type, gguf_spec, to_gguf_bytes
-from lowbit.formats.gguf_tokenizer import _PRE_TOKENIZERS
+from lowbit.formats.gguf_export_gemma3 import NORM_OFFSET as GEMMA_NORM_OFFSET
+from lowbit.formats.gguf_export_gemma3 import check_llama_cpp_gemma3, write_gemma3_metadata
+from lowbit.formats.gguf_export_vocab import write_vocabulary
 from lowbit.formats.gguf_q4k import QK_K, dequantize_q4_k, quantize_q4_k
-from lowbit.formats.hf_files import read_json
 from lowbit.formats.requant import LayerChange, dequantized, refuse_unless_allowed, source_label
 from lowbit.quant.qtensor import QTensor
 from lowbit.quant.rtn import quantize_rtn, tensor_relative_error
 
 GGUF_TYPES = ("bf16", "q8_0", "q4_0", "q4_k", "mxfp4")
 _ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-         "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
+         "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "gemma3_text": "gemma3"}
 _MOE_ARCHS = ("qwen2moe", "qwen3moe", "olmoe")
 # An expert's projection: llama.cpp stacks each kind over the experts into one 3-D tensor
 # blk.L.ffn_{gate,up,down}_exps [experts, rows, columns].
@@ -57,13 +58,13 @@ def parse_gguf_type(name: str | None) -> str | None:
     return key.upper()
 
 
-def gguf_name(hf_name: str) -> str | None:
+def gguf_name(hf_name: str, arch: str = "llama") -> str | None:
     """llama.cpp's name for a Hugging Face tensor (None: not part of a GGUF, e.g. rotary buffers)."""
     parts = hf_name.split(".")
     suffix = parts[-1]
     base = ".".join(parts[:-1])
     if base.startswith("model.layers."):
-        layer, gguf_part = parts[2], gguf_block_name(".".join(parts[3:-1]))
+        layer, gguf_part = parts[2], gguf_block_name(".".join(parts[3:-1]), arch)
         if gguf_part is not None:
             return f"blk.{layer}.{gguf_part}.{suffix}"
     for gguf_part, hf_part in _GLOBAL.items():
@@ -127,11 +128,13 @@ def write_gguf(
     model_type = config.get("model_type")
     arch = _ARCH.get(model_type)
     if arch is None:
-        raise LowbitError(f"GGUF export supports llama, mistral, mixtral, qwen2, qwen3, qwen2_moe, qwen3_moe and olmoe models, not '{model_type}'")
+        raise LowbitError(f"GGUF export supports {', '.join(_ARCH)} models, not '{model_type}'")
     forced = parse_gguf_type(gguf_type)
     tensors = ckpt.tensors()
     if arch in _MOE_ARCHS:
         _check_llama_cpp_moe(arch, config, tensors)
+    if arch == "gemma3":
+        check_llama_cpp_gemma3(config)
     projections = set(ckpt.linear_weights())
     plan: dict[str, tuple[str, str | None]] = {}
     problems = []
@@ -161,10 +164,12 @@ def write_gguf(
         if match:
             experts.setdefault((int(match[1]), match[3]), {})[int(match[2])] = hf_name
             continue
-        target = gguf_name(hf_name)
+        target = gguf_name(hf_name, arch)
         if target is None:
             continue
         value = tensors[hf_name]
+        if arch == "gemma3" and hf_name.endswith("norm.weight"):
+            value = value.float() + GEMMA_NORM_OFFSET
         module = hf_name[: -len(".weight")] if hf_name.endswith(".weight") else None
         n_rows = heads if ".q_proj." in hf_name else kv_heads
         permute = arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name)
@@ -307,9 +312,11 @@ def _write_metadata(writer, ckpt: Checkpoint, arch: str, plan: dict) -> list[str
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
     writer.add_rope_freq_base(_rope_theta(config))
-    if head_dim != int(config["hidden_size"]) // heads or arch in ("qwen3", "qwen3moe"):
+    if head_dim != int(config["hidden_size"]) // heads or arch in ("qwen3", "qwen3moe", "gemma3"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    if arch == "gemma3":
+        write_gemma3_metadata(writer, config)
     scaling = _rope_scaling(config)
     if scaling and (scaling.get("rope_type") or scaling.get("type")) == "linear":
         import gguf  # late: the gguf package is slow to import and only --to gguf needs it
@@ -326,7 +333,7 @@ def _write_metadata(writer, ckpt: Checkpoint, arch: str, plan: dict) -> list[str
     writer.add_vocab_size(vocab_size)
     if ckpt.gguf is not None:
         return _copy_gguf_tokenizer(writer, ckpt.gguf)
-    return _write_tokenizer(writer, ckpt, vocab_size)
+    return write_vocabulary(writer, ckpt, vocab_size)
 
 
 def _copy_gguf_tokenizer(writer, source) -> list[str]:
@@ -338,83 +345,3 @@ def _copy_gguf_tokenizer(writer, source) -> list[str]:
             sub = field.types[-1] if len(field.types) > 1 else None
             writer.add_key_value(key, value, vtype, sub_type=sub)
     return []
-
-
-# llama.cpp pre-tokenizer names lowbit can recognise from a tokenizer.json, in preference order
-_PRE_ORDER = ("smollm", "gpt2", "llama-bpe", "qwen2", "default")
-
-
-def _detect_pre(tokenizer: dict) -> tuple[str, str | None]:
-    pre = tokenizer.get("pre_tokenizer") or {}
-    items = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
-    regexes = [p["pattern"]["Regex"] for p in items if p.get("type") == "Split" and "Regex" in p.get("pattern", {})]
-    byte_level = [p for p in items if p.get("type") == "ByteLevel"]
-    digits = [p for p in items if p.get("type") == "Digits"]
-    if byte_level and byte_level[0].get("use_regex", True) and not regexes:
-        regexes = ([r"\p{N}"] if digits and digits[0].get("individual_digits") else []) + [_PRE_TOKENIZERS["gpt2"][0][0]]
-    for name in _PRE_ORDER:
-        if _PRE_TOKENIZERS[name][0] == regexes:
-            return name, None
-    return "default", "the tokenizer's pre-tokenizer matches none llama.cpp names; wrote 'default'"
-
-
-def _write_tokenizer(writer, ckpt: Checkpoint, vocab_size: int) -> list[str]:
-    import gguf  # late: the gguf package is slow to import and only --to gguf needs it
-
-    notes: list[str] = []
-    src = ckpt.source_dir
-    path = src / "tokenizer.json" if src else None
-    if path is None or not path.is_file():
-        return ["no tokenizer.json next to the weights: the GGUF has no vocabulary (llama.cpp will refuse it)"]
-    tok = json.loads(path.read_text())
-    model = tok.get("model", {})
-    if model.get("type") != "BPE" or not any(p.get("type") == "ByteLevel" for p in _flat_pre(tok)):
-        raise LowbitError(f"{path}: GGUF export writes byte-level BPE vocabularies only (found {model.get('type')})")
-    tokens: dict[int, str] = {i: t for t, i in model["vocab"].items()}
-    types: dict[int, int] = dict.fromkeys(tokens, gguf.TokenType.NORMAL)
-    for added in tok.get("added_tokens", []):
-        tokens[added["id"]] = added["content"]
-        types[added["id"]] = gguf.TokenType.CONTROL if added.get("special") else gguf.TokenType.USER_DEFINED
-    size = max(vocab_size, max(tokens) + 1)
-    token_list = [tokens.get(i, f"[PAD{i}]") for i in range(size)]
-    type_list = [int(types.get(i, gguf.TokenType.UNUSED)) for i in range(size)]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    pre, note = _detect_pre(tok)
-    if note:
-        notes.append(note)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(token_list)
-    writer.add_token_types(type_list)
-    writer.add_token_merges(merges)
-    tconf = read_json(src / "tokenizer_config.json", missing={})
-    gen = read_json(src / "generation_config.json", missing={})
-    ids = {t: i for i, t in tokens.items()}
-    for key, adder in (("bos_token", writer.add_bos_token_id), ("eos_token", writer.add_eos_token_id),
-                       ("unk_token", writer.add_unk_token_id), ("pad_token", writer.add_pad_token_id)):
-        text = tconf.get(key)
-        if isinstance(text, dict):
-            text = text.get("content")
-        token_id = ids.get(text) if text is not None else None
-        if token_id is None and key == "bos_token":
-            token_id = ckpt.config.get("bos_token_id", gen.get("bos_token_id"))
-        if token_id is None and key == "eos_token":
-            eos = ckpt.config.get("eos_token_id", gen.get("eos_token_id"))
-            token_id = eos[0] if isinstance(eos, list) else eos
-        if token_id is not None:
-            adder(int(token_id))
-    writer.add_add_bos_token(bool(tconf.get("add_bos_token", False)))
-    writer.add_add_eos_token(bool(tconf.get("add_eos_token", False)))
-    template = tconf.get("chat_template")
-    if template is None and src is not None and (src / "chat_template.jinja").is_file():
-        template = (src / "chat_template.jinja").read_text()
-    if template:
-        writer.add_chat_template(template)
-    else:
-        notes.append("no chat template found: the GGUF has none")
-    return notes
-
-
-def _flat_pre(tok: dict) -> list[dict]:
-    pre = tok.get("pre_tokenizer") or {}
-    return pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
