@@ -21,9 +21,20 @@ def results_file(stem: str) -> Path:
 
 
 def describe() -> str:
-    """'AMD EPYC, 2 cores': the CPU's model name and core count."""
+    """'AMD EPYC (family 23 model 49, AVX2), 2 cores': the CPU's model name, its family and model
+    numbers (a VM's model name often hides the generation: EPYC family 23 is Zen 2, 25 Zen 3/4), the
+    widest vector ISA lowbit's kernels use, and the core count."""
+    fields: dict[str, str] = {}
     try:
-        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        model = "unknown CPU"
-    return f"{model}, {os.cpu_count()} cores"
+        for line in open("/proc/cpuinfo"):
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+            if not line.strip():
+                break
+    except OSError:
+        pass
+    model = fields.get("model name", "unknown CPU")
+    flags = fields.get("flags", "").split()
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    family = f"family {fields['cpu family']} model {fields['model']}, " if "cpu family" in fields and "model" in fields else ""
+    return f"{model} ({family}{isa}), {os.cpu_count()} cores"
