@@ -96,8 +96,67 @@ INLINE void f32_tile(const int WB, const int NB, const int MB, const void *w, in
 }
 
 /* A constant NB and MB per case so each compiles to its own fully unrolled loop. */
+/* f32_tile's numbers for a whole tile (NT weight rows x MT x rows) with one accumulator per (row, x
+   row) live instead of four: the four accumulators of a pair are independent sums, each over its k
+   in order, so running them one after another (k + 0 over the whole K block, then k + 8, ...) gives
+   the same bits. Twelve pairs in registers read 4 weight and 3 x vectors per 12 FMAs, where
+   f32_tile reads 4 vectors per 3 (one weight row against 3 x rows, four accumulators each): at 16
+   rows and more (the head at 16 concurrent, prefill) loads, not FMAs, bounded it. K runs in blocks
+   of KBLK so the tile's rows stay in L1 between the four passes; the partial sums wait in `keep`. */
+#define KBLK 1024
+INLINE void f32_tile_wide(const int WB, const void *w, int64_t ldw, int64_t K, const float *x, int64_t ldx, float *out) {
+    __m256 keep[4][NT][MT];
+    for (int j = 0; j < 4; j++)
+        for (int n = 0; n < NT; n++)
+            for (int m = 0; m < MT; m++) keep[j][n][m] = _mm256_setzero_ps();
+    const int64_t k32 = K / 32 * 32;
+    for (int64_t kb = 0; kb < k32; kb += KBLK) {
+        const int64_t ke = kb + KBLK < k32 ? kb + KBLK : k32;
+        for (int j = 0; j < 4; j++) {
+            __m256 acc[NT][MT];
+            for (int n = 0; n < NT; n++)
+                for (int m = 0; m < MT; m++) acc[n][m] = keep[j][n][m];
+            for (int64_t k = kb + 8 * j; k < ke; k += 32) {
+                __m256 xv[MT];
+                for (int m = 0; m < MT; m++) xv[m] = _mm256_loadu_ps(x + m * ldx + k);
+                for (int n = 0; n < NT; n++) {
+                    const __m256 wv = wload8(WB, (const char *)w + n * ldw * WB, k);
+                    for (int m = 0; m < MT; m++) acc[n][m] = _mm256_fmadd_ps(wv, xv[m], acc[n][m]);
+                }
+            }
+            for (int n = 0; n < NT; n++)
+                for (int m = 0; m < MT; m++) keep[j][n][m] = acc[n][m];
+        }
+    }
+    for (int n = 0; n < NT; n++) { /* f32_tile's tail, into the first accumulator */
+        const char *row = (const char *)w + n * ldw * WB;
+        int64_t k = k32;
+        for (; k + 8 <= K; k += 8) {
+            const __m256 wv = wload8(WB, row, k);
+            for (int m = 0; m < MT; m++) keep[0][n][m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * ldx + k), keep[0][n][m]);
+        }
+        if (k < K) {
+            float wt[8] = {0};
+            for (int64_t i = k; i < K; i++) wt[i - k] = lowbit_load(row, i, WB == 2);
+            const __m256 wv = _mm256_loadu_ps(wt);
+            for (int m = 0; m < MT; m++) {
+                float xt[8] = {0};
+                for (int64_t i = k; i < K; i++) xt[i - k] = x[m * ldx + i];
+                keep[0][n][m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xt), keep[0][n][m]);
+            }
+        }
+        for (int m = 0; m < MT; m++)
+            out[m * NT + n] = lowbit_hsum8(_mm256_add_ps(_mm256_add_ps(keep[0][n][m], keep[1][n][m]),
+                                                         _mm256_add_ps(keep[2][n][m], keep[3][n][m])));
+    }
+}
+
 INLINE void f32_pass(const int WB, const int NB, int mb, const void *w, int64_t ldw, int64_t K, const float *x,
                      int64_t ldx, float *out) {
+    if (NB == NT && mb == MT) {
+        f32_tile_wide(WB, w, ldw, K, x, ldx, out);
+        return;
+    }
     switch (mb) {
     case 1: f32_tile(WB, NB, 1, w, ldw, K, x, ldx, out); break;
     case 2: f32_tile(WB, NB, 2, w, ldw, K, x, ldx, out); break;
@@ -197,8 +256,67 @@ INLINE void f32_tile(const int WB, const int NB, const int MB, const void *w, in
     }
 }
 
+/* f32_tile's numbers for a whole tile (NT weight rows x MT x rows) with one accumulator per (row, x
+   row) live instead of four: the four accumulators of a pair are independent sums, each over its k
+   in order, so running them one after another (k + 0 over the whole K block, then k + 8, ...) gives
+   the same bits. Twelve pairs in registers read 4 weight and 3 x vectors per 12 FMAs, where
+   f32_tile reads 4 vectors per 3 (one weight row against 3 x rows, four accumulators each): at 16
+   rows and more (the head at 16 concurrent, prefill) loads, not FMAs, bounded it. K runs in blocks
+   of KBLK so the tile's rows stay in L1 between the four passes; the partial sums wait in `keep`. */
+#define KBLK 1024
+INLINE void f32_tile_wide(const int WB, const void *w, int64_t ldw, int64_t K, const float *x, int64_t ldx, float *out) {
+    __m256 keep[4][NT][MT];
+    for (int j = 0; j < 4; j++)
+        for (int n = 0; n < NT; n++)
+            for (int m = 0; m < MT; m++) keep[j][n][m] = _mm256_setzero_ps();
+    const int64_t k32 = K / 32 * 32;
+    for (int64_t kb = 0; kb < k32; kb += KBLK) {
+        const int64_t ke = kb + KBLK < k32 ? kb + KBLK : k32;
+        for (int j = 0; j < 4; j++) {
+            __m256 acc[NT][MT];
+            for (int n = 0; n < NT; n++)
+                for (int m = 0; m < MT; m++) acc[n][m] = keep[j][n][m];
+            for (int64_t k = kb + 8 * j; k < ke; k += 32) {
+                __m256 xv[MT];
+                for (int m = 0; m < MT; m++) xv[m] = _mm256_loadu_ps(x + m * ldx + k);
+                for (int n = 0; n < NT; n++) {
+                    const __m256 wv = wload8(WB, (const char *)w + n * ldw * WB, k);
+                    for (int m = 0; m < MT; m++) acc[n][m] = _mm256_fmadd_ps(wv, xv[m], acc[n][m]);
+                }
+            }
+            for (int n = 0; n < NT; n++)
+                for (int m = 0; m < MT; m++) keep[j][n][m] = acc[n][m];
+        }
+    }
+    for (int n = 0; n < NT; n++) { /* f32_tile's tail, into the first accumulator */
+        const char *row = (const char *)w + n * ldw * WB;
+        int64_t k = k32;
+        for (; k + 8 <= K; k += 8) {
+            const __m256 wv = wload8(WB, row, k);
+            for (int m = 0; m < MT; m++) keep[0][n][m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * ldx + k), keep[0][n][m]);
+        }
+        if (k < K) {
+            float wt[8] = {0};
+            for (int64_t i = k; i < K; i++) wt[i - k] = lowbit_load(row, i, WB == 2);
+            const __m256 wv = _mm256_loadu_ps(wt);
+            for (int m = 0; m < MT; m++) {
+                float xt[8] = {0};
+                for (int64_t i = k; i < K; i++) xt[i - k] = x[m * ldx + i];
+                keep[0][n][m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xt), keep[0][n][m]);
+            }
+        }
+        for (int m = 0; m < MT; m++)
+            out[m * NT + n] = lowbit_hsum8(_mm256_add_ps(_mm256_add_ps(keep[0][n][m], keep[1][n][m]),
+                                                         _mm256_add_ps(keep[2][n][m], keep[3][n][m])));
+    }
+}
+
 INLINE void f32_pass(const int WB, const int NB, int mb, const void *w, int64_t ldw, int64_t K, const float *x,
                      int64_t ldx, float *out) {
+    if (NB == NT && mb == MT) {
+        f32_tile_wide(WB, w, ldw, K, x, ldx, out);
+        return;
+    }
     switch (mb) {
     case 1: f32_tile(WB, NB, 1, w, ldw, K, x, ldx, out); break;
     case 2: f32_tile(WB, NB, 2, w, ldw, K, x, ldx, out); break;
@@ -221,32 +339,46 @@ INLINE void dense_pass(const int MODE, const int NB, int mb, const char *w, int6
     f32_pass(MODE, NB, mb, w, ldw, K, (const float *)x, ldx, out);
 }
 
-/* The whole matmul in MODE (dense_pass); y float32, or bf16 with y_bf16 (rounded once). */
+/* The whole matmul in MODE (dense_pass); y float32, or bf16 with y_bf16 (rounded once). Rows of x
+   go in blocks of about XBLOCK bytes, each block against all of a thread's weight tiles: x stays in
+   L2 while a tile's rows are in L1 (a prefill's 512 rows of x are 1.3 MB at K = 640, more than a
+   Zen 2 core's L2, and were read from L3 for every tile). The order of the work changes, not any
+   output's arithmetic. */
+#define XBLOCK (192 * 1024)
 INLINE void dense_matmul(const int MODE, const void *w, int64_t N, int64_t K, int64_t ldw, const float *bias, const void *x,
                          int64_t ldx, int64_t M, void *y, int y_bf16, int64_t ldy, int threads) {
     const int WB = MODE == 4 ? 4 : 2, XB = MODE == 1 ? 2 : 4; /* bytes of a weight, of an x element */
     const char *wb = (const char *)w, *xb = (const char *)x;
     const int64_t tiles = (N + NT - 1) / NT;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t n0 = t * NT;
-        const int nb = N - n0 >= NT ? NT : (int)(N - n0);
+    int64_t mblock = XBLOCK / (K * XB) / MT * MT;
+    if (mblock < MT) mblock = MT;
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t ta, tb;
+        lowbit_thread_share(tiles, &ta, &tb);
         float out[NT * MT];
-        for (int64_t m0 = 0; m0 < M; m0 += MT) {
-            const int mb = M - m0 >= MT ? MT : (int)(M - m0);
-            const char *xm = xb + m0 * ldx * XB;
-            if (nb == NT) {
-                dense_pass(MODE, NT, mb, wb + n0 * ldw * WB, ldw, K, xm, ldx, out);
-            } else { /* the ragged last tile, one weight row at a time (same per-row arithmetic) */
-                for (int i = 0; i < nb; i++) {
-                    float row[MT];
-                    dense_pass(MODE, 1, mb, wb + (n0 + i) * ldw * WB, ldw, K, xm, ldx, row);
-                    for (int m = 0; m < mb; m++) out[m * NT + i] = row[m];
+        for (int64_t mb0 = 0; mb0 < M; mb0 += mblock) {
+            const int64_t me = mb0 + mblock < M ? mb0 + mblock : M;
+            for (int64_t t = ta; t < tb; t++) {
+                const int64_t n0 = t * NT;
+                const int nb = N - n0 >= NT ? NT : (int)(N - n0);
+                for (int64_t m0 = mb0; m0 < me; m0 += MT) {
+                    const int mb = me - m0 >= MT ? MT : (int)(me - m0);
+                    const char *xm = xb + m0 * ldx * XB;
+                    if (nb == NT) {
+                        dense_pass(MODE, NT, mb, wb + n0 * ldw * WB, ldw, K, xm, ldx, out);
+                    } else { /* the ragged last tile, one weight row at a time (same per-row arithmetic) */
+                        for (int i = 0; i < nb; i++) {
+                            float row[MT];
+                            dense_pass(MODE, 1, mb, wb + (n0 + i) * ldw * WB, ldw, K, xm, ldx, row);
+                            for (int m = 0; m < mb; m++) out[m * NT + i] = row[m];
+                        }
+                    }
+                    for (int m = 0; m < mb; m++)
+                        for (int i = 0; i < nb; i++)
+                            lowbit_store(y, (m0 + m) * ldy + n0 + i, out[m * NT + i] + (bias ? bias[n0 + i] : 0.0f), y_bf16);
                 }
             }
-            for (int m = 0; m < mb; m++)
-                for (int i = 0; i < nb; i++)
-                    lowbit_store(y, (m0 + m) * ldy + n0 + i, out[m * NT + i] + (bias ? bias[n0 + i] : 0.0f), y_bf16);
         }
     }
 }

@@ -141,3 +141,42 @@ def test_the_avx2_build_matches_float64_and_is_batch_invariant(tmp_path):
             assert ((full.double() - ref).abs().max() / ref.abs().max()) < 1e-6, (n, k, weight.dtype)
             for m in range(1, 8):
                 assert torch.equal(run(x[8 - m :].contiguous()), full[8 - m :]), (n, k, m)
+
+
+def _rows_alone_equal_the_block(run, x, full):
+    for m in range(x.shape[0]):
+        assert torch.equal(run(x[m : m + 1].contiguous()), full[m : m + 1]), m
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_prefill_sized_calls_give_each_row_its_own_bits(weight_dtype):
+    # 250 rows of K = 2100 cross the kernel's row blocks (x kept in L2) and, on AVX2, its K blocks
+    # of 1024 with a ragged tail: no row's numbers may depend on either.
+    g = torch.Generator().manual_seed(7)
+    w, x = torch.randn(37, 2100, generator=g).to(weight_dtype), torch.randn(250, 2100, generator=g)
+    full = cpu_f32.matmul(x, w)
+    ref = x.double() @ w.double().T
+    assert ((full.double() - ref).abs().max() / ref.abs().max()) < 1e-6
+    _rows_alone_equal_the_block(lambda rows: cpu_f32.matmul(rows, w), x, full)
+
+
+def test_the_avx2_build_is_batch_invariant_at_prefill_sizes(tmp_path):
+    from lowbit.native import f32_dot
+    from tests.kernels.cases import avx2_library
+
+    lib = avx2_library("f32_dot", f32_dot.SIGNATURES, tmp_path)
+    if lib is None:
+        pytest.skip("no compiler or no AVX2 here")
+    g = torch.Generator().manual_seed(8)
+    n, k = 37, 2100
+    w, x = torch.randn(n, k, generator=g).to(torch.bfloat16), torch.randn(250, k, generator=g)
+
+    def run(rows):
+        y = torch.empty(rows.shape[0], n)
+        assert lib.lowbit_bf16w_matmul(w.data_ptr(), n, k, k, None, rows.data_ptr(), k, rows.shape[0], y.data_ptr(), n, 2) == 0
+        return y
+
+    full = run(x)
+    ref = x.double() @ w.double().T
+    assert ((full.double() - ref).abs().max() / ref.abs().max()) < 1e-6
+    _rows_alone_equal_the_block(run, x, full)
