@@ -96,67 +96,8 @@ INLINE void f32_tile(const int WB, const int NB, const int MB, const void *w, in
 }
 
 /* A constant NB and MB per case so each compiles to its own fully unrolled loop. */
-/* f32_tile's numbers for a whole tile (NT weight rows x MT x rows) with one accumulator per (row, x
-   row) live instead of four: the four accumulators of a pair are independent sums, each over its k
-   in order, so running them one after another (k + 0 over the whole K block, then k + 8, ...) gives
-   the same bits. Twelve pairs in registers read 4 weight and 3 x vectors per 12 FMAs, where
-   f32_tile reads 4 vectors per 3 (one weight row against 3 x rows, four accumulators each): at 16
-   rows and more (the head at 16 concurrent, prefill) loads, not FMAs, bounded it. K runs in blocks
-   of KBLK so the tile's rows stay in L1 between the four passes; the partial sums wait in `keep`. */
-#define KBLK 1024
-INLINE void f32_tile_wide(const int WB, const void *w, int64_t ldw, int64_t K, const float *x, int64_t ldx, float *out) {
-    __m256 keep[4][NT][MT];
-    for (int j = 0; j < 4; j++)
-        for (int n = 0; n < NT; n++)
-            for (int m = 0; m < MT; m++) keep[j][n][m] = _mm256_setzero_ps();
-    const int64_t k32 = K / 32 * 32;
-    for (int64_t kb = 0; kb < k32; kb += KBLK) {
-        const int64_t ke = kb + KBLK < k32 ? kb + KBLK : k32;
-        for (int j = 0; j < 4; j++) {
-            __m256 acc[NT][MT];
-            for (int n = 0; n < NT; n++)
-                for (int m = 0; m < MT; m++) acc[n][m] = keep[j][n][m];
-            for (int64_t k = kb + 8 * j; k < ke; k += 32) {
-                __m256 xv[MT];
-                for (int m = 0; m < MT; m++) xv[m] = _mm256_loadu_ps(x + m * ldx + k);
-                for (int n = 0; n < NT; n++) {
-                    const __m256 wv = wload8(WB, (const char *)w + n * ldw * WB, k);
-                    for (int m = 0; m < MT; m++) acc[n][m] = _mm256_fmadd_ps(wv, xv[m], acc[n][m]);
-                }
-            }
-            for (int n = 0; n < NT; n++)
-                for (int m = 0; m < MT; m++) keep[j][n][m] = acc[n][m];
-        }
-    }
-    for (int n = 0; n < NT; n++) { /* f32_tile's tail, into the first accumulator */
-        const char *row = (const char *)w + n * ldw * WB;
-        int64_t k = k32;
-        for (; k + 8 <= K; k += 8) {
-            const __m256 wv = wload8(WB, row, k);
-            for (int m = 0; m < MT; m++) keep[0][n][m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * ldx + k), keep[0][n][m]);
-        }
-        if (k < K) {
-            float wt[8] = {0};
-            for (int64_t i = k; i < K; i++) wt[i - k] = lowbit_load(row, i, WB == 2);
-            const __m256 wv = _mm256_loadu_ps(wt);
-            for (int m = 0; m < MT; m++) {
-                float xt[8] = {0};
-                for (int64_t i = k; i < K; i++) xt[i - k] = x[m * ldx + i];
-                keep[0][n][m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xt), keep[0][n][m]);
-            }
-        }
-        for (int m = 0; m < MT; m++)
-            out[m * NT + n] = lowbit_hsum8(_mm256_add_ps(_mm256_add_ps(keep[0][n][m], keep[1][n][m]),
-                                                         _mm256_add_ps(keep[2][n][m], keep[3][n][m])));
-    }
-}
-
 INLINE void f32_pass(const int WB, const int NB, int mb, const void *w, int64_t ldw, int64_t K, const float *x,
                      int64_t ldx, float *out) {
-    if (NB == NT && mb == MT) {
-        f32_tile_wide(WB, w, ldw, K, x, ldx, out);
-        return;
-    }
     switch (mb) {
     case 1: f32_tile(WB, NB, 1, w, ldw, K, x, ldx, out); break;
     case 2: f32_tile(WB, NB, 2, w, ldw, K, x, ldx, out); break;
