@@ -255,3 +255,22 @@ def test_cli_eval_without_a_compiler_gives_the_same_perplexity(tiny_float_model,
     assert "/bin/false" in line
     ppl, ppl_without = json.loads(with_cc.stdout)["ppl"], json.loads(without.stdout)["ppl"]
     assert ppl > 1 and abs(ppl_without - ppl) / ppl < 1e-4
+
+
+@pytest.mark.parametrize("target", [
+    ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"),  # the AVX-512 sections (Zen 4, Sapphire Rapids)
+    ("-march=x86-64-v3",),  # the AVX2 sections (Zen 2/3, most laptops)
+    ("-march=x86-64-v2",),  # the scalar fallbacks
+])
+def test_every_source_compiles_for_every_isa_section(target):
+    # A machine builds only its own ISA's section of each source; this checks the others compile too
+    # (a helper used outside its section, say, would otherwise only fail on another CPU).
+    import subprocess
+
+    cc = build.compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    for source in sorted(build.SOURCE_DIR.glob("*.c")):
+        done = subprocess.run([*cc, *target, "-fsyntax-only", "-std=c11", "-fopenmp", "-Werror=implicit-function-declaration",
+                               f"-I{build.SOURCE_DIR}", str(source)], capture_output=True, text=True)
+        assert done.returncode == 0, f"{source.name} {' '.join(target)}: {done.stderr[-800:]}"
