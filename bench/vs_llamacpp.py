@@ -38,8 +38,8 @@ from machine import describe, results_file  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # case -> (lowbit quantize format or None for the float model, the GGUF type its exact export holds)
-# int4-g64 → Q4_0 is exact too (each 32-block repeats its group's scale) and runs lowbit's VNNI kernel,
-# which takes groups of 64k; int4-g32 runs torch's int4 op.
+# int4-g64 → Q4_0 is exact too (each 32-block repeats its group's scale); both int4 cases run lowbit's
+# int4 kernel (int4_vnni.c: AVX512-VNNI, or AVX2), which takes any group of whole 32s.
 CASES = {"int4": ("int4-g32", "Q4_0"), "int4-g64": ("int4-g64", "Q4_0"), "int8": ("int8-g32", "Q8_0"),
          "bf16": (None, "BF16")}
 TOOLS = ("llama-bench", "llama-perplexity", "llama-server")
