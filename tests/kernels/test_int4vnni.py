@@ -10,7 +10,7 @@ from lowbit.kernels import cpu_int4dot, layout, qmatmul
 from tests.kernels.cases import oracle, quantized, rel_err
 
 pytestmark = pytest.mark.skipif(not cpu_int4dot.vnni_available(), reason="no AVX512-VNNI or AVX2 build on this machine")
-LABELS = ["int4", "int4-g64", "int4-asym-g64", "int4-asym", "int4-channel"]
+LABELS = ["int4", "int4-g32", "int4-g64", "int4-asym-g32", "int4-asym-g64", "int4-asym", "int4-channel"]  # g32: one int16 stretch a group (AVX2)
 
 
 def quantize_activations(x: torch.Tensor, qt) -> torch.Tensor:
