@@ -147,3 +147,31 @@ def test_bad_groups_are_refused_by_the_c_kernel():
     assert call(3, 24) == -2  # not a multiple of 16
     assert call(2, 16) == -2  # two groups of 16 do not cover K = 40
     assert call(4, 16) == -2  # a fourth group would start past K
+
+
+@pytest.mark.parametrize(("label", "n", "k"), [("int8-g32", 37, 200), ("int8-g32", 9, 576), ("int8-g16", 10, 64), ("int8", 37, 200)])
+def test_the_avx2_build_matches_the_oracle_and_is_batch_invariant(label, n, k, tmp_path):
+    # Zen 2/3 and laptops run the AVX2 section (grouped weights: one x row at a time, or up to four
+    # sharing each widened code); checked on any machine that can run AVX2, AVX-512 ones included.
+    from tests.kernels.cases import avx2_library
+
+    lib = avx2_library("int8_gemv", int8_gemv.SIGNATURES, tmp_path)
+    if lib is None:
+        pytest.skip("no compiler or no AVX2 here")
+    qt = quantized(label, n, k)
+    pw = prepare(qt, "cpu", "cpu-int8f")
+    t, p = pw.tensors, pw.params
+    x = torch.randn(16, k)
+
+    def run(rows: torch.Tensor) -> torch.Tensor:
+        y = torch.empty(rows.shape[0], n)
+        assert lib.lowbit_int8f_matmul(t["codes"].data_ptr(), n, k, t["codes"].stride(0), t["scales"].data_ptr(), p["groups"],
+                                       p["group"], rows.data_ptr(), k, rows.shape[0], y.data_ptr(), n, 2) == 0
+        return y
+
+    full = run(x)
+    assert rel_err(full, oracle(x, qt)) < TOL
+    single = torch.cat([run(x[i : i + 1].contiguous()) for i in range(16)])
+    for m in range(1, 17):
+        assert torch.equal(run(x[:m].contiguous()), single[:m]), m
+    assert torch.equal(full, single)
