@@ -158,6 +158,27 @@ INLINE __m256 wload8(const int WB, const void *w, int64_t i) {
     return lowbit_bf16_widen8(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + i)));
 }
 
+/* The k past the last whole 32 (from k), into each x row's first accumulator acc[m * stride]: the
+   remaining whole vectors, then the last partial one through zero-padded copies (AVX2 has no
+   16-bit masked load). */
+INLINE void tail8(const int WB, const int MB, const char *row, int64_t K, int64_t k, const float *x, int64_t ldx,
+                  __m256 *acc, int stride) {
+    for (; k + 8 <= K; k += 8) {
+        const __m256 wv = wload8(WB, row, k);
+        for (int m = 0; m < MB; m++) acc[m * stride] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * ldx + k), acc[m * stride]);
+    }
+    if (k < K) {
+        float wt[8] = {0};
+        for (int64_t i = k; i < K; i++) wt[i - k] = lowbit_load(row, i, WB == 2);
+        const __m256 wv = _mm256_loadu_ps(wt);
+        for (int m = 0; m < MB; m++) {
+            float xt[8] = {0};
+            for (int64_t i = k; i < K; i++) xt[i - k] = x[m * ldx + i];
+            acc[m * stride] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xt), acc[m * stride]);
+        }
+    }
+}
+
 /* out[m * NB + nb] for NB weight rows and MB x rows. Per (m, n): four 8-lane accumulators over
    k in steps of 32 (k + 0, 8, 16, 24), the remaining whole vectors and then the zero-padded last
    partial one into the first, then (a0 + a1) + (a2 + a3) and one fixed horizontal sum - the
@@ -178,20 +199,7 @@ INLINE void f32_tile(const int WB, const int NB, const int MB, const void *w, in
                 for (int m = 0; m < MB; m++) acc[m][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * ldx + k + 8 * j), acc[m][j]);
             }
         }
-        for (; k + 8 <= K; k += 8) {
-            const __m256 wv = wload8(WB, row, k);
-            for (int m = 0; m < MB; m++) acc[m][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * ldx + k), acc[m][0]);
-        }
-        if (k < K) { /* the last partial vector through zero-padded copies (AVX2 has no 16-bit masked load) */
-            float wt[8] = {0};
-            for (int64_t i = k; i < K; i++) wt[i - k] = lowbit_load(row, i, WB == 2);
-            const __m256 wv = _mm256_loadu_ps(wt);
-            for (int m = 0; m < MB; m++) {
-                float xt[8] = {0};
-                for (int64_t i = k; i < K; i++) xt[i - k] = x[m * ldx + i];
-                acc[m][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xt), acc[m][0]);
-            }
-        }
+        tail8(WB, MB, row, K, k, x, ldx, &acc[0][0], 4);
         for (int m = 0; m < MB; m++)
             out[m * NB + nb] = lowbit_hsum8(_mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]), _mm256_add_ps(acc[m][2], acc[m][3])));
     }
@@ -231,21 +239,7 @@ INLINE void f32_tile_wide(const int WB, const void *w, int64_t ldw, int64_t K, c
     }
     for (int n = 0; n < NT; n++) { /* f32_tile's tail, into the first accumulator */
         const char *row = (const char *)w + n * ldw * WB;
-        int64_t k = k32;
-        for (; k + 8 <= K; k += 8) {
-            const __m256 wv = wload8(WB, row, k);
-            for (int m = 0; m < MT; m++) keep[0][n][m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * ldx + k), keep[0][n][m]);
-        }
-        if (k < K) {
-            float wt[8] = {0};
-            for (int64_t i = k; i < K; i++) wt[i - k] = lowbit_load(row, i, WB == 2);
-            const __m256 wv = _mm256_loadu_ps(wt);
-            for (int m = 0; m < MT; m++) {
-                float xt[8] = {0};
-                for (int64_t i = k; i < K; i++) xt[i - k] = x[m * ldx + i];
-                keep[0][n][m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xt), keep[0][n][m]);
-            }
-        }
+        tail8(WB, MT, row, K, k32, x, ldx, &keep[0][n][0], 1);
         for (int m = 0; m < MT; m++)
             out[m * NT + n] = lowbit_hsum8(_mm256_add_ps(_mm256_add_ps(keep[0][n][m], keep[1][n][m]),
                                                          _mm256_add_ps(keep[2][n][m], keep[3][n][m])));
