@@ -9,6 +9,7 @@ beside llama.cpp's Q4_K_M of this model (105.5 MB, KLD 0.054: the issue's figure
     python bench/distill.py [--teacher smollm2-135m] [--work DIR] [--samples 64] [--seqlen 512] [--block-steps 20] [--steps 100]
         [--batch 1] [--lr 2e-4] [--threads 2] [--chunks 10] [--student DIR] [--quantize-head] [--json]
     python bench/distill.py --recipe bench/recipes/q4km-budget.yaml ...   # a student within Q4_K_M's bytes
+    python bench/distill.py --format nvfp4 ...                            # another format's student (GPTQ)
 
 The budget is what bounds the time: on 2 cores the block stage costs about 4 s a layer at
 --samples 8 --block-steps 2 and an end-to-end step about 3-6 s at --batch 1 --seqlen 512.
@@ -60,6 +61,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=2e-4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--chunks", type=int, default=10, help="wiki-eval chunks of 2048 tokens for the KLDs")
+    ap.add_argument("--format", default="int4-g64", help="the student's format when this script makes it (GPTQ; e.g. "
+                    "nvfp4, mxfp4); results go to distill-FORMAT.json unless it is the default")
     ap.add_argument("--quantize-head", action="store_true",
                     help="quantize the tied embedding/head too (int4 g64, one matrix; `lowbit quantize --quantize-head`)")
     ap.add_argument("--recipe", type=Path,
@@ -80,9 +83,12 @@ def main() -> None:
         label = f"{args.recipe.stem} recipe, {args.method}, {args.keep_outliers} % outliers, quantized head"
         make = ["--recipe", str(args.recipe), "--method", args.method, "--keep-outliers", str(args.keep_outliers)]
     else:
-        student = args.student or args.work / (f"{short}-int4-head" if head else f"{short}-int4")
-        label = "int4 g64 GPTQ" + (" + int4 head" if head else " (README command 1)" if short == "smollm2" else "")
-        make = ["--format", "int4", "--group-size", "64", "--method", "gptq"]
+        default = args.format == "int4-g64"
+        name = "int4" if default else args.format
+        student = args.student or args.work / (f"{short}-{name}-head" if head else f"{short}-{name}")
+        label = ("int4 g64 GPTQ" if default else f"{args.format} GPTQ") + (
+            " + quantized head" if head else " (README command 1)" if short == "smollm2" and default else "")
+        make = ["--format", "int4", "--group-size", "64", "--method", "gptq"] if default else ["--format", args.format, "--method", "gptq"]
     if not student.is_dir():
         lowbit("quantize", args.teacher, *make, *calib, "-o", str(student), *head, *threads)
     score = ["--data", "wiki-eval", "--chunks", str(args.chunks), "--base", args.teacher, *threads]
@@ -107,6 +113,7 @@ def main() -> None:
               "rows": [{"checkpoint": r[0].strip(), "bytes": r[1], "kld": r[2], "kld_err": r[3]} for r in rows]}
     result["budget"]["recipe"] = str(args.recipe) if args.recipe else None
     results = (RESULTS.with_name(f"distill-{args.recipe.stem}.json") if args.recipe
+               else RESULTS.with_name(f"distill-{args.format}.json") if args.format != "int4-g64"
                else RESULTS.with_name("distill-head.json") if head else RESULTS)
     if args.teacher != "smollm2-135m":  # one latest file per teacher too
         results = results.with_name(f"{results.stem}-{args.teacher}.json")
