@@ -29,6 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "distill.json"
+FORMAT = "int4-g64"  # README command 1's student; its results are distill.json
 Q4_K_M_BYTES, Q4_K_M_KLD = 105.5e6, 0.054  # llama.cpp's Q4_K_M of SmolLM2-135M (issue 27's figures)
 
 
@@ -61,7 +62,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=2e-4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--chunks", type=int, default=10, help="wiki-eval chunks of 2048 tokens for the KLDs")
-    ap.add_argument("--format", default="int4-g64", help="the student's format when this script makes it (GPTQ; e.g. "
+    ap.add_argument("--format", default=FORMAT, help="the student's format when this script makes it (GPTQ; e.g. "
                     "nvfp4, mxfp4); results go to distill-FORMAT.json unless it is the default")
     ap.add_argument("--quantize-head", action="store_true",
                     help="quantize the tied embedding/head too (int4 g64, one matrix; `lowbit quantize --quantize-head`)")
@@ -83,7 +84,7 @@ def main() -> None:
         label = f"{args.recipe.stem} recipe, {args.method}, {args.keep_outliers} % outliers, quantized head"
         make = ["--recipe", str(args.recipe), "--method", args.method, "--keep-outliers", str(args.keep_outliers)]
     else:
-        default = args.format == "int4-g64"
+        default = args.format == FORMAT
         name = "int4" if default else args.format
         student = args.student or args.work / (f"{short}-{name}-head" if head else f"{short}-{name}")
         label = ("int4 g64 GPTQ" if default else f"{args.format} GPTQ") + (
@@ -113,7 +114,7 @@ def main() -> None:
               "rows": [{"checkpoint": r[0].strip(), "bytes": r[1], "kld": r[2], "kld_err": r[3]} for r in rows]}
     result["budget"]["recipe"] = str(args.recipe) if args.recipe else None
     results = (RESULTS.with_name(f"distill-{args.recipe.stem}.json") if args.recipe
-               else RESULTS.with_name(f"distill-{args.format}.json") if args.format != "int4-g64"
+               else RESULTS.with_name(f"distill-{args.format}.json") if args.format != FORMAT
                else RESULTS.with_name("distill-head.json") if head else RESULTS)
     if args.teacher != "smollm2-135m":  # one latest file per teacher too
         results = results.with_name(f"{results.stem}-{args.teacher}.json")

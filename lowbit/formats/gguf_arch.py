@@ -116,6 +116,12 @@ def expert_names(hf_name: str, experts: int) -> list[str]:
     return [f"{head}.{e}.{kind}.weight" for e in range(experts)]
 
 
+def llama_cpp_swa_layers(pattern: int, n_layers: int) -> list[bool]:
+    """Which layers slide under llama.cpp's `sliding_window_pattern` number: every `pattern`-th
+    layer (the last of each group) attends globally; 0 means all slide."""
+    return [pattern == 0 or i % pattern < pattern - 1 for i in range(n_layers)]
+
+
 def gguf_block_name(hf_part: str, arch: str = "llama") -> str | None:
     """llama.cpp's block tensor name for a layer's HF module in architecture `arch`
     (`self_attn.q_proj` → `attn_q`, `mlp.gate` → `ffn_gate_inp`), None when there is none."""
@@ -368,8 +374,7 @@ def _gemma3_config(gguf: GGUFFile) -> dict[str, Any]:
         sliding = [bool(p) for p in pattern][:n_layers]
     else:
         pattern = int(pattern)
-        # llama.cpp: every `pattern`-th layer (the last of each group) attends globally.
-        sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(n_layers)]
+        sliding = llama_cpp_swa_layers(pattern, n_layers)
     # Gemma-3 27B scales queries by 1/sqrt(hidden/heads); the other sizes by 1/sqrt(head_dim).
     pre_attn_scalar = config["head_dim"]
     if n_layers == 62:

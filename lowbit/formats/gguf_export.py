@@ -28,9 +28,8 @@ import torch
 
 from lowbit.errors import LowbitError, UsageError
 from lowbit.formats.checkpoint import Checkpoint
-from lowbit.formats.gguf_arch import _GLOBAL, gguf_block_name, llama3_rope_divisors, permute_qk
+from lowbit.formats.gguf_arch import _GLOBAL, ARCHITECTURES, gguf_block_name, llama3_rope_divisors, permute_qk
 from lowbit.formats.gguf_blocks import exact_gguf_type, gguf_spec, to_gguf_bytes
-from lowbit.formats.gguf_export_gemma3 import NORM_OFFSET as GEMMA_NORM_OFFSET
 from lowbit.formats.gguf_export_gemma3 import check_llama_cpp_gemma3, write_gemma3_metadata
 from lowbit.formats.gguf_export_vocab import write_vocabulary
 from lowbit.formats.gguf_q4k import QK_K, dequantize_q4_k, quantize_q4_k
@@ -158,6 +157,7 @@ def write_gguf(
         # llama.cpp's qwen2moe and olmoe require an output matrix: a tied head is written out
         tensors = {**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"]}
         names.append("lm_head.weight")
+    norm_offset = ARCHITECTURES[arch].norm_offset  # Gemma's 1 + w norms, as gguf_import subtracts it
     experts: dict[tuple[int, str], dict[int, str]] = {}  # (layer, kind) -> expert -> tensor name
     for done, hf_name in enumerate(sorted(names, key=_order), start=1):
         match = _EXPERT.match(hf_name)
@@ -168,8 +168,8 @@ def write_gguf(
         if target is None:
             continue
         value = tensors[hf_name]
-        if arch == "gemma3" and hf_name.endswith("norm.weight"):
-            value = value.float() + GEMMA_NORM_OFFSET
+        if norm_offset and hf_name.endswith("norm.weight"):
+            value = value.float() + norm_offset
         module = hf_name[: -len(".weight")] if hf_name.endswith(".weight") else None
         n_rows = heads if ".q_proj." in hf_name else kv_heads
         permute = arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name)

@@ -1,17 +1,15 @@
 """What a Gemma-3 text checkpoint needs beyond the shared GGUF keys, and what llama.cpp cannot run.
 
-llama.cpp's gemma3 graph multiplies by its norm weights as stored, where Gemma's RMSNorm multiplies
-by (1 + w): every norm weight is written with the offset added (the import subtracts it). Which
-layers slide is written as llama.cpp's pattern number when it matches (every 6th layer global),
+(Its norms, stored as 1 + w, are written through the architecture's `norm_offset` in gguf_arch,
+as the import reads them.) Which layers slide is written as llama.cpp's pattern number when it matches (every 6th layer global),
 else as the per-layer list llama.cpp also reads; the local rotary base goes to rope.freq_base_swa.
 """
 
 from __future__ import annotations
 
 from lowbit.errors import LowbitError
-from lowbit.formats.gguf_arch import ARCHITECTURES
+from lowbit.formats.gguf_arch import llama_cpp_swa_layers
 
-NORM_OFFSET = ARCHITECTURES["gemma3"].norm_offset
 _LLAMA_CPP_PATTERN = 6  # llama.cpp's default for gemma3: layers 5, 11, 17, ... attend globally
 
 
@@ -42,18 +40,14 @@ def sliding_layers(config: dict) -> list[bool]:
     if types:
         return [t == "sliding_attention" for t in types]
     pattern = int(config.get("sliding_window_pattern") or _LLAMA_CPP_PATTERN)
-    return _pattern(pattern, layers)
-
-
-def _pattern(n: int, layers: int) -> list[bool]:
-    return [n == 0 or i % n < n - 1 for i in range(layers)]
+    return llama_cpp_swa_layers(pattern, layers)
 
 
 def write_gemma3_metadata(writer, config: dict) -> None:
     sliding = sliding_layers(config)
     if any(sliding):
         writer.add_sliding_window(int(config["sliding_window"]))
-        if sliding == _pattern(_LLAMA_CPP_PATTERN, len(sliding)):
+        if sliding == llama_cpp_swa_layers(_LLAMA_CPP_PATTERN, len(sliding)):
             writer.add_sliding_window_pattern(_LLAMA_CPP_PATTERN)
         else:
             writer.add_sliding_window_pattern([bool(s) for s in sliding])

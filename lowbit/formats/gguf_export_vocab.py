@@ -45,23 +45,22 @@ def write_vocabulary(writer, ckpt: Checkpoint, vocab_size: int) -> list[str]:
     return notes + _write_special(writer, ckpt, tokens)
 
 
-def _pieces(tok: dict, vocab_size: int, normal: int, control: int, user: int, unused: int,
-            byte: int | None = None) -> tuple[list[str], list[int]]:
-    """Tokens by id (holes filled as [PADn]) and their llama.cpp token types."""
+def _pieces(tok: dict, vocab_size: int, byte_pieces: bool) -> tuple[list[str], list[int]]:
+    """Tokens by id (holes filled as [PADn]) and their llama.cpp token types; with `byte_pieces`,
+    SentencePiece's <0xNN> byte-fallback pieces are typed BYTE."""
+    from gguf import TokenType as T
+
     tokens: dict[int, str] = {i: t for t, i in tok["model"]["vocab"].items()}
-    types = {i: (byte if byte is not None and _BYTE_PIECE.match(t) else normal) for i, t in tokens.items()}
+    types = {i: (T.BYTE if byte_pieces and _BYTE_PIECE.match(t) else T.NORMAL) for i, t in tokens.items()}
     for added in tok.get("added_tokens", []):
         tokens[added["id"]] = added["content"]
-        types[added["id"]] = control if added.get("special") else user
+        types[added["id"]] = T.CONTROL if added.get("special") else T.USER_DEFINED
     size = max(vocab_size, max(tokens) + 1)
-    return [tokens.get(i, f"[PAD{i}]") for i in range(size)], [int(types.get(i, unused)) for i in range(size)]
+    return [tokens.get(i, f"[PAD{i}]") for i in range(size)], [int(types.get(i, T.UNUSED)) for i in range(size)]
 
 
 def _byte_level(writer, tok: dict, vocab_size: int) -> tuple[list[str], list[str]]:
-    import gguf  # late: the gguf package is slow to import and only --to gguf needs it
-
-    T = gguf.TokenType
-    token_list, type_list = _pieces(tok, vocab_size, T.NORMAL, T.CONTROL, T.USER_DEFINED, T.UNUSED)
+    token_list, type_list = _pieces(tok, vocab_size, byte_pieces=False)
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"].get("merges", [])]
     pre, note = _detect_pre(tok)
     writer.add_tokenizer_model("gpt2")
@@ -73,10 +72,7 @@ def _byte_level(writer, tok: dict, vocab_size: int) -> tuple[list[str], list[str
 
 
 def _sentencepiece(writer, tok: dict, vocab_size: int) -> tuple[list[str], list[str]]:
-    import gguf
-
-    T = gguf.TokenType
-    token_list, type_list = _pieces(tok, vocab_size, T.NORMAL, T.CONTROL, T.USER_DEFINED, T.UNUSED, byte=T.BYTE)
+    token_list, type_list = _pieces(tok, vocab_size, byte_pieces=True)
     ids = {t: i for i, t in enumerate(token_list)}
     scores = [_UNMERGED_SCORE] * len(token_list)
     for rank, merge in enumerate(tok["model"].get("merges", [])):

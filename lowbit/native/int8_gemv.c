@@ -51,6 +51,7 @@ int lowbit_int8f_available(void) { return HAVE_INT8F ? 1 : HAVE_INT8F_AVX2 ? 2 :
    passes (the widening it saves costs as much as the copy). */
 #define MT 6
 #define MT_GROUP 3
+#define MT_MAX 6 /* the larger of MT and MT_GROUP: run_tiles' buffers */
 #define PREFETCH_TILES 4
 #define MC 128     /* x rows per sweep over a thread's tiles (prefill): 288 KB of x at K = 576 stays in L2 */
 
@@ -132,6 +133,7 @@ PASS(pass_one_tile, 1, NT) PASS(pass_one_row, 1, 1) PASS(pass_grp_tile, 0, NT) P
 #define NT 4
 #define MT 2
 #define MT_GROUP 4
+#define MT_MAX 4 /* the larger of MT and MT_GROUP: run_tiles' buffers */
 #define PREFETCH_TILES 4
 #define MC 128
 
@@ -284,7 +286,7 @@ static void run_tiles(const Weight8 *w, const float *x, int64_t ldx, int64_t M, 
     const int one = w->G == 1;
     const int64_t nt = NT, mt = one ? MT : MT_GROUP;
     const pass_fn tile = one ? pass_one_tile : pass_grp_tile, row1 = one ? pass_one_row : pass_grp_row;
-    float out[NT * (MT > MT_GROUP ? MT : MT_GROUP)], row[MT > MT_GROUP ? MT : MT_GROUP];
+    float out[NT * MT_MAX], row[MT_MAX];
     for (int64_t mc = 0; mc < M; mc += MC) {
         const int64_t me = mc + MC < M ? mc + MC : M;
         for (int64_t t = ta; t < tb; t++) {
