@@ -14,7 +14,8 @@ load average is printed before and after.
     python bench/early_exit.py --threads 2 [--model DIR] [--gen-tokens 128] [--prompts 3] [--repeats 1] [--json out.json]
 
 With --model a directory that `lowbit distill --exit-layers` wrote, every exit that has a trained
-adapter uses it (early exit, eval and the self-speculative drafts alike).
+adapter uses it (early exit, eval and the self-speculative drafts alike). The token cascade runs in
+the engine and has its own script: bench/token_cascade.py.
 """
 
 from __future__ import annotations
@@ -50,29 +51,6 @@ def exit_decode(model, prompt: list[int], gen: int, settings: ExitSettings, adap
         out.append(int(dec.step(out[-1]).argmax()))
     elapsed = time.perf_counter() - start
     return out, (gen - 1) / elapsed, dec.stats.mean_layers
-
-
-def cascade_decode(full, cheap, prompt: list[int], gen: int, threshold: float) -> tuple[list[int], float, float]:
-    """(greedy tokens, decode tok/s, share of tokens the cheap model answered); threshold None
-    decodes the full model alone through the same forward (the baseline)."""
-    from lowbit.runtime.cascade import CascadeDecoder, CascadeSettings
-
-    if threshold is None:
-        cache = full.new_cache(1, len(prompt) + gen + 1)
-        step = lambda ids: full(torch.tensor([ids]), cache=cache, logits_start=len(ids) - 1)[0, -1]  # noqa: E731
-        logits, rate = step(prompt), 0.0
-        out = [int(logits.argmax())]
-        start = time.perf_counter()
-        for _ in range(gen - 1):
-            out.append(int(step([out[-1]]).argmax()))
-        return out, (gen - 1) / (time.perf_counter() - start), rate
-    dec = CascadeDecoder(full, cheap, CascadeSettings(threshold), len(prompt) + gen + 1)
-    out = [int(dec.prefill(prompt).argmax())]
-    start = time.perf_counter()
-    for _ in range(gen - 1):
-        out.append(int(dec.step(out[-1]).argmax()))
-    elapsed = time.perf_counter() - start
-    return out, (gen - 1) / elapsed, dec.stats.as_dict()["cheap_rate"]
 
 
 def agreement(a: list[int], b: list[int]) -> tuple[float, int]:
@@ -123,9 +101,6 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=len(PROMPTS))
     ap.add_argument("--skip-spec", action="store_true")
     ap.add_argument("--skip-exits", action="store_true")
-    ap.add_argument("--cascades", default="", help="comma list of cheap models for the token cascade (self:int4, a "
-                    "student directory)")
-    ap.add_argument("--cascade-thresholds", default="0.95,0.9,0.8,0.7,0.5")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -146,7 +121,7 @@ def main() -> None:
     layers = tuple(int(x) for x in args.exit_layers.split(","))
     thresholds = [float(x) for x in args.thresholds.split(",")]
     result = {"model": args.model, "adapted_layers": sorted(adapters), "threads": args.threads, "gen_tokens": args.gen_tokens, "exit_layers": list(layers),
-              "early_exit": [], "self_speculative": [], "cascade": []}
+              "early_exit": [], "self_speculative": []}
 
     text_tokens, _ = tokenize_for_eval(tok, load_text("wiki-eval"))
     windows = plan_windows(len(text_tokens), args.eval_ctx, args.eval_chunks)
@@ -177,34 +152,6 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             if t == 1.0 and conf == "margin":
                 result["early_exit"].pop()  # the same as top1's 1.0 row
-
-    for spec in filter(None, args.cascades.split(",")):
-        from lowbit.runtime.cascade import CascadeLM, CascadeSettings, load_cheap_model
-
-        cheap = load_cheap_model(spec, path, tok, torch.float32, "cpu")
-        for t in [float(x) for x in args.cascade_thresholds.split(",")]:
-            speeds, base, same, prefix, rates = [], [], [], [], []
-            for _ in range(args.repeats):
-                for p_i, p in enumerate(prompts):
-                    base.append(cascade_decode(model, cheap, p, args.gen_tokens, None)[1])
-                    ids, speed, rate = cascade_decode(model, cheap, p, args.gen_tokens, t)
-                    speeds.append(speed)
-                    rates.append(rate)
-                    a, b = agreement(ids, full[p_i])
-                    same.append(a)
-                    prefix.append(b)
-            from lowbit.runtime.evaluate import evaluate_tokens
-
-            lm = CascadeLM(model, cheap, CascadeSettings(t))
-            r = evaluate_tokens(lm, text_tokens, windows, base_model=FullLogits(lm))
-            row = {"cheap": spec, "threshold": t, "tok_s": statistics.median(speeds),
-                   "baseline_tok_s": statistics.median(base), "speedup": statistics.median(x / y for x, y in zip(speeds, base)),
-                   "greedy_agreement_pct": 100 * statistics.mean(same), "agree_prefix_tokens": statistics.median(prefix),
-                   "decode_cheap_rate": statistics.mean(rates), "eval_ppl": r.ppl, "eval_kld": r.kld.mean,
-                   "eval_same_top_pct": r.kld.same_top_pct, "eval_cheap_rate": lm.stats.as_dict()["cheap_rate"]}
-            result["cascade"].append(row)
-            print(json.dumps(row), flush=True)
-        del cheap
 
     if not args.skip_spec:
         plain = Engine(args.model, max_num_seqs=1)

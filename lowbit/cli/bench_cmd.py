@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from lowbit.cli.common import THREADS_OPTION, apply_threads, console, print_json
+from lowbit.cli.common import CASCADE_RUN_OPTION, THREADS_OPTION, apply_threads, console, print_json
 from lowbit.cli.kernel_options import INT4_ACTIVATIONS_OPTION, KERNEL_OPTION, kernel_line, kernel_settings, kernel_summary
 from lowbit.cli.main import app
 from lowbit.errors import UsageError
@@ -19,6 +19,12 @@ def bench(
         None, "--draft", help="Also measure speculative decoding with 'ngram', 'self:int4', "
         "'self:layers=N' (the model's first N layers + its head) or a draft model."),
     num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", help="Draft tokens per step (adapts)."),
+    cascade: Optional[str] = typer.Option(
+        None, "--cascade", help="Also measure a token cascade with this cheap model (self:int4, self:layers=N or a "
+        "model with the same tokenizer) at every batch size: speedup, greedy agreement, cheap share."),
+    cascade_threshold: float = typer.Option(0.9, "--cascade-threshold", help="Cascade confidence (top-1 "
+                                            "probability) threshold in [0, 1]."),
+    cascade_run: int = CASCADE_RUN_OPTION,
     batches: str = typer.Option("1,4,16,64", "--batches", help="Comma-separated decode batch sizes."),
     prompt_tokens: int = typer.Option(32, "--prompt-tokens", help="Prompt length of the decode runs."),
     gen_tokens: int = typer.Option(64, "--gen-tokens", help="Tokens generated per request."),
@@ -36,14 +42,20 @@ def bench(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Measure prefill tok/s, decode tok/s per batch size, TTFT, inter-token latency, weight
-    bandwidth against the measured streaming bandwidth, memory; with --draft, the speedup. --json
-    also reports the kernel path of each quantized layer ("kernels")."""
+    bandwidth against the measured streaming bandwidth, memory; with --draft, the speedup; with
+    --cascade, the cascade's speedup and agreement per batch size. --json also reports the kernel
+    path of each quantized layer ("kernels")."""
 
     from lowbit.kernels.dispatch import use_settings
     from lowbit.runtime.engine.benchmark import run_bench
     from lowbit.runtime.engine.engine import Engine
 
     settings = kernel_settings(kernel, int4_activations)
+    cascade_settings = None
+    if cascade is not None:
+        from lowbit.runtime.cascade import CascadeSettings
+
+        cascade_settings = CascadeSettings(cascade_threshold, run=cascade_run)  # checked before anything loads
     apply_threads(threads)
     try:
         sizes = tuple(int(b) for b in batches.split(","))
@@ -68,17 +80,21 @@ def bench(
                     spelled=f"--prompt-tokens {prompt_tokens} + --gen-tokens {gen_tokens}")
     check_positions("--prefill-tokens", prefill_tokens + 2, limit,
                     spelled=f"--prefill-tokens {prefill_tokens} (+ 2 generated tokens)")
+    engines = 1 + bool(draft) + bool(cascade)
     if kv_memory is not None:
-        # with --draft a second engine holds a cache of the same size
-        check_memory("--kv-memory", kv_memory_size if not draft else f"{kv_memory_size} (twice, with --draft)",
-                     kv_memory * (2 if draft else 1))
+        # with --draft or --cascade another engine holds a cache of the same size
+        check_memory("--kv-memory", kv_memory_size if engines == 1 else f"{kv_memory_size} ({engines} times, with "
+                     "--draft or --cascade)", kv_memory * engines)
     common = dict(dtype=dtype, kv_dtype=kv_dtype, kv_memory=kv_memory, max_num_seqs=max(sizes))
     with console.status("loading"), use_settings(settings):
         engine = Engine(model, **common)
         spec_engine = Engine(model, draft=draft, num_speculative_tokens=num_speculative_tokens, **common) if draft else None
+        cascade_engine = Engine(model, draft=cascade, cascade=cascade_settings, **common) if cascade else None
         kernels = kernel_summary(engine.model)
     with console.status("measuring"):
-        result = run_bench(engine, sizes, prompt_tokens, gen_tokens, prefill_tokens, spec_engine)
+        result = run_bench(engine, sizes, prompt_tokens, gen_tokens, prefill_tokens, spec_engine, cascade_engine)
+    if cascade:
+        result["cascade_model"] = cascade
     result["kernels"] = kernels
     if json_out:
         print_json(result)
@@ -107,3 +123,7 @@ def print_report(r: dict) -> None:
         console.print(f"speculative ({s['draft']}): {s['tok_s']:.1f} vs {s['plain_tok_s']:.1f} tok/s plain = "
                       f"{s['speedup']:.2f}x, mean accepted length {s['mean_accepted_length']:.2f}, "
                       f"identical output: {s['identical_output']}")
+    for c in r.get("cascade", []):
+        console.print(f"cascade ({r['cascade_model']}, threshold {c['threshold']}) at batch {c['batch']}: "
+                      f"{c['tok_s']:.1f} vs {c['plain_tok_s']:.1f} tok/s = {c['speedup']:.2f}x, greedy agreement "
+                      f"{c['greedy_agreement_pct']:.1f} %, {100 * c['cheap_rate']:.1f} % of tokens cheap")

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from lowbit.cli.common import THREADS_OPTION, apply_threads, console, print_json
+from lowbit.cli.common import CASCADE_RUN_OPTION, THREADS_OPTION, apply_threads, console, print_json
 from lowbit.cli.kernel_options import INT4_ACTIVATIONS_OPTION, KERNEL_OPTION, kernel_settings
 from lowbit.cli.main import app
 from lowbit.errors import UsageError
@@ -49,10 +49,12 @@ def generate(
     exit_confidence: str = typer.Option("top1", "--exit-confidence", help="top1 or margin (top-1 minus top-2); for "
                                         "--early-exit and --cascade."),
     cascade: Optional[str] = typer.Option(
-        None, "--cascade", help="Token cascade: a cheap model (same tokenizer, or self:int4) generates; where its "
-        "confidence is not above --cascade-threshold the model takes that token (approximate; docs/early_exit.md)."),
+        None, "--cascade", help="Token cascade: a cheap model (self:int4, self:layers=N, or a model with the same "
+        "tokenizer) generates; where its confidence is not above --cascade-threshold the model takes that token, "
+        "catching up on the cheap ones in one pass (approximate; docs/early_exit.md)."),
     cascade_threshold: float = typer.Option(0.9, "--cascade-threshold", help="Cascade confidence threshold in [0, 1] "
                                             "(1 = the model alone)."),
+    cascade_run: int = CASCADE_RUN_OPTION,
     dtype: str = typer.Option("f32", "--dtype", help="Compute dtype: f32 (default), bf16 or f16 (float32, bfloat16, float16 mean the same)."),
     kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="Quantized KV cache: int8 or fp8."),
     threads: Optional[int] = THREADS_OPTION,
@@ -75,11 +77,14 @@ def generate(
 
     # before the model loads: with at least one prompt token, a --max-tokens of the whole context cannot fit
     check_positions("--max-tokens", max_tokens + 1, model_positions(model), spelled=f"--max-tokens {max_tokens} + the prompt")
+    cascade_settings = None
     if cascade is not None:
-        if early_exit is not None or draft is not None or kv_dtype is not None:
-            raise UsageError("--cascade does not combine with --early-exit, --draft or --kv-dtype")
-        return _generate_cascade(model, text, params, chat, system, dtype, cascade, cascade_threshold, exit_confidence,
-                                 json_out, settings)
+        from lowbit.runtime.cascade import CascadeSettings
+
+        if early_exit is not None or draft is not None:
+            raise UsageError("--cascade does not combine with --early-exit or --draft")
+        cascade_settings = CascadeSettings(cascade_threshold, exit_confidence, cascade_run)  # checked before loading
+        draft = cascade
     if early_exit is not None:
         if kv_dtype is not None:
             raise UsageError("--kv-dtype does not combine with --early-exit (it decodes over a float KV cache)")
@@ -87,7 +92,7 @@ def generate(
                                     exit_confidence, draft, json_out, settings)
     with use_settings(settings):
         engine = Engine(model, dtype=dtype, kv_dtype=kv_dtype, draft=draft, num_speculative_tokens=num_speculative_tokens,
-                        max_num_seqs=1, kv_memory=None)
+                        max_num_seqs=1, kv_memory=None, cascade=cascade_settings)
     prompt_ids = encode_prompt(engine.tokenizer, text, chat, system)
     start = time.perf_counter()
     engine.add_request("generate", prompt_ids, params)
@@ -110,7 +115,9 @@ def generate(
         result = {"text": "".join(pieces), "token_ids": ids, "finish_reason": last.finish_reason,
                   "num_prompt_tokens": len(prompt_ids), "num_generated_tokens": len(ids),
                   "ttft_s": first, "decode_tok_s": decode_tok_s}
-        if draft:
+        if cascade_settings is not None:
+            result["cascade"] = cascade_info(cascade, cascade_settings, stats)
+        elif draft:
             result.update(draft=draft, spec_draft_tokens=stats.spec_draft_tokens,
                           spec_accepted_tokens=stats.spec_accepted_tokens,
                           mean_accepted_length=stats.spec_mean_accepted_length)
@@ -119,40 +126,18 @@ def generate(
     sys.stdout.write("\n")
     sys.stdout.flush()
     note = f"{len(ids)} tokens, {decode_tok_s:.1f} tok/s, finish: {last.finish_reason}"
-    if draft:
+    if cascade_settings is not None:
+        note += f", {100 * cascade_info(cascade, cascade_settings, stats)['cheap_rate']:.1f} % of tokens from {cascade}"
+    elif draft:
         note += f", mean accepted length {stats.spec_mean_accepted_length:.2f}"
     console.print(f"[dim]{note}[/dim]")
 
 
-def _generate_cascade(model, text, params, chat, system, dtype, cheap_spec, threshold, confidence, json_out,
-                      settings) -> None:
-    import torch
-
-    from lowbit.formats.resolve import resolve_model
-    from lowbit.kernels.dispatch import use_settings
-    from lowbit.quant.dtypes import parse_dtype
-    from lowbit.runtime.cascade import CascadeDecoder, CascadeSettings, load_cheap_model
-    from lowbit.runtime.early_exit import generate_with
-    from lowbit.runtime.loader import load_model
-    from lowbit.runtime.tokenizer import load_tokenizer
-
-    cascade = CascadeSettings(threshold, confidence)  # checked before anything loads
-    path = resolve_model(model)
-    tok = load_tokenizer(path)
-    with use_settings(settings):
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        lm = load_model(path, parse_dtype(dtype), device)
-        cheap = load_cheap_model(cheap_spec, path, tok, parse_dtype(dtype), device)
-        prompt_ids = encode_prompt(tok, text, chat, system)
-        decoder = CascadeDecoder(lm, cheap, cascade, len(prompt_ids) + params.max_tokens)
-
-        def stream(delta: str) -> None:
-            sys.stdout.write(delta)
-            sys.stdout.flush()
-
-        g = generate_with(decoder, lm, tok, prompt_ids, params, None if json_out else stream)
-    info = {"cheap": cheap_spec, "threshold": cascade.threshold, "confidence": cascade.confidence, **g.stats.as_dict()}
-    _report(g, prompt_ids, json_out, "cascade", info, f"{100 * info['cheap_rate']:.1f} % of tokens from {cheap_spec}")
+def cascade_info(cheap: str, settings, stats) -> dict:
+    n = stats.cascade_cheap_tokens + stats.cascade_full_tokens
+    return {"cheap": cheap, "threshold": settings.threshold, "confidence": settings.confidence, "positions": n,
+            "cheap_rate": stats.cascade_cheap_tokens / n if n else 0.0,
+            "full_rate": stats.cascade_full_tokens / n if n else 0.0}
 
 
 def _report(g, prompt_ids: list[int], json_out: bool, key: str, info: dict, note: str) -> None:

@@ -9,11 +9,12 @@ threshold 1.0 is the full model bit for bit, and 0.0 (top1) the cheap model ever
 - `CascadeLM` wraps the pair for `lowbit eval --cascade`: both models score the same window, the
   mixed logits come out, and `early_exit.FullLogits` hands the full model's to the evaluator as
   the KLD base (no second forward).
-- `CascadeDecoder` decodes one sequence over two contiguous KV caches. The cheap model runs on
-  every token, so its cache is always complete; the full model runs only when the cheap one is
-  unsure, and then over every token it has not seen yet in one batched forward (its cache
-  catches up; on a CPU a forward over a few tokens costs about what one token does, since it is
-  bound by reading the weights). Which model answered each token is counted in `CascadeStats`.
+- Decoding (`generate` / `bench --cascade`) runs in the engine: `Engine(draft=CHEAP,
+  cascade=CascadeSettings(...))` drafts with the cheap model while its confidence clears the
+  threshold (at most `run` tokens), emits those tokens unverified, and the model's one pass over
+  them catches its cache up and gives the next token (on a CPU a pass over a few tokens costs
+  about what one token does: it is bound by reading the weights). Which model answered each
+  token is counted in `CascadeStats`.
 """
 
 from __future__ import annotations
@@ -26,14 +27,26 @@ from lowbit.errors import UsageError
 from lowbit.runtime.early_exit import check_confidence, check_threshold, confidence_of
 
 
+# The longest run of cheap tokens the engine's cascade emits before the model's pass (it also bounds
+# that pass's rows); measured in docs/early_exit.md.
+DEFAULT_RUN = 8
+
+
 @dataclass(slots=True)
 class CascadeSettings:
     threshold: float
     confidence: str = "top1"
+    run: int = DEFAULT_RUN  # the engine's cascade: the model takes at least every (run + 1)-th token
 
     def __post_init__(self) -> None:
         self.threshold = check_threshold(self.threshold, "--cascade-threshold")
         check_confidence(self.confidence)
+        if self.run < 1:
+            raise UsageError(f"--cascade-run must be >= 1, got {self.run}")
+
+    def unsure(self, logits: torch.Tensor) -> torch.Tensor:
+        """[n, V] cheap-model logits -> bool [n]: the rows whose token the full model takes."""
+        return confidence_of(logits, self.confidence) <= self.threshold
 
 
 @dataclass(slots=True)
@@ -108,40 +121,3 @@ def wrap_eval_job(job, cheap_spec: str, threshold: float, confidence: str = "top
         job.base_name = f"{job.model_name} (the full model alone)"
     job.model = cascade
     return cascade
-
-
-class CascadeDecoder:
-    """Cascade decoding of one sequence (module docstring); `prefill` then `step` per token."""
-
-    def __init__(self, full, cheap, settings: CascadeSettings, max_len: int):
-        self.full, self.cheap, self.settings = full, cheap, settings
-        self.full_cache = full.new_cache(1, max_len)
-        self.cheap_cache = cheap.new_cache(1, max_len)
-        self.unseen: list[int] = []  # tokens the full model has not run on yet
-        self.stats = CascadeStats()
-
-    def _device(self, model) -> torch.device:
-        return model.model.norm.weight.device
-
-    @torch.inference_mode()
-    def prefill(self, prompt_ids: list[int]) -> torch.Tensor:
-        """Both models over the prompt; the full model's next-token logits [V] (the prompt is one
-        batched forward for it anyway, so the first token is always the full model's)."""
-        n = len(prompt_ids)
-        self.cheap(torch.tensor([prompt_ids], device=self._device(self.cheap)), cache=self.cheap_cache, logits_start=n - 1)
-        logits = self.full(torch.tensor([prompt_ids], device=self._device(self.full)), cache=self.full_cache,
-                           logits_start=n - 1)
-        return logits[0, -1].float()
-
-    @torch.inference_mode()
-    def step(self, token: int) -> torch.Tensor:
-        self.unseen.append(token)
-        cheap = self.cheap(torch.tensor([[token]], device=self._device(self.cheap)), cache=self.cheap_cache)[0, -1].float()
-        if float(confidence_of(cheap, self.settings.confidence)) > self.settings.threshold:
-            self.stats.record(True)
-            return cheap
-        ids = torch.tensor([self.unseen], device=self._device(self.full))
-        logits = self.full(ids, cache=self.full_cache, logits_start=len(self.unseen) - 1)[0, -1].float()
-        self.unseen = []
-        self.stats.record(False)
-        return logits

@@ -366,7 +366,7 @@ def generate_with_exits(model, tokenizer, prompt_ids: list[int], params, setting
 
 def generate_with(decoder, model, tokenizer, prompt_ids: list[int], params, on_text=None) -> ExitGeneration:
     """One sequence through a decoder with `prefill(ids) -> logits`, `step(token) -> logits` and
-    `stats` (ExitDecoder, cascade.CascadeDecoder). Greedy or sampled (the engine's logit
+    `stats` (ExitDecoder). Greedy or sampled (the engine's logit
     processing: temperature, top-k/p, min-p, penalties); stop strings and EOS end it.
     on_text(delta) streams the text."""
     import time

@@ -1,6 +1,6 @@
 """`lowbit generate --cascade` and `lowbit eval --cascade` on the tiny pair of tests/runtime/test_cascade.py:
-threshold 1 decodes the model's own greedy tokens, threshold 0 scores the cheap model everywhere, bad
-values are one-line errors."""
+threshold 1 decodes the model's own greedy tokens, threshold 0 generates runs of cheap tokens and
+scores the cheap model everywhere, bad values are one-line errors."""
 
 from __future__ import annotations
 
@@ -32,4 +32,28 @@ def test_cli_generate_and_eval(dirs, tmp_path, run_cli):
         code, _, err = run(["eval", str(full), "--data", str(text), "--ctx", "64", "--cascade", "self:int8", *args])
         assert code == 2 and message in err and "Traceback" not in err, err
     code, _, err = run(["generate", str(full), "hi", "--cascade", str(cheap), "--draft", "ngram"])
-    assert code == 2 and "--cascade does not combine with --early-exit, --draft or --kv-dtype" in err
+    assert code == 2 and "--cascade does not combine with --early-exit or --draft" in err
+    code, _, err = run(["generate", str(full), "hi", "--cascade", str(cheap), "--cascade-run", "0"])
+    assert code == 2 and "--cascade-run must be >= 1, got 0" in err and "Traceback" not in err
+
+
+def test_cli_generate_threshold_zero_takes_runs_of_cheap_tokens(dirs, run_cli):
+    full, cheap = dirs
+    code, out, err = run_cli(["generate", str(full), "hello", "--cascade", str(cheap), "--cascade-threshold", "0",
+                              "--cascade-run", "3", "--max-tokens", "13", "--json", "--threads", "1"])
+    assert code == 0, err
+    # 12 positions after the first token: three runs of 3 cheap tokens + the model's
+    assert json.loads(out)["cascade"]["cheap_rate"] == 9 / 12
+
+
+def test_cli_bench_measures_the_cascade_at_each_batch(dirs, run_cli):
+    full, cheap = dirs
+    code, out, err = run_cli(["bench", str(full), "--cascade", str(cheap), "--cascade-threshold", "1", "--batches",
+                              "1,2", "--gen-tokens", "6", "--prefill-tokens", "20", "--json", "--threads", "1"])
+    assert code == 0, err
+    r = json.loads(out)
+    assert r["cascade_model"] == str(cheap) and [c["batch"] for c in r["cascade"]] == [1, 2]
+    for c in r["cascade"]:  # threshold 1: the model's own tokens, none from the cheap model
+        assert c["greedy_agreement_pct"] == 100.0 and c["cheap_rate"] == 0.0 and c["tok_s"] > 0
+    code, _, err = run_cli(["bench", str(full), "--cascade", str(cheap), "--cascade-threshold", "-0.1"])
+    assert code == 2 and "--cascade-threshold must be in [0, 1], got -0.1" in err and "Traceback" not in err

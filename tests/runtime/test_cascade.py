@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from lowbit.errors import UsageError
-from lowbit.runtime.cascade import CascadeDecoder, CascadeLM, CascadeSettings, load_cheap_model
+from lowbit.runtime.cascade import CascadeLM, CascadeSettings, load_cheap_model
 from lowbit.runtime.early_exit import confidence_of
 from lowbit.runtime.loader import load_model
 from lowbit.runtime.tokenizer import load_tokenizer
+from tests.runtime.cascade_reference import CascadeDecoder
 from tests.runtime.conftest import _llama_config, build_hf, randomize_
 from tests.runtime.engine.conftest import save_with_tokenizer
 

@@ -8,6 +8,9 @@
   at batch 1, beside the machine's streaming read bandwidth measured here (a large buffer sum).
 - with a draft: batch-1 greedy decode with and without speculation on the same prompt; the
   outputs must be identical, and speedup and mean acceptance length are reported.
+- with a token cascade: greedy decode of the same prompts with and without it, alternating, at
+  each batch size; speedup, greedy agreement with the model alone (tokens equal position by
+  position) and the share of tokens the cheap model answered.
 """
 
 from __future__ import annotations
@@ -127,9 +130,10 @@ def run_requests(engine, prompts: list[list[int]], params: SamplingParams) -> di
 
 
 def run_bench(engine, batches=(1, 4, 16, 64), prompt_tokens: int = 32, gen_tokens: int = 64,
-              prefill_tokens: int = 512, spec_engine=None) -> dict:
+              prefill_tokens: int = 512, spec_engine=None, cascade_engine=None) -> dict:
     """All of `lowbit bench`'s figures for one engine (no draft). `spec_engine`: the same model
-    with a draft, measured against `engine` at batch 1 (None: no speculation figures)."""
+    with a draft, measured against `engine` at batch 1 (None: no speculation figures).
+    `cascade_engine`: the same model under a token cascade, against `engine` at each batch size."""
     tok = engine.tokenizer
     greedy = SamplingParams(temperature=0, max_tokens=gen_tokens, ignore_eos=True)
     # warm up: first forwards allocate and pick kernels
@@ -153,12 +157,12 @@ def run_bench(engine, batches=(1, 4, 16, 64), prompt_tokens: int = 32, gen_token
         "decode": [],
     }
     prompt = bench_prompt(tok, prompt_tokens)
+    # distinct prompts (a different first token) so the prefix cache does not share them
+    distinct = [[(prompt[0] + i) % engine.config.vocab_size] + prompt[1:] for i in range(max(batches))]
     for b in batches:
         if b > engine.scheduler.max_num_seqs:
             continue
-        # distinct prompts (a different first token) so the prefix cache does not share them
-        prompts = [[(prompt[0] + i) % engine.config.vocab_size] + prompt[1:] for i in range(b)]
-        r = run_requests(engine, prompts, greedy)
+        r = run_requests(engine, distinct[:b], greedy)
         result["decode"].append({"batch": b, "decode_tok_s": r["decode_tok_s"], "ttft_s": r["ttft_s"],
                                  "inter_token_latency_ms": r["inter_token_latency_ms"]})
     one = result["decode"][0]
@@ -170,7 +174,43 @@ def run_bench(engine, batches=(1, 4, 16, 64), prompt_tokens: int = 32, gen_token
     if spec_engine is not None:
         run_requests(spec_engine, [bench_prompt(tok, 16)], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         result["speculative"] = speculation(spec_engine, engine, prompt, gen_tokens)
+    if cascade_engine is not None:
+        run_requests(cascade_engine, [bench_prompt(tok, 16)], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        result["cascade"] = [token_cascade(cascade_engine, engine, distinct[:b], gen_tokens, b) for b in batches
+                             if b <= engine.scheduler.max_num_seqs]
     return result
+
+
+def token_cascade(engine, baseline, prompts: list[list[int]], gen_tokens: int, batch: int) -> dict:
+    """`engine` (a token cascade) against `baseline` (the model alone): the same prompts, `batch` at
+    a time, the two alternating; decode tok/s over all of them, greedy agreement, cheap share."""
+    greedy = SamplingParams(temperature=0, max_tokens=gen_tokens, ignore_eos=True)
+    before = engine.stats()
+    time_of = {"cascade": 0.0, "plain": 0.0}
+    same = total = 0
+    for i in range(0, len(prompts), batch):
+        group = prompts[i : i + batch]
+        plain = run_requests(baseline, group, greedy)
+        cascade = run_requests(engine, group, greedy)
+        decoded = len(group) * (gen_tokens - 1)
+        time_of["plain"] += decoded / plain["decode_tok_s"]
+        time_of["cascade"] += decoded / cascade["decode_tok_s"]
+        for ours, theirs in zip(cascade["tokens"], plain["tokens"]):
+            same += sum(x == y for x, y in zip(ours, theirs))
+            total += len(theirs)
+    after = engine.stats()
+    cheap = after.cascade_cheap_tokens - before.cascade_cheap_tokens
+    full = after.cascade_full_tokens - before.cascade_full_tokens
+    decoded = len(prompts) * (gen_tokens - 1)
+    return {
+        "batch": batch,
+        "threshold": engine.cascade.threshold,
+        "tok_s": decoded / time_of["cascade"],
+        "plain_tok_s": decoded / time_of["plain"],
+        "speedup": time_of["plain"] / time_of["cascade"],
+        "greedy_agreement_pct": 100 * same / total,
+        "cheap_rate": cheap / (cheap + full) if cheap + full else 0.0,
+    }
 
 
 def speculation(engine, baseline, prompt: list[int], gen_tokens: int) -> dict:

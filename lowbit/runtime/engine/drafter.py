@@ -17,6 +17,10 @@ cache of its own: a layer's KV at a position depends only on the tokens up to it
 below, so the draft's KV of layers < N IS the target's; every slot the draft writes (the
 sequence's last token and the drafted positions) is rewritten by the target's verify pass of the
 same step before anything else reads it, so a rejected draft leaves nothing stale behind.
+
+A token cascade (Engine(cascade=...)) uses the same drafters with `unsure`: a sequence stops
+drafting at the first position whose logits are unsure, without proposing it, and the target
+takes that position after its pass over the drafts.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ class NgramDrafter:
     def __init__(self, max_ngram: int = 3):
         self.max_ngram = max_ngram
 
-    def propose(self, items, drafting):
+    def propose(self, items, drafting, unsure=None):
         return [(ngram_propose(seq.token_ids, k, self.max_ngram), None) for seq, k in drafting]
 
     def sync(self, seq) -> None:
@@ -66,24 +70,31 @@ def choose(logits: torch.Tensor, seqs) -> tuple[list[int], list[torch.Tensor | N
     return tokens, probs
 
 
-def draft_tokens(runner: ModelRunner, works: list[Work], drafting) -> list[tuple[list[int], torch.Tensor | None]]:
+def draft_tokens(runner: ModelRunner, works: list[Work], drafting, unsure=None
+                 ) -> tuple[list[tuple[list[int], torch.Tensor | None]], list[int]]:
     """Run `works` (the last one per drafting sequence yields its first draft logits), then feed
-    each draft back one token at a time until every sequence has its k drafts."""
+    each draft back one token at a time until every sequence has its k drafts, or (with
+    `unsure`: logits [n, V] -> bool [n]) until a row's logits are unsure: that row's drafting
+    ends there without the token (a token cascade hands that position to the target).
+    Returns the proposals and, per sequence, the positions the draft model computed."""
     drafts = [[] for _ in drafting]
     probs = [[] for _ in drafting]
+    passes = [0] * len(drafting)
     active = list(range(len(drafting)))
-    step = 0
     while active:
         logits = runner.run(works).float()  # the draft may run in bf16; its probabilities are float32
         tokens, dists = choose(logits, [drafting[i][0] for i in active])
-        for i, t, p in zip(active, tokens, dists):
-            drafts[i].append(t)
-            probs[i].append(p)
-        step += 1
-        active = [i for i in active if drafting[i][1] > step]
-        works = [Work(drafting[i][0].block_table, drafting[i][0].num_tokens - 1 + step, [drafts[i][-1]], 1)
+        stopped = unsure(logits).tolist() if unsure is not None else [False] * len(active)
+        for i, t, p, stop in zip(active, tokens, dists, stopped):
+            passes[i] += 1
+            if not stop:
+                drafts[i].append(t)
+                probs[i].append(p)
+        active = [i for i, stop in zip(active, stopped) if not stop and drafting[i][1] > passes[i]]
+        works = [Work(drafting[i][0].block_table, drafting[i][0].num_tokens - 1 + passes[i], [drafts[i][-1]], 1)
                  for i in active]
-    return [(d, None if p[0] is None else torch.stack(p)) for d, p in zip(drafts, probs)]
+    proposals = [(d, None if not p or p[0] is None else torch.stack(p)) for d, p in zip(drafts, probs)]
+    return proposals, passes
 
 
 class ModelDrafter:
@@ -94,7 +105,7 @@ class ModelDrafter:
         self.runner = ModelRunner(model, cache)
         self.done: dict[str, int] = {}
 
-    def propose(self, items, drafting):
+    def propose(self, items, drafting, unsure=None):
         drafting_ids = {seq.request_id for seq, _ in drafting}
         works = []
         for item in items:  # mirror what the target computes this step
@@ -113,9 +124,9 @@ class ModelDrafter:
             if works:
                 self.runner.run(works)
             return []
-        out = draft_tokens(self.runner, works, drafting)
-        for (seq, _), (d, _) in zip(drafting, out):
-            self.done[seq.request_id] = seq.num_tokens - 1 + len(d)
+        out, passes = draft_tokens(self.runner, works, drafting, unsure)
+        for (seq, _), n in zip(drafting, passes):
+            self.done[seq.request_id] = seq.num_tokens - 1 + n
         return out
 
     def sync(self, seq) -> None:
@@ -139,11 +150,11 @@ class LayerPrefixDrafter:
         self.model = view
         self.runner = ModelRunner(view, cache)
 
-    def propose(self, items, drafting):
+    def propose(self, items, drafting, unsure=None):
         if not drafting:
             return []
         works = [Work(seq.block_table, seq.num_tokens - 1, [seq.token_ids[-1]], 1) for seq, _ in drafting]
-        return draft_tokens(self.runner, works, drafting)
+        return draft_tokens(self.runner, works, drafting, unsure)[0]
 
     def sync(self, seq) -> None:
         pass

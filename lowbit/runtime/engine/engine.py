@@ -32,10 +32,12 @@ from lowbit.runtime.engine.detokenizer import IncrementalDetokenizer
 from lowbit.runtime.engine.drafter import LayerPrefixDrafter, ModelDrafter, NgramDrafter, parse_draft
 from lowbit.runtime.engine.model_runner import ModelRunner, PromptLogprob, Work
 from lowbit.runtime.engine.paged_cache import PagedKVCache, kv_bytes_per_token
-from lowbit.runtime.engine.sampler import Sampler, _logprobs, _uses_outputs, greedy, nonfinite, process_logits
+from lowbit.runtime.engine.sampler import (Sampler, _logprobs, _uses_outputs, greedy, nonfinite, process_logits,
+                                           sample)
 from lowbit.runtime.engine.scheduler import Scheduler
 from lowbit.runtime.engine.sequence import SamplingParams, Sequence
 from lowbit.runtime.engine.speculative import AdaptiveK, SpecStats, rejection_sample
+from lowbit.runtime.cascade import CascadeSettings, CascadeStats
 from lowbit.runtime.models.fusion import fuse_projections
 
 LogprobEntry = tuple[float, list[tuple[int, float]]]  # (chosen token's logprob, top-n (id, logprob))
@@ -86,6 +88,8 @@ class EngineStats:
     spec_draft_tokens: int
     spec_accepted_tokens: int
     spec_mean_accepted_length: float  # tokens per target pass on drafted sequences (accepted + 1)
+    cascade_cheap_tokens: int = 0  # token cascade: decode tokens the cheap model answered
+    cascade_full_tokens: int = 0  # and those the model took
 
 
 def default_kv_memory(device: torch.device) -> int:
@@ -115,11 +119,13 @@ class Engine:
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, kv_dtype: str | None = None, draft: str | None = None,
                  num_speculative_tokens: int = 4, max_prefill_tokens: int | None = None,
-                 quantize_to: str | None = None):
+                 quantize_to: str | None = None, cascade: CascadeSettings | None = None):
         """max_prefill_tokens: while other sequences run or wait, a step prefills at most this many
         prompt tokens (a lone prompt takes the whole max_num_batched_tokens); None: CPU_MAX_PREFILL_TOKENS
         on a CPU, no cap elsewhere. quantize_to: a format the model's Linears are RTN-quantized to as
-        it loads (the `self:FORMAT` rule of drafts; serve --cascade self:int4 runs such a copy)."""
+        it loads (the `self:FORMAT` rule of drafts; serve --cascade self:int4 runs such a copy).
+        cascade: a token cascade instead of speculation: the draft is the cheap model, and its
+        tokens are emitted unverified while its confidence clears the threshold (_execute)."""
         from lowbit.formats.resolve import resolve_model
         from lowbit.runtime.loader import load_model
         from lowbit.runtime.tokenizer import load_tokenizer
@@ -155,11 +161,18 @@ class Engine:
 
         draft_kind, draft_arg = parse_draft(draft)
         self.draft_kind = draft_kind
+        if cascade is not None and draft_kind not in ("self", "layers", "model"):
+            raise UsageError("a token cascade needs a cheap model: self:FORMAT (e.g. self:int4), self:layers=N "
+                             "or a model with the same tokenizer")
+        self.cascade = cascade
+        self.cascade_stats = CascadeStats()
         draft_model = None
         # A draft's precision only moves its acceptance rate, never the output (the target
         # verifies every token), so a float32 target drafts in bf16: the fast kernels' dtype.
         # Where the CPU has no AVX512-BF16, bf16 is the slow dtype, so the draft stays float32.
-        self.draft_dtype = torch.bfloat16 if self.dtype is torch.float32 and fast_bf16 else self.dtype
+        # A cascade's cheap tokens are emitted unverified, so its cheap model runs in the dtype asked.
+        self.draft_dtype = (torch.bfloat16 if self.dtype is torch.float32 and fast_bf16 and cascade is None
+                            else self.dtype)
         if draft_kind == "layers":
             from lowbit.runtime.engine.draft_models import layer_prefix
             from lowbit.runtime.exit_adapters import load_adapters
@@ -236,6 +249,8 @@ class Engine:
                              f"maximum model length {self.max_model_len}")
         if prompt_ids and (min(prompt_ids) < 0 or max(prompt_ids) >= self.config.vocab_size):
             raise UsageError(f"prompt token ids must be in [0, {self.config.vocab_size})")
+        if self.cascade is not None and params.logprobs is not None:
+            raise UsageError("logprobs are not reported under a token cascade (its cheap tokens have no model logits)")
         matcher = self._check_logit_extras(params)
         seq = Sequence(request_id, prompt_ids, params)
         self.scheduler.add(seq, share_prefix_with)
@@ -266,6 +281,7 @@ class Engine:
             prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
             preemptions_total=self.scheduler.num_preemptions, spec_draft_tokens=s.num_drafted,
             spec_accepted_tokens=s.num_accepted, spec_mean_accepted_length=s.mean_accepted_length,
+            cascade_cheap_tokens=self.cascade_stats.cheap, cascade_full_tokens=self.cascade_stats.full,
         )
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
@@ -362,7 +378,8 @@ class Engine:
     def _draft_len(self, seq: Sequence) -> int:
         # k adapts within [1, num_speculative_tokens]: a verify's cost grows with its rows (on CPU in
         # steps of 4, native/int4_dot.c), so growing past the requested k cost more than it won.
-        k = self._adaptive.setdefault(
+        # A cascade's k is its longest run of cheap tokens: its confidence, not k, ends a run.
+        k = self.cascade.run if self.cascade is not None else self._adaptive.setdefault(
             seq.request_id, AdaptiveK(self.num_speculative_tokens, 1, self.num_speculative_tokens)).k
         room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
         return max(0, min(k, room))
@@ -381,16 +398,24 @@ class Engine:
                     if k > 0 and bm.can_append(seq, k):
                         bm.append_slot(seq, k)
                         drafting.append((i, k))
-            proposals = self.drafter.propose(items, [(items[i].seq, k) for i, k in drafting])
+                    elif self.cascade is not None:
+                        self.cascade_stats.full += 1  # no room for cheap tokens: the model's alone
+            proposals = self.drafter.propose(items, [(items[i].seq, k) for i, k in drafting],
+                                             None if self.cascade is None else self.cascade.unsure)
             for (i, _), (tokens, probs) in zip(drafting, proposals):
                 drafts[i], draft_probs[i] = tokens, probs
                 items[i].num_new_tokens = 1 + len(tokens)
+                if self.cascade is not None:
+                    self.cascade_stats.cheap += len(tokens)
+                    self.cascade_stats.full += 1  # the token after them (every token, at threshold 1)
 
         works = []
         for item, d in zip(items, drafts):
             seq = item.seq
             tokens = seq.token_ids[item.start : item.start + item.num_new_tokens - len(d)] + d
-            work = Work(seq.block_table, item.start, tokens, (1 + len(d)) if item.samples else 0)
+            # a cascade's drafts are emitted as they are: the model's logits only after the last
+            work = Work(seq.block_table, item.start, tokens,
+                        0 if not item.samples else 1 if self.cascade is not None else 1 + len(d))
             if seq.request_id in self._prompt_lps and not d:
                 # rows start.. predict the prompt tokens after them; the prompt's last row predicts
                 # the first generated token, so it is sampled, not scored
@@ -417,7 +442,11 @@ class Engine:
         for i, item in enumerate(items):
             if not item.samples:
                 continue
-            if drafts[i]:
+            if drafts[i] and self.cascade is not None:
+                result[i] = drafts[i] + [self._after_drafts(item.seq, logits[row : row + 1], drafts[i])]
+                logprobs[i] = [None] * len(result[i])
+                row += 1
+            elif drafts[i]:
                 n = 1 + len(drafts[i])
                 result[i], logprobs[i] = self._verify(item.seq, logits[row : row + n], drafts[i], draft_probs[i])
                 row += n
@@ -432,6 +461,16 @@ class Engine:
                 result[i] = [sampled.token_ids[j]]
                 logprobs[i] = [sampled.logprobs[j]]
         return result, logprobs
+
+    def _after_drafts(self, seq: Sequence, logits: torch.Tensor, drafts: list[int]) -> int:
+        """The model's token after a cascade's cheap ones, drawn as a plain step would with the
+        drafts already generated (penalties, min_tokens)."""
+        p = seq.params
+        history = [seq.token_ids + drafts] if p.repetition_penalty != 1.0 else [[]]
+        outputs = [seq.output_token_ids + drafts] if _uses_outputs(p) else None
+        drawn = sample(logits, [p], history, [Sampler.generator(seq, logits.device)], outputs,
+                       eos_ids=self.sampler.eos_token_ids)
+        return drawn.token_ids[0]
 
     def _verify(self, seq: Sequence, logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None):
         """Target logits [k+1, V] over [last, d0..d(k-1)] -> the emitted tokens and their logprobs."""

@@ -59,8 +59,8 @@ def test_every_draft_is_the_prefix_models_from_scratch(deep_llama_dir, monkeypat
     seen = []
     propose = spec.drafter.propose
 
-    def recording(items, drafting):
-        out = propose(items, drafting)
+    def recording(items, drafting, unsure=None):
+        out = propose(items, drafting, unsure)
         seen.extend((list(seq.token_ids), drafts) for (seq, _), (drafts, _) in zip(drafting, out))
         return out
 
