@@ -10,7 +10,7 @@ so this counts a late difference as cheaper than an early one). KLD / PPL / same
 mixed logits against the model's own on wiki-eval windows, through the same modules the engines run.
 
     python bench/token_cascade.py [--model smollm2-135m] [--dtype f32] [--cheap self:int4]
-        [--thresholds 0.9,0.8,0.6,0.4] [--run 8] [--prompts 16] [--gen-tokens 64] [--batches 1,16]
+        [--thresholds 0.9,0.8,0.6,0.4] [--run 7] [--prompts 16] [--gen-tokens 64] [--batches 1,16]
         [--threads 2] [--json PATH]
 """
 
@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--cheap", default="self:int4")
     ap.add_argument("--thresholds", default="0.9,0.8,0.6,0.4")
     ap.add_argument("--confidence", default="top1")
-    ap.add_argument("--run", type=int, default=8, help="the cascade's longest run of cheap tokens")
+    ap.add_argument("--run", type=int, default=7, help="the cascade's longest run of cheap tokens")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--batches", default="1,16")

@@ -24,12 +24,14 @@ from dataclasses import dataclass
 import torch
 
 from lowbit.errors import UsageError
+from lowbit.runtime.engine.paged_attention import SHORT_QUERY
 from lowbit.runtime.early_exit import check_confidence, check_threshold, confidence_of
 
 
-# The longest run of cheap tokens the engine's cascade emits before the model's pass (it also bounds
-# that pass's rows); measured in docs/early_exit.md.
-DEFAULT_RUN = 8
+# The longest run of cheap tokens the engine's cascade emits before the model's pass, which then
+# covers run + 1 rows: at most SHORT_QUERY rows keep that pass on the one-call decode path
+# (SmolLM2, AVX2: a pass over 8 rows 27 ms, over 9 rows 60 ms through the per-layer path).
+DEFAULT_RUN = SHORT_QUERY - 1
 
 
 @dataclass(slots=True)
