@@ -16,9 +16,10 @@ Pictures:
                         computed with lowbit.plan.kv_cache (no measurement)
   distill_loss.png      lowbit distill's end-to-end KL loss per step (bench/results/distill*.json from
                         bench/distill.py), with each run's held-out KLD before and after
-  speed_quality.png     decode speedup vs greedy agreement with the full model: early exit, the token
-                        cascade, exact self-speculation (bench/results/early_exit.json from
-                        bench/early_exit.py) and serve's query cascade (query_cascade.json)
+  speed_quality.png     decode speedup vs greedy agreement with the full model: early exit and exact
+                        self-speculation (bench/results/early_exit.json from bench/early_exit.py),
+                        the engine's token cascade (token_cascade.json from bench/token_cascade.py)
+                        and serve's query cascade (query_cascade.json)
 A picture whose JSON is missing is skipped with a note, not an error.
 """
 
@@ -277,9 +278,10 @@ def plot_distill(out: Path) -> bool:
 
 def plot_speed_quality(out: Path) -> bool:
     """Decode speedup against greedy agreement with the full model for every approximate setting
-    measured (bench/results/early_exit.json, query_cascade.json), beside issue 28's target corner."""
-    exits, query = RESULTS / "early_exit.json", RESULTS / "query_cascade.json"
-    if not exits.exists() and not query.exists():
+    measured (bench/results/early_exit.json, token_cascade.json, query_cascade.json), beside issue 28's
+    target corner."""
+    exits, query, tokens = RESULTS / "early_exit.json", RESULTS / "query_cascade.json", RESULTS / "token_cascade.json"
+    if not exits.exists() and not query.exists() and not tokens.exists():
         return False
     series = []  # (label, color, marker, [(agreement %, speedup, threshold)])
     if exits.exists():
@@ -288,14 +290,17 @@ def plot_speed_quality(out: Path) -> bool:
             rows = [r for r in data["early_exit"] if r["confidence"] == conf]
             series.append((f"early exit {'/'.join(map(str, data['exit_layers']))}, {conf} (single sequence)", color, "o",
                            [(r["greedy_agreement_pct"], r["speedup"], r["threshold"]) for r in rows]))
-        for cheap in sorted({r["cheap"] for r in data["cascade"]}):
-            rows = [r for r in data["cascade"] if r["cheap"] == cheap]
-            series.append((f"token cascade, {cheap} (single sequence)", "tab:green", "s",
-                           [(r["greedy_agreement_pct"], r["speedup"], r["threshold"]) for r in rows]))
         spec = data.get("self_speculative") or []
         if spec:
             series.append(("exact self-speculation, self:layers=N (engine)", "tab:gray", "D",
                            [(100.0, r["speedup"], r["draft"].split("=")[-1]) for r in spec]))
+    if tokens.exists():
+        data = json.loads(tokens.read_text())
+        for batch, color in (("b1", "tab:green"), ("b16", "tab:olive")):
+            if batch in data["rows"][0]:
+                series.append((f"token cascade, {data['cheap']} (engine, batch {batch[1:]})", color, "s",
+                               [(r[batch]["greedy_agreement_pct"], r[batch]["speedup"], r["threshold"])
+                                for r in data["rows"]]))
     if query.exists():
         data = json.loads(query.read_text())
         for conc, color in ((1, "tab:red"), (max(r["concurrency"] for r in data["rows"]), "tab:orange")):
