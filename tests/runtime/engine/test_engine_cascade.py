@@ -1,6 +1,6 @@
 """The token cascade in the engine (Engine(draft=CHEAP, cascade=CascadeSettings(T))): the cheap
 model's tokens are emitted while its confidence is strictly above T, the model takes the first
-position where it is not (and every (k+1)-th, k = num_speculative_tokens), after catching up on the
+position where it is not (and every (run+1)-th: CascadeSettings.run), after catching up on the
 cheap tokens in one batched pass. Checked against from-scratch forwards of both models, against the
 single-sequence CascadeDecoder, batched and alone; threshold 1 is plain decoding token for token."""
 
@@ -15,24 +15,10 @@ from lowbit.runtime.early_exit import confidence_of
 from lowbit.runtime.engine.engine import Engine
 from lowbit.runtime.engine.sequence import SamplingParams
 from tests.runtime.cascade_reference import CascadeDecoder
-from tests.runtime.conftest import _llama_config, build_hf, randomize_
-from tests.runtime.engine.conftest import save_with_tokenizer
+from tests.runtime.test_cascade import dirs  # noqa: F401 - the fixture: a 3-layer model and a peaked 1-layer cheap one
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 PROMPTS = [[40 + i for i in range(9)], [70, 71, 72], [100 + (i * 7) % 50 for i in range(21)]]
-
-
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    full = tmp_path_factory.mktemp("engine_cascade_full")
-    save_with_tokenizer(build_hf(_llama_config(num_hidden_layers=3)), full)
-    cheap = tmp_path_factory.mktemp("engine_cascade_cheap")
-    model = build_hf(_llama_config(num_hidden_layers=1, hidden_size=32, intermediate_size=64))
-    randomize_(model, seed=1)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8)  # peaked distributions, so confidences spread over (0, 1)
-    save_with_tokenizer(model, cheap)
-    return full, cheap
 
 
 def _engine(dirs, threshold, k=4):
