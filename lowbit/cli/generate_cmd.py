@@ -134,10 +134,10 @@ def generate(
 
 
 def cascade_info(cheap: str, settings, stats) -> dict:
-    n = stats.cascade_cheap_tokens + stats.cascade_full_tokens
-    return {"cheap": cheap, "threshold": settings.threshold, "confidence": settings.confidence, "positions": n,
-            "cheap_rate": stats.cascade_cheap_tokens / n if n else 0.0,
-            "full_rate": stats.cascade_full_tokens / n if n else 0.0}
+    from lowbit.runtime.cascade import CascadeStats
+
+    counts = CascadeStats(stats.cascade_cheap_tokens, stats.cascade_full_tokens).as_dict()
+    return {"cheap": cheap, "threshold": settings.threshold, "confidence": settings.confidence, **counts}
 
 
 def _report(g, prompt_ids: list[int], json_out: bool, key: str, info: dict, note: str) -> None:

@@ -12,9 +12,9 @@ threshold 1.0 is the full model bit for bit, and 0.0 (top1) the cheap model ever
 - Decoding (`generate` / `bench --cascade`) runs in the engine: `Engine(draft=CHEAP,
   cascade=CascadeSettings(...))` drafts with the cheap model while its confidence clears the
   threshold (at most `run` tokens), emits those tokens unverified, and the model's one pass over
-  them catches its cache up and gives the next token (on a CPU a pass over a few tokens costs
-  about what one token does: it is bound by reading the weights). Which model answered each
-  token is counted in `CascadeStats`.
+  them catches its cache up and gives the next token (one pass over n + 1 rows instead of n + 1
+  steps: it reads the weights once). Which model answered each token is counted in
+  `CascadeStats`.
 """
 
 from __future__ import annotations
