@@ -27,6 +27,7 @@ from lowbit.errors import LowbitError, UsageError
 from lowbit.quant.dtypes import parse_dtype
 from lowbit.kernels import hugepages
 from lowbit.kernels.cpu_f32 import bf16_available, place_weights, use_invariant_linears
+from lowbit.runtime.cascade import CascadeSettings, CascadeStats
 from lowbit.runtime.engine.block_manager import BlockManager
 from lowbit.runtime.engine.detokenizer import IncrementalDetokenizer
 from lowbit.runtime.engine.drafter import LayerPrefixDrafter, ModelDrafter, NgramDrafter, parse_draft
@@ -37,7 +38,6 @@ from lowbit.runtime.engine.sampler import (Sampler, _logprobs, _uses_outputs, gr
 from lowbit.runtime.engine.scheduler import Scheduler
 from lowbit.runtime.engine.sequence import SamplingParams, Sequence
 from lowbit.runtime.engine.speculative import AdaptiveK, SpecStats, rejection_sample
-from lowbit.runtime.cascade import CascadeSettings, CascadeStats
 from lowbit.runtime.models.fusion import fuse_projections
 
 LogprobEntry = tuple[float, list[tuple[int, float]]]  # (chosen token's logprob, top-n (id, logprob))
