@@ -35,6 +35,8 @@ def test_cli_generate_and_eval(dirs, tmp_path, run_cli):
     assert code == 2 and "--cascade does not combine with --early-exit or --draft" in err
     code, _, err = run(["generate", str(full), "hi", "--cascade", str(cheap), "--cascade-run", "0"])
     assert code == 2 and "--cascade-run must be >= 1, got 0" in err and "Traceback" not in err
+    code, _, err = run(["generate", str(full), "hi", "--cascade", "self:layers=3"])  # the model has 3 layers
+    assert code == 2 and "--cascade self:layers=3: the layer count must be between 1 and 2" in err, err
 
 
 def test_cli_generate_threshold_zero_takes_runs_of_cheap_tokens(dirs, run_cli):

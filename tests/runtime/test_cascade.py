@@ -120,3 +120,7 @@ def test_bad_settings_and_cheap_models(dirs, tmp_path):
     (other / "tokenizer.json").write_text(json.dumps(spec))
     with pytest.raises(UsageError, match="--cascade model .* does not share the target's tokenizer"):
         load_cheap_model(str(other), dirs[0], tok, torch.float32, "cpu")
+    from lowbit.runtime.engine.engine import Engine
+
+    with pytest.raises(UsageError, match="--cascade model .* does not share the target's tokenizer"):
+        Engine(dirs[0], kv_memory=4 << 20, draft=str(other), cascade=CascadeSettings(0.5))  # generate's path

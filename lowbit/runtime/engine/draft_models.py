@@ -126,18 +126,18 @@ def load_draft_model(arg: str, target_tokenizer, dtype: torch.dtype, device, rol
     return quantize_draft_head_(model, device)
 
 
-def layer_prefix(model: nn.Module, num_layers: int, adapter: nn.Module | None = None) -> nn.Module:
+def layer_prefix(model: nn.Module, num_layers: int, adapter: nn.Module | None = None, option: str = "--draft") -> nn.Module:
     """A view of `model` that runs only its first `num_layers` decoder layers, then the model's own
     final norm and head: the same module objects (no weight is copied), so it drafts over the
     target's KV cache of those layers (drafter.LayerPrefixDrafter).
 
     adapter: the hook for a trained exit adapter (lowbit distill): a module applied to the normed
-    hidden state before the head; None uses the head as it is."""
+    hidden state before the head; None uses the head as it is. option: the flag named in errors."""
     import copy
 
     total = model.config.num_hidden_layers
     if not 1 <= num_layers < total:
-        raise UsageError(f"--draft self:layers={num_layers}: the draft's layer count must be between 1 and "
+        raise UsageError(f"{option} self:layers={num_layers}: the layer count must be between 1 and "
                          f"{total - 1} (the model has {total} layers)")
     inner = copy.copy(model.model)
     inner._modules = dict(inner._modules)  # our own children table: the target's stays untouched

@@ -180,7 +180,8 @@ class Engine:
             # the target's own first layers over its own KV: no weights, no cache of its own; the
             # exit's trained adapter (lowbit distill --exit-layers) where the model has one
             adapter = load_adapters(path, self.config).get(draft_arg)
-            draft_model = layer_prefix(self.model, draft_arg, None if adapter is None else adapter.to(self.device))
+            draft_model = layer_prefix(self.model, draft_arg, None if adapter is None else adapter.to(self.device),
+                                       "--cascade" if cascade is not None else "--draft")
             self.draft_dtype = self.dtype
         elif draft_kind == "self":
             from lowbit.runtime.engine.draft_models import quantized_copy
@@ -189,7 +190,8 @@ class Engine:
         elif draft_kind == "model":
             from lowbit.runtime.engine.draft_models import load_draft_model
 
-            draft_model = load_draft_model(draft_arg, self.tokenizer, self.draft_dtype, self.device)
+            draft_model = load_draft_model(draft_arg, self.tokenizer, self.draft_dtype, self.device,
+                                           role="--cascade model" if cascade is not None else "draft model")
 
         bytes_per_token = kv_bytes_per_token(self.config, self.dtype, kv_dtype)
         if draft_model is not None and draft_kind != "layers":
