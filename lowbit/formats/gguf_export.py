@@ -337,11 +337,10 @@ def _write_metadata(writer, ckpt: Checkpoint, arch: str, plan: dict) -> list[str
 
 
 def _copy_gguf_tokenizer(writer, source) -> list[str]:
-    reader = source._reader
-    for key, field in reader.fields.items():
+    import gguf  # late: the gguf package is slow to import and only --to gguf needs it
+
+    for key, field in source.fields.items():
         if key.startswith("tokenizer."):
-            value = field.contents()
-            vtype = field.types[0]
-            sub = field.types[-1] if len(field.types) > 1 else None
-            writer.add_key_value(key, value, vtype, sub_type=sub)
+            sub = gguf.GGUFValueType(field.types[-1]) if len(field.types) > 1 else None
+            writer.add_key_value(key, field.contents(), gguf.GGUFValueType(field.types[0]), sub_type=sub)
     return []

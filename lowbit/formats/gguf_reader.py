@@ -1,14 +1,15 @@
 """Open a GGUF file, check it is whole, read its metadata, and dequantize one tensor at a time.
 
-The `gguf` package parses the container and decodes quantized blocks; everything a caller
-sees here is plain Python values and torch tensors in Hugging Face's (rows, cols) order.
+The container is parsed here (`_parse`); the `gguf` package decodes quantized blocks. Everything a
+caller sees is plain Python values and torch tensors in Hugging Face's (rows, cols) order.
 """
 
 from __future__ import annotations
 
 import math
+import mmap
 import os
-import warnings
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,15 +41,47 @@ class TensorInfo:
     n_bytes: int
 
 
+@dataclass(slots=True)
+class Field:
+    """One metadata entry: its GGUF value types (an array's element type after ARRAY) and its value:
+    a scalar as a Python value (a string as bytes), a numeric array as numpy, a string array as a
+    list of bytes. `contents()` is the decoded Python value."""
+
+    types: list[int]
+    value: Any
+
+    def contents(self) -> Any:
+        if self.types[0] == _STRING:
+            return self.value.decode("utf-8")
+        if self.types[0] != _ARRAY:
+            return self.value
+        if self.types[1] == _STRING:
+            return [b.decode("utf-8") for b in self.value]
+        if self.types[1] == _ARRAY:
+            return [f.contents() for f in self.value]
+        return self.value.tolist()
+
+
+@dataclass(slots=True)
+class _Tensor:
+    name: str
+    dims: tuple[int, ...]  # GGUF order: innermost first
+    qtype: int
+    type_name: str
+    start: int  # byte offset in the file
+    n_bytes: int
+
+
 class GGUFFile:
     """A validated GGUF file: metadata by key, tensors by name."""
 
-    __slots__ = ("path", "_reader", "_tensors")
+    __slots__ = ("path", "fields", "_tensors", "_map")
 
-    def __init__(self, path: Path, reader: Any) -> None:
+    def __init__(self, path: Path, fields: dict[str, Field], tensors: list[_Tensor]) -> None:
         self.path = path
-        self._reader = reader
-        self._tensors = {t.name: t for t in reader.tensors}
+        self.fields = fields
+        self._tensors = {t.name: t for t in tensors}
+        self._map: np.ndarray | None = None  # the file mapped read-only, at the first tensor read
 
     @property
     def architecture(self) -> str:
@@ -58,11 +91,11 @@ class GGUFFile:
         return arch
 
     def has(self, key: str) -> bool:
-        return key in self._reader.fields
+        return key in self.fields
 
     def get(self, key: str, default: Any = None) -> Any:
         """A metadata value as str / int / float / bool / list, or `default` when absent."""
-        field = self._reader.fields.get(key)
+        field = self.fields.get(key)
         if field is None:
             return default
         return field.contents()
@@ -73,18 +106,18 @@ class GGUFFile:
 
     def string_array(self, key: str) -> list[str]:
         """A string array decoded leniently: vocabularies may hold invalid UTF-8 byte pieces."""
-        field = self._reader.fields.get(key)
-        if field is None:
+        field = self.fields.get(key)
+        if field is None or field.types[:2] != [_ARRAY, _STRING]:
             return []
-        return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
+        return [b.decode("utf-8", errors="replace") for b in field.value]
 
     def numeric_array(self, key: str) -> np.ndarray | None:
-        field = self._reader.fields.get(key)
+        field = self.fields.get(key)
         if field is None:
             return None
-        if not field.data:
+        if field.types[0] != _ARRAY or not isinstance(field.value, np.ndarray):
             return np.zeros(0)
-        return np.concatenate([np.asarray(field.parts[i]) for i in field.data])
+        return field.value
 
     def tensor_names(self) -> list[str]:
         return list(self._tensors)
@@ -94,34 +127,45 @@ class GGUFFile:
 
     def info(self, name: str) -> TensorInfo:
         t = self._tensor(name)
-        return TensorInfo(t.name, t.tensor_type.name, tuple(reversed([int(d) for d in t.shape])), int(t.n_bytes))
+        return TensorInfo(t.name, t.type_name, tuple(reversed(t.dims)), t.n_bytes)
 
     def raw_bytes(self, name: str) -> bytes:
-        return self._tensor(name).data.tobytes()
+        return self._data(self._tensor(name)).tobytes()
 
     def tensor(self, name: str) -> torch.Tensor:
         """Dequantize one tensor to float32, shaped as Hugging Face expects (outermost dim first)."""
         import gguf.quants  # late: the gguf package is slow to import and only GGUF work needs it
 
         t = self._tensor(name)
-        type_name = t.tensor_type.name
-        if type_name not in SUPPORTED_TYPES:
+        if t.type_name not in SUPPORTED_TYPES:
             raise LowbitError(
-                f"tensor {name} in {self.path.name} has GGUF type {type_name}, which lowbit cannot import "
+                f"tensor {name} in {self.path.name} has GGUF type {t.type_name}, which lowbit cannot import "
                 f"(supported: {', '.join(sorted(SUPPORTED_TYPES))})"
             )
-        shape = tuple(reversed([int(d) for d in t.shape]))
+        shape = tuple(reversed(t.dims))
+        data = self._data(t)
         try:
             with np.errstate(all="ignore"):  # a damaged block overflows; said below, once, naming the tensor
-                values = np.array(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32)
+                if t.type_name == "F64":
+                    decoded = data.view(np.float64)
+                else:
+                    decoded = gguf.quants.dequantize(data, gguf.GGMLQuantizationType(t.qtype))
+                values = np.array(decoded, dtype=np.float32)
             out = torch.from_numpy(values).reshape(shape)  # a copy: the file is mapped read-only
         except (ValueError, RuntimeError) as exc:  # sizes that do not fit the type's blocks: a damaged table
-            raise LowbitError(f"tensor {name} in {self.path.name} cannot be decoded as {type_name} {list(shape)}: "
+            raise LowbitError(f"tensor {name} in {self.path.name} cannot be decoded as {t.type_name} {list(shape)}: "
                               f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
         check_finite_tensor(out, name, self.path.name)
         return out
 
-    def _tensor(self, name: str) -> Any:
+    def _data(self, t: _Tensor) -> np.ndarray:
+        """The tensor's bytes as uint8 rows (outer dims flattened), a view of the mapped file."""
+        if self._map is None:
+            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        rows = math.prod(t.dims[1:])
+        return self._map[t.start : t.start + t.n_bytes].reshape(rows, t.n_bytes // rows)
+
+    def _tensor(self, name: str) -> _Tensor:
         try:
             return self._tensors[name]
         except KeyError:
@@ -130,8 +174,6 @@ class GGUFFile:
 
 def open_gguf(path: str | os.PathLike) -> GGUFFile:
     """Open and validate a GGUF file; every failure is a one-line LowbitError naming the problem."""
-    from gguf import GGUFReader  # late: the gguf package is slow to import and only GGUF work needs it
-
     path = Path(path).expanduser()
     if not path.exists():
         raise LowbitError(f"GGUF file not found: {path}")
@@ -141,30 +183,8 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
         magic = fh.read(4)
     if magic != GGUF_MAGIC:
         raise LowbitError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
-    size = path.stat().st_size
-    _check_structure(path, size)
-    try:
-        # The parser adds offsets and multiplies dimensions in numpy's 64-bit integers: a damaged
-        # table overflows them (a RuntimeWarning and a wrapped value), which is checked below in
-        # Python integers instead.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            reader = GGUFReader(path)
-    except Exception as exc:  # noqa: BLE001 - the parser reports truncation as assorted numpy errors
-        raise LowbitError(
-            f"{path} is truncated or corrupt: the GGUF header could not be parsed ({size} bytes; "
-            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
-        ) from None
-    for t in reader.tensors:
-        dims = [int(d) for d in t.shape]
-        if math.prod(dims) != int(t.n_elements) or any(d <= 0 for d in dims):
-            raise LowbitError(f"{path} is corrupt: tensor {t.name} has dimensions {dims}")
-        end = int(reader.data_offset) + int(t.field.parts[-1][0]) + int(t.n_bytes)  # the stored offset, unwrapped
-        if end > size:
-            raise LowbitError(
-                f"{path} is truncated or corrupt: tensor {t.name} ends at byte {end} but the file has {size} bytes"
-            )
-    return GGUFFile(path, reader)
+    fields, tensors = _parse(path, path.stat().st_size)
+    return GGUFFile(path, fields, tensors)
 
 
 def printable(text: str, limit: int = 80) -> str:
@@ -174,85 +194,128 @@ def printable(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-# GGUF value types: byte width of the scalars; 8 is a string (u64 length + bytes), 9 an array
-# (u32 element type + u64 count + elements).
-_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+# GGUF value types: the scalars' struct formats; 8 is a string (u64 length + bytes), 9 an array (u32
+# element type + u64 count + elements).
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_SCALAR_BYTES = {t: struct.calcsize(f) for t, f in _SCALARS.items()}
+_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
 _STRING, _ARRAY = 8, 9
 _MAX_DIMS = 4  # GGML_MAX_DIMS
+_DEFAULT_ALIGNMENT = 32
 
 
-def _check_structure(path: Path, size: int) -> None:
-    """Walk the header's lengths and counts before the gguf package parses it, in bounded time:
-    its parser trusts them, so a damaged count of 2^60 array elements past the end of the file makes
-    it loop (and allocate) for as long as the count says, where this says which field is wrong."""
-    import mmap
-    import struct
+def _parse(path: Path, size: int) -> tuple[dict[str, Field], list[_Tensor]]:
+    """The metadata and the tensor table, every length and count checked against the file before
+    it is used (a damaged count of 2^60 elements is a one-line error, not a loop that long).
 
-    with path.open("rb") as fh:
-        if size < 24:
-            raise LowbitError(f"{path} is truncated: {size} bytes cannot hold a GGUF header (24 bytes)")
-        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            version, n_tensors, n_kv = struct.unpack_from("<IQQ", data, 4)
-            if version not in (2, 3):
-                raise LowbitError(f"{path}: GGUF version {version} is not one lowbit reads (2 or 3)")
-            # every metadata entry takes at least 13 bytes, every tensor entry at least 32
-            if n_kv * 13 + n_tensors * 32 > size - 24:
-                raise LowbitError(f"{path} is corrupt: its header counts {n_kv} metadata entries and {n_tensors} "
-                                  f"tensors, more than its {size} bytes can hold")
-            pos = 24
+    Why our own parser: the `gguf` package's reader builds numpy views for every piece of every
+    field, 16 s for Gemma-3's 262144-token vocabulary; this walk takes well under a second."""
+    import gguf  # late: the gguf package is slow to import and only GGUF work needs it
 
-            def need(n: int, what: str) -> None:
-                if pos + n > size:
-                    raise LowbitError(f"{path} is truncated or corrupt: {what} runs past the end of the file "
-                                      f"(byte {pos + n} of {size})")
+    if size < 24:
+        raise LowbitError(f"{path} is truncated: {size} bytes cannot hold a GGUF header (24 bytes)")
+    with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        return _walk(path, size, data, gguf)
 
-            def string(what: str) -> str:
-                nonlocal pos
-                need(8, what)
-                (n,) = struct.unpack_from("<Q", data, pos)
-                pos += 8
-                need(n, what)
-                pos += n
-                return bytes(data[pos - n : pos]).decode("utf-8", errors="replace")
 
-            def value(vtype: int, what: str) -> None:
-                nonlocal pos
-                if vtype in _SCALAR_BYTES:
-                    need(_SCALAR_BYTES[vtype], what)
-                    pos += _SCALAR_BYTES[vtype]
-                elif vtype == _STRING:
-                    string(what)
-                elif vtype == _ARRAY:
-                    need(12, what)
-                    etype, count = struct.unpack_from("<IQ", data, pos)
-                    pos += 12
-                    width = _SCALAR_BYTES.get(etype, 8 if etype == _STRING else 12 if etype == _ARRAY else None)
-                    if width is None:
-                        raise LowbitError(f"{path} is corrupt: {what} is an array of unknown GGUF type {etype}")
-                    need(count * width, f"{what} ({count} elements)")
-                    if etype in _SCALAR_BYTES:
-                        pos += count * width
-                    else:
-                        for _ in range(count):
-                            value(etype, what)
-                else:
-                    raise LowbitError(f"{path} is corrupt: {what} has unknown GGUF value type {vtype}")
+def _walk(path: Path, size: int, data, gguf) -> tuple[dict[str, Field], list[_Tensor]]:
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", data, 4)
+    if version not in (2, 3):
+        raise LowbitError(f"{path}: GGUF version {version} is not one lowbit reads (2 or 3)")
+    # every metadata entry takes at least 13 bytes, every tensor entry at least 32
+    if n_kv * 13 + n_tensors * 32 > size - 24:
+        raise LowbitError(f"{path} is corrupt: its header counts {n_kv} metadata entries and {n_tensors} "
+                          f"tensors, more than its {size} bytes can hold")
+    pos = 24
 
-            for i in range(n_kv):
-                key = printable(string(f"metadata key {i}"))
-                need(4, f"metadata {key}")
-                (vtype,) = struct.unpack_from("<I", data, pos)
-                pos += 4
-                value(vtype, f"metadata {key}")
-            for i in range(n_tensors):
-                name = printable(string(f"tensor name {i}"))
-                need(4, f"tensor {name}")
-                (n_dims,) = struct.unpack_from("<I", data, pos)
-                pos += 4
-                if not 1 <= n_dims <= _MAX_DIMS:
-                    raise LowbitError(f"{path} is corrupt: tensor {name} has {n_dims} dimensions (1 to {_MAX_DIMS})")
-                need(8 * n_dims + 12, f"tensor {name}")
-                pos += 8 * n_dims + 12
+    def need(n: int, what: str) -> None:
+        if pos + n > size:
+            raise LowbitError(f"{path} is truncated or corrupt: {what} runs past the end of the file "
+                              f"(byte {pos + n} of {size})")
+
+    def string(what: str) -> bytes:
+        nonlocal pos
+        need(8, what)
+        (n,) = struct.unpack_from("<Q", data, pos)
+        pos += 8
+        need(n, what)
+        pos += n
+        return data[pos - n : pos]
+
+    def value(vtype: int, what: str) -> Field:
+        nonlocal pos
+        if vtype in _SCALARS:
+            need(_SCALAR_BYTES[vtype], what)
+            (v,) = struct.unpack_from(_SCALARS[vtype], data, pos)
+            pos += _SCALAR_BYTES[vtype]
+            return Field([vtype], v)
+        if vtype == _STRING:
+            return Field([vtype], string(what))
+        if vtype != _ARRAY:
+            raise LowbitError(f"{path} is corrupt: {what} has unknown GGUF value type {vtype}")
+        need(12, what)
+        etype, count = struct.unpack_from("<IQ", data, pos)
+        pos += 12
+        width = _SCALAR_BYTES.get(etype, 8 if etype == _STRING else 12 if etype == _ARRAY else None)
+        if width is None:
+            raise LowbitError(f"{path} is corrupt: {what} is an array of unknown GGUF type {etype}")
+        need(count * width, f"{what} ({count} elements)")
+        if etype in _SCALARS:
+            items = np.frombuffer(data, dtype=_NUMPY[etype], count=count, offset=pos).copy()
+            pos += count * width
+            return Field([_ARRAY, etype], items)
+        if etype == _STRING:
+            return Field([_ARRAY, _STRING], [string(what) for _ in range(count)])
+        inner = [value(etype, what) for _ in range(count)]
+        return Field([_ARRAY, *(inner[0].types if inner else [_ARRAY])], inner)
+
+    fields: dict[str, Field] = {}
+    for i in range(n_kv):
+        key = string(f"metadata key {i}").decode("utf-8", errors="replace")
+        shown = printable(key)
+        need(4, f"metadata {shown}")
+        (vtype,) = struct.unpack_from("<I", data, pos)
+        pos += 4
+        fields[key] = value(vtype, f"metadata {shown}")
+    table = []
+    for i in range(n_tensors):
+        name = string(f"tensor name {i}").decode("utf-8", errors="replace")
+        shown = printable(name)
+        need(4, f"tensor {shown}")
+        (n_dims,) = struct.unpack_from("<I", data, pos)
+        pos += 4
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise LowbitError(f"{path} is corrupt: tensor {shown} has {n_dims} dimensions (1 to {_MAX_DIMS})")
+        need(8 * n_dims + 12, f"tensor {shown}")
+        dims = struct.unpack_from(f"<{n_dims}Q", data, pos)
+        qtype, offset = struct.unpack_from("<IQ", data, pos + 8 * n_dims)
+        pos += 8 * n_dims + 12
+        table.append((name, shown, dims, qtype, offset))
+    alignment = fields.get("general.alignment")
+    alignment = alignment.value if alignment is not None and alignment.types == [4] else _DEFAULT_ALIGNMENT
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise LowbitError(f"{path} is corrupt: general.alignment is {alignment}, not a power of two")
+    data_start = -(-pos // alignment) * alignment
+    tensors = []
+    for name, shown, dims, qtype, offset in table:
+        if any(d <= 0 for d in dims):
+            raise LowbitError(f"{path} is corrupt: tensor {shown} has dimensions {list(dims)}")
+        try:
+            kind = gguf.GGMLQuantizationType(qtype)
+            block, type_bytes = gguf.GGML_QUANT_SIZES[kind]
+        except (ValueError, KeyError):
+            raise LowbitError(f"{path} is corrupt: tensor {shown} has unknown GGUF tensor type {qtype}") from None
+        if dims[0] % block:
+            raise LowbitError(f"{path} is corrupt: tensor {shown} has rows of {dims[0]} values, not whole "
+                              f"{kind.name} blocks of {block}")
+        n_bytes = math.prod(dims) // block * type_bytes
+        end = data_start + offset + n_bytes
+        if end > size:
+            raise LowbitError(
+                f"{path} is truncated or corrupt: tensor {shown} ends at byte {end} but the file has {size} bytes"
+            )
+        tensors.append(_Tensor(name, tuple(dims), qtype, kind.name, data_start + offset, n_bytes))
+    return fields, tensors
 
 
 def check_finite_tensor(values: torch.Tensor, name: str, file: str) -> None:
