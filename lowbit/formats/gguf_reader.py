@@ -269,21 +269,23 @@ def _walk(path: Path, size: int, data, gguf) -> tuple[dict[str, Field], list[_Te
         inner = [value(etype, what) for _ in range(count)]
         return Field([_ARRAY, *(inner[0].types if inner else [_ARRAY])], inner)
 
+    def named(kind: str, i: int) -> tuple[str, str, int]:
+        """An entry's name (a metadata key, a tensor name), safe to show, and the u32 after it."""
+        nonlocal pos
+        name = string(f"{kind} name {i}" if kind == "tensor" else f"{kind} key {i}").decode("utf-8", errors="replace")
+        shown = printable(name)
+        need(4, f"{kind} {shown}")
+        (number,) = struct.unpack_from("<I", data, pos)
+        pos += 4
+        return name, shown, number
+
     fields: dict[str, Field] = {}
     for i in range(n_kv):
-        key = string(f"metadata key {i}").decode("utf-8", errors="replace")
-        shown = printable(key)
-        need(4, f"metadata {shown}")
-        (vtype,) = struct.unpack_from("<I", data, pos)
-        pos += 4
+        key, shown, vtype = named("metadata", i)
         fields[key] = value(vtype, f"metadata {shown}")
     table = []
     for i in range(n_tensors):
-        name = string(f"tensor name {i}").decode("utf-8", errors="replace")
-        shown = printable(name)
-        need(4, f"tensor {shown}")
-        (n_dims,) = struct.unpack_from("<I", data, pos)
-        pos += 4
+        name, shown, n_dims = named("tensor", i)
         if not 1 <= n_dims <= _MAX_DIMS:
             raise LowbitError(f"{path} is corrupt: tensor {shown} has {n_dims} dimensions (1 to {_MAX_DIMS})")
         need(8 * n_dims + 12, f"tensor {shown}")
