@@ -31,12 +31,13 @@ from query_cascade import prompts as wiki_prompts  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def quality(engine, threshold: float, tokens: list[int], windows) -> dict:
-    from lowbit.runtime.cascade import CascadeLM, CascadeSettings
+def quality(engine, tokens: list[int], windows) -> dict:
+    """`eval --cascade`'s figures for the engine's cascade as it is set, through its own modules."""
+    from lowbit.runtime.cascade import CascadeLM
     from lowbit.runtime.early_exit import FullLogits
     from lowbit.runtime.evaluate import evaluate_tokens
 
-    lm = CascadeLM(engine.model, engine.drafter.model, CascadeSettings(threshold, engine.cascade.confidence))
+    lm = CascadeLM(engine.model, engine.drafter.model, engine.cascade)
     r = evaluate_tokens(lm, tokens, windows, base_model=FullLogits(lm))
     return {"eval_ppl": r.ppl, "eval_kld": r.kld.mean, "eval_same_top_pct": r.kld.same_top_pct,
             "eval_base_ppl": r.kld.base_ppl, "eval_cheap_rate": lm.stats.as_dict()["cheap_rate"]}
@@ -82,7 +83,7 @@ def main() -> None:
     rows = []
     for t in (float(x) for x in args.thresholds.split(",")):
         cascade.cascade.threshold = t
-        row = {"threshold": t, **quality(cascade, t, text_tokens, windows)}
+        row = {"threshold": t, **quality(cascade, text_tokens, windows)}
         for b in batches:
             r = token_cascade(cascade, plain, prompts, args.gen_tokens, b)
             row[f"b{b}"] = {k: r[k] for k in ("tok_s", "plain_tok_s", "speedup", "greedy_agreement_pct", "cheap_rate")}

@@ -210,15 +210,15 @@ def _parse(path: Path, size: int) -> tuple[dict[str, Field], list[_Tensor]]:
 
     Why our own parser: the `gguf` package's reader builds numpy views for every piece of every
     field, 16 s for Gemma-3's 262144-token vocabulary; this walk takes well under a second."""
-    import gguf  # late: the gguf package is slow to import and only GGUF work needs it
-
     if size < 24:
         raise LowbitError(f"{path} is truncated: {size} bytes cannot hold a GGUF header (24 bytes)")
     with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        return _walk(path, size, data, gguf)
+        return _walk(path, size, data)
 
 
-def _walk(path: Path, size: int, data, gguf) -> tuple[dict[str, Field], list[_Tensor]]:
+def _walk(path: Path, size: int, data) -> tuple[dict[str, Field], list[_Tensor]]:
+    import gguf  # late: the gguf package is slow to import and only GGUF work needs it
+
     version, n_tensors, n_kv = struct.unpack_from("<IQQ", data, 4)
     if version not in (2, 3):
         raise LowbitError(f"{path}: GGUF version {version} is not one lowbit reads (2 or 3)")
@@ -269,10 +269,10 @@ def _walk(path: Path, size: int, data, gguf) -> tuple[dict[str, Field], list[_Te
         inner = [value(etype, what) for _ in range(count)]
         return Field([_ARRAY, *(inner[0].types if inner else [_ARRAY])], inner)
 
-    def named(kind: str, i: int) -> tuple[str, str, int]:
+    def named(what: str, kind: str) -> tuple[str, str, int]:
         """An entry's name (a metadata key, a tensor name), safe to show, and the u32 after it."""
         nonlocal pos
-        name = string(f"{kind} name {i}" if kind == "tensor" else f"{kind} key {i}").decode("utf-8", errors="replace")
+        name = string(what).decode("utf-8", errors="replace")
         shown = printable(name)
         need(4, f"{kind} {shown}")
         (number,) = struct.unpack_from("<I", data, pos)
@@ -281,11 +281,11 @@ def _walk(path: Path, size: int, data, gguf) -> tuple[dict[str, Field], list[_Te
 
     fields: dict[str, Field] = {}
     for i in range(n_kv):
-        key, shown, vtype = named("metadata", i)
+        key, shown, vtype = named(f"metadata key {i}", "metadata")
         fields[key] = value(vtype, f"metadata {shown}")
     table = []
     for i in range(n_tensors):
-        name, shown, n_dims = named("tensor", i)
+        name, shown, n_dims = named(f"tensor name {i}", "tensor")
         if not 1 <= n_dims <= _MAX_DIMS:
             raise LowbitError(f"{path} is corrupt: tensor {shown} has {n_dims} dimensions (1 to {_MAX_DIMS})")
         need(8 * n_dims + 12, f"tensor {shown}")
