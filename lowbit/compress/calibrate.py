@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import copy
-import ctypes
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from lowbit.errors import LowbitError, UsageError
 from lowbit.formats.atomic import atomic_file, check_output_path
 from lowbit.formats.hf_files import model_dir, read_json, weight_files
 from lowbit.formats.resolve import resolve_model
+from lowbit.kernels import hugepages
 from lowbit.kernels.dispatch import fast_bf16_matmuls
 from lowbit.runtime.attention import AttentionContext
 from lowbit.runtime.config import ModelConfig
@@ -180,7 +180,7 @@ class LayerwiseModel:
 
     def release_layer(self, index: int) -> None:
         self.model.model.layers[index].to("meta")
-        _return_freed_memory()
+        hugepages.return_freed_memory()
 
     def rope(self, index: int, t: int, dtype: torch.dtype, device=None):
         """(cos, sin, attention context) for layer `index` on windows of t tokens from position 0."""
@@ -208,27 +208,6 @@ def _no_weight_init():
     finally:
         for name, fn in saved.items():
             setattr(nn.init, name, fn)
-
-
-def _return_freed_memory() -> None:
-    """Give the heap's free pages back to the system (glibc only).
-
-    Each layer allocates and frees tens of MB of activations in sizes glibc serves from the heap
-    (its mmap threshold rises after the first large frees), and the freed pages would otherwise
-    stay resident: peak RSS grew by ~20 MB a layer before this (1.75 → 1.34 GB on SmolLM2).
-    """
-    global _libc
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL("libc.so.6")
-            _libc.malloc_trim
-        except (OSError, AttributeError):
-            _libc = False
-    if _libc:
-        _libc.malloc_trim(0)
-
-
-_libc = None
 
 
 def calibration_samples(tokenizer, text: str, samples: int, seqlen: int, seed: int, what: str = "text",

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.kernels import hugepages
 from lowbit.native import f32_dot
 
 _LIB = None
@@ -130,19 +129,6 @@ def use_invariant_linears(model: torch.nn.Module) -> int:
                 _compact(module)
             count += 1
     return count
-
-
-def place_weights(model: torch.nn.Module) -> None:
-    """Each InvariantLinear's weight onto huge pages, inside `hugepages.arena()` (the engine calls
-    this after fuse_projections). A weight that is part of a larger storage stays: the rows of a
-    joined q/k/v or gate/up weight (the join placed the whole), or one placed already (a tied
-    embedding met twice). Placing before the join would copy those weights twice into the arena,
-    whose chunks never give back the space of a dropped copy."""
-    for module in model.modules():
-        w = module.weight if type(module) is InvariantLinear else None
-        if w is not None and not w.requires_grad and w.untyped_storage().nbytes() == w.numel() * w.element_size():
-            # .data in place, as _compact: a tied embedding moves along
-            w.data = hugepages.place(w.data)
 
 
 def _compact(linear: torch.nn.Linear) -> None:

@@ -224,13 +224,14 @@ def _scales16(scales: torch.Tensor, bits: int) -> torch.Tensor | None:
     return half if torch.equal(half.float(), scales) else None
 
 
+STREAMED = ("codes", "scales", "zeros", "szs")  # the arrays a matmul reads (place() moves them)
+
+
 def _struct(tensors: dict, n: int, k: int, groups: int, cpg: int) -> dict:
-    half = _scales16(tensors["scales"], int(tensors["bits"])) if "offset" in tensors else None
-    if half is not None:
-        tensors["scales"] = half  # the one copy: 4.5 bits a weight at group 32 instead of 5
-    for name in ("codes", "scales", "zeros", "szs"):  # the arrays a matmul streams (in an engine's arena)
-        if name in tensors:
-            tensors[name] = hugepages.place(tensors[name])
+    if "offset" in tensors and tensors["scales"].dtype is torch.float32:
+        half = _scales16(tensors["scales"], int(tensors["bits"]))
+        if half is not None:
+            tensors["scales"] = half  # the one copy: 4.5 bits a weight at group 32 instead of 5
     codes = tensors["codes"]
     if "offset" in tensors:  # int8 activations (native/int4_vnni.c)
         zeros = tensors.get("zeros")
@@ -293,7 +294,9 @@ def prepare(qt: QTensor, act: str | None = None) -> PreparedWeight:
     chunk = 8 if act == "int8" else 4
     cpg = (-(-k // 64) * 64) // chunk if groups == 1 else gs.group_size // chunk
     params = _struct(tensors, n, k, groups, cpg)
-    return PreparedWeight(path=PATH if qt.spec.bits == 4 else INT8_PATH, shape=(n, k), label=qt.spec.label, device=torch.device("cpu"), tensors=tensors, params=params)
+    # placed at once inside an engine's arena: off the C heap, which long-lived arrays fragment
+    return place(PreparedWeight(path=PATH if qt.spec.bits == 4 else INT8_PATH, shape=(n, k), label=qt.spec.label,
+                                device=torch.device("cpu"), tensors=tensors, params=params))
 
 
 def concat(parts: list[PreparedWeight]) -> PreparedWeight:
@@ -326,7 +329,36 @@ def concat(parts: list[PreparedWeight]) -> PreparedWeight:
         if vnni:
             tensors[name] = tensors[name].to(torch.int32)
     params = _struct(tensors, n, k, first.params["groups"], first.params["cpg"])
-    return PreparedWeight(path=PATH, shape=(n, k), label=first.label, device=torch.device("cpu"), tensors=tensors, params=params)
+    return place(PreparedWeight(path=first.path, shape=(n, k), label=first.label, device=torch.device("cpu"), tensors=tensors,
+                                params=params))
+
+
+def place(pw: PreparedWeight) -> PreparedWeight:
+    """pw with the arrays a matmul streams on huge pages inside an engine's arena (hugepages.place;
+    outside one, pw itself), its C struct rebuilt. Arrays that are views into a larger storage
+    stay where they are: rows of a joined weight (`rows`), placed with it."""
+    tensors = {name: hugepages.place(t) if name in STREAMED else t
+               for name, t in pw.tensors.items()}
+    if all(tensors[name] is pw.tensors[name] for name in tensors):
+        return pw
+    params = _struct(tensors, pw.shape[0], pw.shape[1], pw.params["groups"], pw.params["cpg"])
+    return PreparedWeight(path=pw.path, shape=pw.shape, label=pw.label, device=pw.device, tensors=tensors, params=params)
+
+
+def rows(pw: PreparedWeight, start: int, n: int) -> PreparedWeight | None:
+    """Output rows start..start+n-1 of pw as a weight of their own whose arrays are views of pw's
+    (no copy: a joined q/k/v keeps the one copy of q, k and v), or None unless they begin and end
+    on a whole group of 64 rows (the codes interleave four tiles of 16)."""
+    quad = 4 * TILE_ROWS
+    if start % quad or n % quad or n <= 0 or start + n > pw.shape[0]:
+        return None
+    tensors = dict(pw.tensors)
+    tensors["codes"] = pw.tensors["codes"][start // quad : (start + n) // quad]
+    for name in ("scales", "zeros", "szs"):
+        if name in tensors:
+            tensors[name] = pw.tensors[name][start // TILE_ROWS : (start + n) // TILE_ROWS]
+    params = _struct(tensors, n, pw.shape[1], pw.params["groups"], pw.params["cpg"])
+    return PreparedWeight(path=pw.path, shape=(n, pw.shape[1]), label=pw.label, device=pw.device, tensors=tensors, params=params)
 
 
 def matmul(x: torch.Tensor, pw: PreparedWeight, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:

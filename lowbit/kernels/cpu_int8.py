@@ -71,11 +71,11 @@ def prepare(qt: QTensor) -> PreparedWeight:
         raise ValueError(f"{qt.spec.label} {n}x{k}: non-finite scales")
     groups = scales.shape[1]
     group = k if groups == 1 else gs.group_size
-    return PreparedWeight(
+    return place(PreparedWeight(
         path=PATH, shape=(n, k), label=qt.spec.label, device=torch.device("cpu"),
-        tensors={"codes": hugepages.place(qt.qweight.contiguous()), "scales": hugepages.place(scales)},
+        tensors={"codes": qt.qweight.contiguous(), "scales": scales},
         params={"group": group, "groups": groups},
-    )
+    ))
 
 
 def concat(parts: list[PreparedWeight]) -> PreparedWeight:
@@ -90,6 +90,25 @@ def concat(parts: list[PreparedWeight]) -> PreparedWeight:
         tensors={name: hugepages.place(torch.cat([p.tensors[name] for p in parts])) for name in ("codes", "scales")},
         params=dict(first.params),
     )
+
+
+def place(pw: PreparedWeight) -> PreparedWeight:
+    """pw with its codes and scales on huge pages inside an engine's arena (hugepages.place;
+    outside one, pw itself); views into a larger storage (`rows` of a joined weight) stay."""
+    tensors = {name: hugepages.place(t) for name, t in pw.tensors.items()}
+    if all(tensors[name] is pw.tensors[name] for name in tensors):
+        return pw
+    return PreparedWeight(path=pw.path, shape=pw.shape, label=pw.label, device=pw.device, tensors=tensors, params=pw.params)
+
+
+def rows(pw: PreparedWeight, start: int, n: int) -> PreparedWeight | None:
+    """Output rows start..start+n-1 of pw as a weight of their own whose codes and scales are views
+    of pw's rows (no copy), or None for rows outside pw."""
+    if n <= 0 or start < 0 or start + n > pw.shape[0]:
+        return None
+    tensors = {name: t[start : start + n] for name, t in pw.tensors.items()}
+    return PreparedWeight(path=pw.path, shape=(n, pw.shape[1]), label=pw.label, device=pw.device, tensors=tensors,
+                          params=dict(pw.params))
 
 
 def matmul(x: torch.Tensor, pw: PreparedWeight) -> torch.Tensor:

@@ -74,6 +74,14 @@ def prepare(qt: QTensor) -> PreparedWeight:
     return PreparedWeight(path="cpu-lut", shape=(n, k), label=qt.spec.label, device=torch.device("cpu"), tensors=tensors, params=params)
 
 
+def place(pw: PreparedWeight) -> PreparedWeight:
+    """pw with its arrays on huge pages inside an engine's arena (hugepages.place; outside one, pw itself)."""
+    tensors = {name: hugepages.place(t) for name, t in pw.tensors.items()}
+    if all(tensors[name] is pw.tensors[name] for name in tensors):
+        return pw
+    return PreparedWeight(path=pw.path, shape=pw.shape, label=pw.label, device=pw.device, tensors=tensors, params=pw.params)
+
+
 def _common_args(pw: PreparedWeight) -> list:
     t, p = pw.tensors, pw.params
     n, k = pw.shape

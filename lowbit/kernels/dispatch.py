@@ -207,6 +207,16 @@ class KernelPath:
         """y [M, N] in x2's dtype for a validated 2-D x2 [M, K] (bf16, fp16 or fp32)."""
         raise NotImplementedError
 
+    def place(self, pw: PreparedWeight) -> PreparedWeight:
+        """pw with what its matmul streams on huge pages inside an engine's arena (kernels/hugepages.py);
+        pw itself where the path keeps its arrays where they are."""
+        return pw
+
+    def rows(self, pw: PreparedWeight, start: int, n: int) -> PreparedWeight | None:
+        """Output rows start..start+n-1 of pw as a weight of their own sharing pw's memory, or None
+        where the path's layout cannot give them without a copy."""
+        return None
+
 
 @dataclass(frozen=True, slots=True)
 class ReferencePath(KernelPath):
@@ -280,6 +290,12 @@ class Int4DotPath(KernelPath):
     def prepare(self, qt, device):
         return cpu_int4dot.prepare(qt)
 
+    def place(self, pw):
+        return cpu_int4dot.place(pw)
+
+    def rows(self, pw, start, n):
+        return cpu_int4dot.rows(pw, start, n)
+
     def matmul(self, x2, pw, bias):
         dtype = x2.dtype
         if bias is None and (dtype is torch.bfloat16 or dtype is torch.float32):
@@ -345,6 +361,12 @@ class Int8FloatPath(KernelPath):
 
     def prepare(self, qt, device):
         return cpu_int8.prepare(qt)
+
+    def place(self, pw):
+        return cpu_int8.place(pw)
+
+    def rows(self, pw, start, n):
+        return cpu_int8.rows(pw, start, n)
 
     def matmul(self, x2, pw, bias):
         return _finish(cpu_int8.matmul(x2, pw), bias, x2.dtype)
@@ -450,6 +472,9 @@ class LutPath(KernelPath):
     def prepare(self, qt, device):
         return cpu_lut.prepare(qt)
 
+    def place(self, pw):
+        return cpu_lut.place(pw)
+
     def matmul(self, x2, pw, bias):
         if x2.shape[0] == 0:
             return _finish(x2.new_zeros(0, pw.shape[0]), bias, x2.dtype)
@@ -503,6 +528,16 @@ def prepare(qt: QTensor, device: torch.device | str = "cpu", path: str | None = 
     """Repack a loaded QTensor once for the matmul path chosen on `device` (never saved to disk)."""
     device = torch.device(device)
     return BY_NAME[choose_path(qt, device, path)].prepare(qt, device)
+
+
+def place_prepared(pw: PreparedWeight) -> PreparedWeight:
+    """pw's arrays on huge pages inside an engine's arena, as its path places them."""
+    return BY_NAME[pw.path].place(pw)
+
+
+def prepared_rows(pw: PreparedWeight, start: int, n: int) -> PreparedWeight | None:
+    """Output rows start..start+n-1 of pw sharing its memory, or None where its path cannot."""
+    return BY_NAME[pw.path].rows(pw, start, n)
 
 
 def qmatmul(x: torch.Tensor, prepared: PreparedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

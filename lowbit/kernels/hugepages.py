@@ -8,9 +8,12 @@ order from C): 14.8 GB/s on 4 KB pages, 17.0 GB/s on huge pages, alternated four
 
 Inside `with arena():` (the engine loads its model so), `place(t)` copies a tensor into a chunk of
 anonymous memory advised MADV_HUGEPAGE (chunks of CHUNK_BYTES, 2 MB aligned, filled front to
-back; a tensor larger than a chunk gets its own), and the prepare steps of the CPU paths and the
-dense kernel's weight swaps call it on what they keep. A copy keeps its chunk alive (torch.frombuffer
-holds the mapping) and a chunk is unmapped when its last tensor dies. Outside an arena (quantize,
+back; a tensor larger than a chunk gets its own). The quantized paths' prepare steps place what
+they keep; the engine then starts a new generation of chunks (`new_generation`), joins q/k/v and
+gate/up (the joins place what they make) and moves every other weight a decode streams into the
+new chunks (`place_weights`), so the separate projections the joins replaced leave nothing behind:
+a chunk gives back nothing until its last tensor dies (torch.frombuffer holds the mapping), and
+the load's chunks die whole. Outside an arena (quantize,
 calibrate, tests: weights made and dropped by the thousand), where the kernel has no THP (`never`,
 or not Linux), for CUDA tensors, tensors under MIN_BYTES, and with LOWBIT_HUGEPAGES=0, `place`
 returns its argument unchanged.
@@ -19,9 +22,11 @@ returns its argument unchanged.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import os
 import threading
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,6 +43,8 @@ _chunk: torch.Tensor | None = None  # the chunk being filled, uint8
 _used = 0
 _enabled: bool | None = None
 _depth = 0  # open arena() contexts
+_chunks: dict[int, int] = {}  # the storage address of each live chunk -> its generation
+_generation = 0  # new_generation() counts
 
 
 def enabled() -> bool:
@@ -58,6 +65,8 @@ def _new_chunk(size: int) -> torch.Tensor:
     # private: a shared anonymous mapping (mmap's default) is shmem, which THP's `enabled` does not cover
     mapping = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = torch.frombuffer(mapping, dtype=torch.uint8)
+    _chunks[whole.data_ptr()] = _generation  # what placed() recognizes, until the mapping goes
+    weakref.finalize(mapping, _chunks.pop, whole.data_ptr(), None)
     skip = -whole.data_ptr() % HUGE_PAGE  # a multiple of the 4 KB page size: mmap returns page-aligned memory
     mapping.madvise(mmap.MADV_HUGEPAGE, skip, size)
     return whole[skip : skip + size]
@@ -91,13 +100,78 @@ def arena() -> Iterator[None]:
                 _chunk, _used = None, 0
 
 
+def placed(t: torch.Tensor) -> bool:
+    """Whether t lies in a chunk of huge pages of this generation (placed since the last
+    new_generation(), or a view of something that was)."""
+    return t.device.type == "cpu" and _chunks.get(t.untyped_storage().data_ptr()) == _generation
+
+
+def new_generation() -> None:
+    """From now on, place() copies into fresh chunks, and what was placed before counts as not
+    placed (place() moves it again). The engine calls this between loading and joining: the
+    load's prepare steps place as they go (their arrays leave the C heap at once, which otherwise
+    fragments: loading the 1.25 B MoE without it held 6.1 GB), the joins then replace the
+    separate q/k/v and gate/up, and place_weights moves the rest; nothing references the load's
+    chunks after that, so they are unmapped."""
+    global _generation, _chunk, _used
+    with _lock:
+        _generation += 1
+        _chunk, _used = None, 0
+
+
+def wants(t: torch.Tensor) -> bool:
+    """Whether place(t) would copy t."""
+    return (bool(_depth) and t.device.type == "cpu" and t.numel() * t.element_size() >= MIN_BYTES and not t.requires_grad
+            and enabled() and not placed(t))
+
+
 def place(t: torch.Tensor) -> torch.Tensor:
     """Inside `arena()`: a contiguous copy of CPU tensor t on huge pages (same dtype, shape and
-    values). t itself outside one, where huge pages are off, or for a small t."""
-    if (not _depth or t.device.type != "cpu" or t.numel() * t.element_size() < MIN_BYTES or t.requires_grad
-            or not enabled()):
+    values). t itself outside one, where huge pages are off, for a small t, and for a t placed
+    already or a view of one (the rows of a joined weight), so placing twice copies once."""
+    if not wants(t):
         return t
     nbytes = t.numel() * t.element_size()
     out = _take(nbytes).view(t.dtype).view(t.shape)
     out.copy_(t)
     return out
+
+
+def place_weights(model: torch.nn.Module) -> None:
+    """Every weight a decode step streams onto huge pages of this generation, inside `arena()`:
+    the engine calls this once its model is loaded and its projections joined
+    (runtime/models/fusion.py), so a joined q/k/v or gate/up is copied by its join alone and the
+    separate projections are views of its rows. Covers the dense kernel's weights (InvariantLinear;
+    a tied embedding moves along with its head) and the prepared arrays of the quantized kernels
+    (KernelPath.place)."""
+    from lowbit.kernels.cpu_f32 import InvariantLinear
+    from lowbit.kernels.dispatch import place_prepared
+    from lowbit.kernels.prepared import PreparedWeight
+
+    for module in model.modules():
+        if type(module) is InvariantLinear and not module.weight.requires_grad:
+            module.weight.data = place(module.weight.data)  # .data in place: a tied embedding moves along
+        prepared = getattr(module, "prepared", None)
+        if isinstance(prepared, PreparedWeight):
+            module.prepared = place_prepared(prepared)
+
+
+def return_freed_memory() -> None:
+    """Give the C heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing).
+
+    Large temporaries freed in sizes glibc serves from its heap (its mmap threshold rises after
+    the first large frees) stay resident otherwise: loading SmolLM2's int4 checkpoint left ~390
+    MB of freed file tensors and re-tiling buffers in an ~900 MB RSS, and each calibrated layer
+    ~20 MB (peak 1.75 → 1.34 GB on SmolLM2)."""
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL("libc.so.6")
+            _libc.malloc_trim
+        except (OSError, AttributeError):
+            _libc = False
+    if _libc:
+        _libc.malloc_trim(0)
+
+
+_libc = None

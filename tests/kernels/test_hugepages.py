@@ -80,3 +80,47 @@ def test_engine_maps_no_chunk_when_switched_off(smollm2_dir, monkeypatch):
 
     engine = Engine(smollm2_dir, max_model_len=64)
     assert engine.model.lm_head.weight.dtype is torch.bfloat16  # loaded and compacted all the same
+
+
+def test_an_int4_engine_places_each_weight_once(tiny_float_model, monkeypatch):
+    # joined q/k/v and gate/up are copied once into the engine's chunks, by their join: the separate
+    # projections read its rows, and the chunks the load placed them in are given back (with
+    # quantize_to, the copy's own join too: the engine joins again in its new chunks)
+    import gc
+
+    from lowbit.kernels import cpu_int4dot
+    from lowbit.kernels.cpu_f32 import InvariantLinear
+    from lowbit.runtime.engine.engine import Engine
+    from lowbit.runtime.models.fusion import JoinedLinear
+
+    if not cpu_int4dot.available():
+        pytest.skip("no int4 kernel on this machine")
+    monkeypatch.setattr(hugepages, "_enabled", True)
+    monkeypatch.setattr(hugepages, "MIN_BYTES", 0)
+    taken = []
+    real_take = hugepages._take
+    monkeypatch.setattr(hugepages, "_take", lambda nbytes: taken.append((hugepages._generation, nbytes)) or real_take(nbytes))
+    before = set(hugepages._chunks)
+    engine = Engine(tiny_float_model(hidden=64, intermediate=192), quantize_to="int4-g32", max_model_len=64)
+    gc.collect()
+    final = hugepages._generation
+    assert {b: g for b, g in hugepages._chunks.items() if b not in before and g != final} == {}  # the load's chunks are gone
+    spans = []  # every array a decode reads: (address, bytes)
+    for module in engine.model.modules():
+        prepared = [getattr(module, "prepared", None)] + [
+            j.prepared for j in (module.__dict__.get("fused_qkv"), module.__dict__.get("fused_gate_up")) if isinstance(j, JoinedLinear)]
+        for pw in prepared:
+            for name, t in (pw.tensors.items() if pw is not None else ()):
+                if name in cpu_int4dot.STREAMED:
+                    assert hugepages.placed(t), name
+                    spans.append((t.data_ptr(), t.numel() * t.element_size()))
+    unique, end = 0, 0  # the bytes they cover, views counted once
+    for address, nbytes in sorted(spans):
+        unique += max(0, address + nbytes - max(address, end))
+        end = max(end, address + nbytes)
+    mlp = engine.model.model.layers[0].mlp
+    codes, joined = mlp.up_proj.prepared.tensors["codes"], mlp.fused_gate_up.prepared.tensors["codes"]
+    assert joined.data_ptr() < codes.data_ptr() < joined.data_ptr() + joined.numel()  # up's rows inside the join
+    dense = {m.weight.data_ptr(): m.weight.numel() * m.weight.element_size() for m in engine.model.modules()
+             if type(m) is InvariantLinear}  # the head
+    assert sum(n for g, n in taken if g == final) <= 1.02 * (unique + sum(dense.values()))

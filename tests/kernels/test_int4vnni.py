@@ -82,6 +82,43 @@ def test_joined_weights_equal_their_parts():
         cpu_int4dot.concat([parts[0], cpu_int4dot.prepare(quantized("int4-asym-g64", 8, 192), act="bf16")])
 
 
+@pytest.mark.parametrize("act", ["int8", "bf16"])
+def test_rows_of_a_joined_weight_share_its_memory_and_compute_as_their_part(act):
+    if act == "bf16" and not cpu_int4dot.bf16_available():
+        pytest.skip("no bf16-activation int4 kernel on this machine")
+    sizes = (128, 64, 192)
+    parts = [cpu_int4dot.prepare(quantized("int4-asym-g32", n, 192), act=act) for n in sizes]
+    joined = cpu_int4dot.concat(parts)
+    x = torch.randn(5, 192)
+    start = 0
+    for part, n in zip(parts, sizes):
+        view = cpu_int4dot.rows(joined, start, n)
+        for name, t in view.tensors.items():  # views of the joined arrays: no copy
+            assert t.untyped_storage().data_ptr() == joined.tensors[name].untyped_storage().data_ptr(), name
+        assert torch.equal(qmatmul(x, view), qmatmul(x, part))
+        start += n
+    # rows that do not fill whole groups of 64 (four interleaved tiles of 16) have no view
+    assert cpu_int4dot.rows(joined, 32, 64) is None and cpu_int4dot.rows(joined, 0, 96) is None
+    assert cpu_int4dot.rows(joined, 320, 128) is None  # past the end
+
+
+def test_placing_copies_once_and_keeps_the_numbers(monkeypatch):
+    from lowbit.kernels import hugepages
+
+    monkeypatch.setattr(hugepages, "_enabled", True)
+    monkeypatch.setattr(hugepages, "MIN_BYTES", 0)
+    pw = prepared(quantized("int4-g32", 128, 256))
+    x = torch.randn(3, 256)
+    with hugepages.arena():
+        placed = cpu_int4dot.place(pw)
+        assert all(hugepages.placed(placed.tensors[name]) for name in cpu_int4dot.STREAMED if name in placed.tensors)
+        assert cpu_int4dot.place(placed) is placed  # placed already: nothing copied again
+        view = cpu_int4dot.rows(placed, 64, 64)
+        assert cpu_int4dot.place(view) is view  # a view of placed rows stays a view
+    assert torch.equal(qmatmul(x, placed), qmatmul(x, pw))
+    assert cpu_int4dot.place(pw) is pw  # outside an arena nothing moves
+
+
 def test_non_finite_activations_give_nan_rows_only():
     qt = quantized("int4", 32, 128)
     pw = prepared(qt)

@@ -26,7 +26,7 @@ import torch
 from lowbit.errors import LowbitError, UsageError
 from lowbit.quant.dtypes import parse_dtype
 from lowbit.kernels import hugepages
-from lowbit.kernels.cpu_f32 import bf16_available, place_weights, use_invariant_linears
+from lowbit.kernels.cpu_f32 import bf16_available, use_invariant_linears
 from lowbit.runtime.cascade import CascadeSettings, CascadeStats
 from lowbit.runtime.engine.block_manager import BlockManager
 from lowbit.runtime.engine.detokenizer import IncrementalDetokenizer
@@ -152,8 +152,11 @@ class Engine:
                 # batch-invariant float32 (and bf16) Linears: a verify of 1 + k rows computes each row
                 # as a plain step does
                 use_invariant_linears(self.model)
+            # the joins replace the separate q/k/v and gate/up the load placed: join into fresh chunks
+            # and move the rest there, so the load's chunks go (kernels/hugepages.py)
+            hugepages.new_generation()
             fuse_projections(self.model)  # q/k/v and gate/up as one matmul where exact (int4dot, invariant dense)
-            place_weights(self.model)
+            hugepages.place_weights(self.model)
         self.config = self.model.config
         if num_speculative_tokens < 1:
             raise UsageError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
@@ -239,6 +242,8 @@ class Engine:
         self._ids = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        # the loaders' freed temporaries (file tensors, re-tiling): ~40 % of the RSS after loading
+        hugepages.return_freed_memory()
 
     # -- public API ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None,
