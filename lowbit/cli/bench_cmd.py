@@ -107,6 +107,9 @@ def print_report(r: dict) -> None:
     console.print(f"[bold]{r['model']}[/bold]  {r['dtype']} on {r['device']}, {r['threads']} threads")
     console.print(f"weights {r['weight_bytes'] / gib:.3f} GiB, KV cache {r['kv_cache_bytes'] / gib:.3f} GiB "
                   f"({r['kv_blocks']} blocks)")
+    if r.get("resident_bytes_loaded") and r.get("resident_bytes_peak"):
+        console.print(f"process memory {r['resident_bytes_loaded'] / gib:.3f} GiB resident once loaded, "
+                      f"peak {r['resident_bytes_peak'] / gib:.3f} GiB")
     line = kernel_line(r["kernels"]) if "kernels" in r else None
     if line:
         console.print(line)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 
 import pytest
 
@@ -46,6 +47,8 @@ def test_bench_json(model_dir, run_cli):
     assert code == 0 and [d["batch"] for d in r["decode"]] == [1, 2]
     assert r["prefill_tok_s"] > 0 and r["stream_bandwidth_gbs"] > 0 and r["weight_bytes"] > 0
     assert r["speculative"]["identical_output"] is True
+    if sys.platform == "linux":  # the process's memory: at least what it holds in KV cache, peak not below now
+        assert r["kv_cache_bytes"] < r["resident_bytes_loaded"] <= r["resident_bytes_peak"]
 
 
 def test_bench_default_prefill_fits_a_short_model(model_dir, run_cli):

@@ -45,6 +45,27 @@ def stream_bandwidth_gbs(device: torch.device, mib: int = 256, repeats: int = 5)
     return buf.numel() * 4 / best / 1e9
 
 
+def resident_bytes() -> tuple[int | None, int | None]:
+    """(this process's resident memory now, its peak so far) in bytes; None where the system does
+    not say (resident now: Linux /proc; peak: getrusage, in KiB on Linux)."""
+    now = peak = None
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    now = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    except (ImportError, OSError):
+        pass
+    return now, peak
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of every distinct parameter and buffer, quantized weights (their prepared parts) included."""
     seen, total = set(), 0
@@ -136,6 +157,7 @@ def run_bench(engine, batches=(1, 4, 16, 64), prompt_tokens: int = 32, gen_token
     `cascade_engine`: the same model under a token cascade, against `engine` at each batch size."""
     tok = engine.tokenizer
     greedy = SamplingParams(temperature=0, max_tokens=gen_tokens, ignore_eos=True)
+    loaded, _ = resident_bytes()  # the engine(s) loaded, nothing run yet
     # warm up: first forwards allocate and pick kernels
     run_requests(engine, [bench_prompt(tok, 16)], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
 
@@ -178,6 +200,9 @@ def run_bench(engine, batches=(1, 4, 16, 64), prompt_tokens: int = 32, gen_token
         run_requests(cascade_engine, [bench_prompt(tok, 16)], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         result["cascade"] = [token_cascade(cascade_engine, engine, distinct[:b], gen_tokens, b) for b in batches
                              if b <= engine.scheduler.max_num_seqs]
+    # the process's memory (the KV cache allocated up front included): what a machine must hold
+    result["resident_bytes_loaded"] = loaded
+    result["resident_bytes_peak"] = resident_bytes()[1]
     return result
 
 
