@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from lowbit.errors import LowbitError
+from lowbit.formats.native import count_nonfinite
 
 GGUF_MAGIC = b"GGUF"
 
@@ -322,7 +323,7 @@ def _walk(path: Path, size: int, data) -> tuple[dict[str, Field], list[_Tensor]]
 
 def check_finite_tensor(values: torch.Tensor, name: str, file: str) -> None:
     """Weights that are NaN or inf are never accepted: a LowbitError naming the tensor and how many."""
-    bad = ~torch.isfinite(values)
-    if bad.any():
-        raise LowbitError(f"tensor {name} in {file} holds {int(bad.sum())} NaN/inf values: the file is damaged "
+    bad = count_nonfinite(values)
+    if bad:
+        raise LowbitError(f"tensor {name} in {file} holds {bad} NaN/inf values: the file is damaged "
                           "(refusing to import it)")

@@ -79,6 +79,22 @@ def test_bf16_exact_weights_are_compacted_and_a_tied_model_gives_the_same_logits
     assert odd.weight.dtype is torch.float32
 
 
+def test_compaction_checks_every_chunk(monkeypatch):
+    # bf16-exact values everywhere but the last element: kept float32; all exact: bf16, same values
+    monkeypatch.setattr(cpu_f32, "_COMPACT_CHUNK", 16)
+    exact = torch.randn(9, 7).bfloat16().float()
+    linear = torch.nn.Linear(7, 9, bias=False)
+    linear.weight.data = exact.clone()
+    linear.weight.requires_grad_(False)
+    cpu_f32._compact(linear)
+    assert linear.weight.dtype is torch.bfloat16 and torch.equal(linear.weight.float(), exact)
+    almost = exact.clone()
+    almost[-1, -1] = 1 + 2.0**-10  # between two bf16 values (their step at 1 is 2**-7)
+    linear.weight.data = almost.clone()
+    cpu_f32._compact(linear)
+    assert linear.weight.dtype is torch.float32 and torch.equal(linear.weight, almost)
+
+
 @pytest.mark.skipif(not cpu_f32.bf16_available(), reason="no AVX512-BF16 on this machine")
 @pytest.mark.parametrize("n, k", [(33, 200), (64, 576), (7, 15), (130, 1536), (5, 33)])
 def test_bf16_kernel_is_the_float64_product_rounded_once_and_batch_invariant(n, k):
