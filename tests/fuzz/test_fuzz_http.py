@@ -341,7 +341,9 @@ def test_server_survived_the_fuzzing(server):
         assert time.monotonic() < deadline, m
         time.sleep(0.05)
     assert server.health() == 200
-    reply = post(server, "/v1/completions", json_object(COMPLETION))
+    # ignore_eos: at the default temperature 1 the tiny model samples its EOS within 4 tokens ~1.5 %
+    # of the time (a flake once in a long run)
+    reply = post(server, "/v1/completions", json_object({**COMPLETION, "ignore_eos": "true"}))
     assert reply.status == 200 and strict_json(reply.body)["usage"]["completion_tokens"] == 4
     log = server.output()
     assert "Traceback" not in log and "Exception in" not in log, log[-4000:]
