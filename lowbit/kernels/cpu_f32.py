@@ -112,14 +112,16 @@ class InvariantLinear(torch.nn.Linear):
         return matmul(x2, w, bias).view(*x.shape[:-1], w.shape[0])
 
 
-def use_invariant_linears(model: torch.nn.Module) -> int:
+def use_invariant_linears(model: torch.nn.Module, bf16_weights: bool = False) -> int:
     """Make every float32 nn.Linear of `model` (and every bf16 one, where the CPU has AVX512-BF16)
     an InvariantLinear (in place; the kernel must be available), and store as bfloat16 each float32
     weight whose values all are bfloat16 numbers (a tied embedding along with it: its rows are
-    widened back on lookup, exactly). Returns how many Linears were switched."""
+    widened back on lookup, exactly). bf16_weights: the model computes in float32 and its bf16
+    Linears are such weights already (runtime/loader.py bf16_linears), for this kernel on any CPU.
+    Returns how many Linears were switched."""
     if not available():
         return 0
-    dtypes = (torch.float32, torch.bfloat16) if bf16_available() else (torch.float32,)
+    dtypes = (torch.float32, torch.bfloat16) if bf16_available() or bf16_weights else (torch.float32,)
     count = 0
     for module in model.modules():
         if type(module) is torch.nn.Linear and module.weight.dtype in dtypes and module.weight.device.type == "cpu":

@@ -70,7 +70,12 @@ def _tensor_names(files: list[Path]) -> list[str]:
     return names
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> CausalLM:
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", *,
+               bf16_linears: bool = False) -> CausalLM:
+    """bf16_linears: with a float32 `dtype`, a weight stored as bf16 of a plain nn.Linear (and the
+    embedding table a tied head shares) stays bf16 instead of being widened: the engine's dense
+    kernel reads such weights as they are (kernels/cpu_f32.py keeps every bf16-exact weight so),
+    and widening them first held twice their bytes while loading."""
     if _foreign_kind(path) is not None:
         return _load_foreign(path, dtype, device)
     path = model_dir(path)
@@ -87,6 +92,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
 
     state: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
+    narrow = _bf16_names(model, config) if bf16_linears and dtype is torch.float32 else set()
     tensors = iter_tensors(files, skip=quantized_parts)
     if config.moe is not None:
         tensors = expert_tensors(tensors, config, path)  # fused and Mixtral layouts onto per-expert names
@@ -103,7 +109,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
         if not tensor.is_floating_point():
             raise LowbitError(f"weight {name} in {path} is {str(tensor.dtype).removeprefix('torch.')}, not a float tensor")
         check_finite_part(tensor, name, path)
-        state[name] = tensor.to(device=device, dtype=dtype)
+        keep = tensor.dtype is torch.bfloat16 and name in narrow
+        state[name] = tensor.to(device=device) if keep else tensor.to(device=device, dtype=dtype)
 
     missing = sorted(set(expected) - set(state))
     if missing:
@@ -118,6 +125,15 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
         model.tie_weights()
     model.requires_grad_(False)
     return model.eval()
+
+
+def _bf16_names(model, config: ModelConfig) -> set[str]:
+    """The weights load_model(bf16_linears=True) keeps in bf16: plain nn.Linear ones, and the
+    embedding table when the head tied to it is one."""
+    names = {f"{name}.weight" for name, m in model.named_modules() if type(m) is torch.nn.Linear}
+    if config.tie_word_embeddings and type(getattr(model, "lm_head", None)) is torch.nn.Linear:
+        names.add("model.embed_tokens.weight")
+    return names
 
 
 # Checkpoints of other tools, read through lowbit.formats.foreign (GPTQ, AWQ, compressed-tensors, GGUF).

@@ -120,3 +120,27 @@ def test_dtype_and_inference_mode(tiny_llama_dir):
     assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in model.parameters())
     assert not model.training
     assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_bf16_linears_load_narrow_and_the_engine_gives_the_compacted_numbers(tiny_float_model):
+    # A bf16 checkpoint in the float32 engine: its Linear weights (and a tied table) stay bf16 as they
+    # load, as the compaction left them before when loaded float32 first: the same logits
+    from lowbit.kernels import cpu_f32
+
+    if not cpu_f32.available():
+        pytest.skip("no dense kernel on this machine")
+    for tie in (False, True):
+        src = tiny_float_model(tie=tie, name=f"narrow-{tie}")
+        wide = load_model(src, torch.float32)
+        cpu_f32.use_invariant_linears(wide)
+        narrow = load_model(src, torch.float32, bf16_linears=True)
+        attn = narrow.model.layers[0].self_attn
+        assert attn.q_proj.weight.dtype is torch.bfloat16 and narrow.lm_head.weight.dtype is torch.bfloat16
+        assert narrow.model.layers[0].input_layernorm.weight.dtype is torch.float32  # norms stay float32
+        assert (narrow.model.embed_tokens.weight.dtype is torch.bfloat16) == tie  # an untied table is widened
+        linears = sum(type(m) is torch.nn.Linear for m in narrow.modules())
+        assert cpu_f32.use_invariant_linears(narrow, bf16_weights=True) == linears  # on any CPU with the kernel
+        assert type(attn.q_proj) is cpu_f32.InvariantLinear
+        ids = torch.tensor([[256, 104, 101, 108, 108, 111]])
+        with torch.no_grad():
+            assert torch.equal(narrow(ids), wide(ids))

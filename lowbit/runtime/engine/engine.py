@@ -26,7 +26,7 @@ import torch
 from lowbit.errors import LowbitError, UsageError
 from lowbit.quant.dtypes import parse_dtype
 from lowbit.kernels import hugepages
-from lowbit.kernels.cpu_f32 import bf16_available, use_invariant_linears
+from lowbit.kernels.cpu_f32 import available as cpu_f32_available, bf16_available, use_invariant_linears
 from lowbit.runtime.cascade import CascadeSettings, CascadeStats
 from lowbit.runtime.engine.block_manager import BlockManager
 from lowbit.runtime.engine.detokenizer import IncrementalDetokenizer
@@ -142,8 +142,11 @@ class Engine:
         self.model_path = path
         self.tokenizer = load_tokenizer(path)  # first: a missing or bad tokenizer fails before seconds of loading
         with hugepages.arena():  # the weights decode streams, on 2 MB pages (kernels/hugepages.py)
+            # float32 compute on the CPU: bf16-stored Linear weights stay bf16 as they load (the
+            # dense kernel reads them so; widening first held twice their bytes)
+            narrow = self.device.type == "cpu" and self.dtype is torch.float32 and cpu_f32_available()
             if quantize_to is None:
-                self.model = load_model(path, self.dtype, self.device)
+                self.model = load_model(path, self.dtype, self.device, bf16_linears=narrow)
             else:
                 from lowbit.runtime.engine.draft_models import quantized_copy
 
@@ -151,7 +154,7 @@ class Engine:
             if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
                 # batch-invariant float32 (and bf16) Linears: a verify of 1 + k rows computes each row
                 # as a plain step does
-                use_invariant_linears(self.model)
+                use_invariant_linears(self.model, bf16_weights=narrow)
             # the joins replace the separate q/k/v and gate/up the load placed: join into fresh chunks
             # and move the rest there, so the load's chunks go (kernels/hugepages.py)
             hugepages.new_generation()
