@@ -35,9 +35,9 @@ import os
 import torch
 
 from lowbit.errors import LowbitError
-from lowbit.kernels import hugepages, layout
+from lowbit.kernels import layout
 from lowbit.native import int4_dot, int4_vnni
-from lowbit.kernels.prepared import PreparedWeight
+from lowbit.kernels.prepared import PreparedWeight, placed
 from lowbit.quant.qtensor import QTensor
 
 PASS_ROWS = 16  # rows of x per pass over the weight in the C kernel (LOWBIT_PASS_ROWS)
@@ -334,15 +334,13 @@ def concat(parts: list[PreparedWeight]) -> PreparedWeight:
 
 
 def place(pw: PreparedWeight) -> PreparedWeight:
-    """pw with the arrays a matmul streams on huge pages inside an engine's arena (hugepages.place;
+    """pw with the arrays a matmul streams on huge pages inside an engine's arena (prepared.placed;
     outside one, pw itself), its C struct rebuilt. Arrays that are views into a larger storage
     stay where they are: rows of a joined weight (`rows`), placed with it."""
-    tensors = {name: hugepages.place(t) if name in STREAMED else t
-               for name, t in pw.tensors.items()}
-    if all(tensors[name] is pw.tensors[name] for name in tensors):
-        return pw
-    params = _struct(tensors, pw.shape[0], pw.shape[1], pw.params["groups"], pw.params["cpg"])
-    return PreparedWeight(path=pw.path, shape=pw.shape, label=pw.label, device=pw.device, tensors=tensors, params=params)
+    moved = placed(pw, STREAMED)
+    if moved is not pw:
+        moved.params = _struct(moved.tensors, pw.shape[0], pw.shape[1], pw.params["groups"], pw.params["cpg"])
+    return moved
 
 
 def rows(pw: PreparedWeight, start: int, n: int) -> PreparedWeight | None:

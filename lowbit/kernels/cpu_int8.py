@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.kernels import hugepages, layout
-from lowbit.kernels.prepared import PreparedWeight
+from lowbit.kernels import layout
+from lowbit.kernels.prepared import PreparedWeight, placed
 from lowbit.native import int8_gemv
 from lowbit.quant.qtensor import QTensor
 
@@ -71,7 +71,7 @@ def prepare(qt: QTensor) -> PreparedWeight:
         raise ValueError(f"{qt.spec.label} {n}x{k}: non-finite scales")
     groups = scales.shape[1]
     group = k if groups == 1 else gs.group_size
-    return place(PreparedWeight(
+    return placed(PreparedWeight(
         path=PATH, shape=(n, k), label=qt.spec.label, device=torch.device("cpu"),
         tensors={"codes": qt.qweight.contiguous(), "scales": scales},
         params={"group": group, "groups": groups},
@@ -85,20 +85,11 @@ def concat(parts: list[PreparedWeight]) -> PreparedWeight:
     k = first.shape[1]
     if any(p.path != PATH or p.shape[1] != k or p.params != first.params for p in parts):
         raise ValueError("only cpu-int8f weights with the same input width and grouping can be joined")
-    return PreparedWeight(
+    return placed(PreparedWeight(
         path=PATH, shape=(sum(p.shape[0] for p in parts), k), label=first.label, device=torch.device("cpu"),
-        tensors={name: hugepages.place(torch.cat([p.tensors[name] for p in parts])) for name in ("codes", "scales")},
+        tensors={name: torch.cat([p.tensors[name] for p in parts]) for name in ("codes", "scales")},
         params=dict(first.params),
-    )
-
-
-def place(pw: PreparedWeight) -> PreparedWeight:
-    """pw with its codes and scales on huge pages inside an engine's arena (hugepages.place;
-    outside one, pw itself); views into a larger storage (`rows` of a joined weight) stay."""
-    tensors = {name: hugepages.place(t) for name, t in pw.tensors.items()}
-    if all(tensors[name] is pw.tensors[name] for name in tensors):
-        return pw
-    return PreparedWeight(path=pw.path, shape=pw.shape, label=pw.label, device=pw.device, tensors=tensors, params=pw.params)
+    ))
 
 
 def rows(pw: PreparedWeight, start: int, n: int) -> PreparedWeight | None:

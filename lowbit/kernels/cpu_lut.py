@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.kernels import hugepages, layout
+from lowbit.kernels import layout
 from lowbit.native import lut_gemv
-from lowbit.kernels.prepared import PreparedWeight
+from lowbit.kernels.prepared import PreparedWeight, placed
 from lowbit.quant.qtensor import QTensor
 
 FUSED_MAX_ROWS = 16
@@ -70,16 +70,9 @@ def prepare(qt: QTensor) -> PreparedWeight:
         params["scale_mode"] = 0
     if gs.zero is not None:
         tensors["zeros"] = gs.zero.float().contiguous()
-    tensors = {name: hugepages.place(t) for name, t in tensors.items()}  # in an engine's arena
-    return PreparedWeight(path="cpu-lut", shape=(n, k), label=qt.spec.label, device=torch.device("cpu"), tensors=tensors, params=params)
-
-
-def place(pw: PreparedWeight) -> PreparedWeight:
-    """pw with its arrays on huge pages inside an engine's arena (hugepages.place; outside one, pw itself)."""
-    tensors = {name: hugepages.place(t) for name, t in pw.tensors.items()}
-    if all(tensors[name] is pw.tensors[name] for name in tensors):
-        return pw
-    return PreparedWeight(path=pw.path, shape=pw.shape, label=pw.label, device=pw.device, tensors=tensors, params=pw.params)
+    # placed at once inside an engine's arena (off the C heap, which long-lived arrays fragment)
+    return placed(PreparedWeight(path="cpu-lut", shape=(n, k), label=qt.spec.label, device=torch.device("cpu"), tensors=tensors,
+                                 params=params))
 
 
 def _common_args(pw: PreparedWeight) -> list:

@@ -44,7 +44,7 @@ import torch
 
 from lowbit.errors import LowbitError, UsageError
 from lowbit.kernels import cpu, cpu_bf16, cpu_int4dot, cpu_int8, cpu_lut, layout
-from lowbit.kernels.prepared import PreparedWeight
+from lowbit.kernels.prepared import PreparedWeight, placed
 from lowbit.kernels.reference import reference_matmul
 from lowbit.quant.qtensor import QTensor
 
@@ -363,7 +363,7 @@ class Int8FloatPath(KernelPath):
         return cpu_int8.prepare(qt)
 
     def place(self, pw):
-        return cpu_int8.place(pw)
+        return placed(pw)
 
     def rows(self, pw, start, n):
         return cpu_int8.rows(pw, start, n)
@@ -473,7 +473,7 @@ class LutPath(KernelPath):
         return cpu_lut.prepare(qt)
 
     def place(self, pw):
-        return cpu_lut.place(pw)
+        return placed(pw)
 
     def matmul(self, x2, pw, bias):
         if x2.shape[0] == 0:
