@@ -14,7 +14,6 @@ already-processed layers below it. A killed run resumes from the work folder.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import copy
 import time
@@ -84,7 +83,7 @@ class LayerwiseModel:
                 for name in f.keys():
                     self._file_of[rename_expert(name)] = file
                     self._stored_name[rename_expert(name)] = name
-        with torch.device("meta"), _no_weight_init():
+        with torch.device("meta"):
             self.model = build_model(self.config)
         for module in self.model.modules():
             if hasattr(module, "every_expert"):
@@ -191,23 +190,6 @@ class LayerwiseModel:
     def run_layer(self, layer: nn.Module, index: int, x: torch.Tensor) -> torch.Tensor:
         cos, sin, ctx = self.rope(index, x.shape[1], x.dtype, x.device)
         return layer(x, cos, sin, ctx, None)
-
-
-_INIT_FILLS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_", "trunc_normal_")
-
-
-@contextlib.contextmanager
-def _no_weight_init():
-    """Skip nn.init's random fills while the module tree is built on the meta device: they fill
-    nothing there, but torch's meta normal_ imports torch._dynamo on first use (a slow import)."""
-    saved = {name: getattr(nn.init, name) for name in _INIT_FILLS}
-    for name in _INIT_FILLS:
-        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(nn.init, name, fn)
 
 
 def calibration_samples(tokenizer, text: str, samples: int, seqlen: int, seed: int, what: str = "text",

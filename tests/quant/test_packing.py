@@ -6,7 +6,7 @@ import torch
 from lowbit.quant.packing import pack_bits, packed_width, unpack_bits
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("k", [1, 7, 64, 99])
 def test_pack_unpack_identity(bits, k):
     codes = torch.randint(0, 1 << bits, (5, k), dtype=torch.uint8)
@@ -22,3 +22,12 @@ def test_documented_bit_order():
     codes = torch.tensor([[5, 1, 7, 2, 0, 6, 3, 4]], dtype=torch.uint8)
     stream = sum(int(c) << (3 * i) for i, c in enumerate(codes[0]))
     assert pack_bits(codes, 3).tolist() == [[stream & 0xFF, stream >> 8 & 0xFF, stream >> 16 & 0xFF]]
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_byte_paths_equal_the_bit_stream(bits):
+    # codes that fill whole bytes take byte arithmetic: the same bytes as the general stream rule
+    codes = torch.randint(0, 1 << bits, (3, 37), dtype=torch.uint8)
+    stream = [sum(int(c) << (bits * i) for i, c in enumerate(row)) for row in codes]
+    width = packed_width(37, bits)
+    assert pack_bits(codes, bits).tolist() == [[s >> (8 * j) & 0xFF for j in range(width)] for s in stream]
