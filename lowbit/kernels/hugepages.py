@@ -119,17 +119,12 @@ def new_generation() -> None:
         _chunk, _used = None, 0
 
 
-def wants(t: torch.Tensor) -> bool:
-    """Whether place(t) would copy t."""
-    return (bool(_depth) and t.device.type == "cpu" and t.numel() * t.element_size() >= MIN_BYTES and not t.requires_grad
-            and enabled() and not placed(t))
-
-
 def place(t: torch.Tensor) -> torch.Tensor:
     """Inside `arena()`: a contiguous copy of CPU tensor t on huge pages (same dtype, shape and
     values). t itself outside one, where huge pages are off, for a small t, and for a t placed
     already or a view of one (the rows of a joined weight), so placing twice copies once."""
-    if not wants(t):
+    if (not _depth or t.device.type != "cpu" or t.numel() * t.element_size() < MIN_BYTES or t.requires_grad
+            or not enabled() or placed(t)):
         return t
     nbytes = t.numel() * t.element_size()
     out = _take(nbytes).view(t.dtype).view(t.shape)

@@ -99,9 +99,10 @@ def _join(modules: list[nn.Module]) -> JoinedLinear | JoinedDense | None:
     except ValueError:
         return None
     sizes = [m.prepared.shape[0] for m in modules]
-    # the separate projections become views of the joined rows where the kernel's tiles allow
-    # (rows in whole tiles: every q/k/v and gate/up of the models lowbit runs), as a dense join
-    # does: one copy in memory instead of two (39 of SmolLM2 int4-g32's 98 MB of int4 arrays)
+    # the separate projections become views of the joined rows where the kernel's layout allows
+    # (the int4 kernel's: whole groups of 64 rows, as SmolLM2's, Gemma-3's and the MoE's q/k/v and
+    # gate/up are), as a dense join does: one copy in memory instead of two (39 of SmolLM2
+    # int4-g32's 98 MB of int4 arrays)
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     views = [prepared_rows(prepared, start, n) for start, n in zip(starts, sizes)]
     if all(v is not None for v in views):
