@@ -21,6 +21,7 @@ import time
 import torch
 
 from lowbit.runtime.engine.sequence import SamplingParams
+from lowbit.runtime.process_memory import resident_bytes
 
 BENCH_TEXT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
@@ -43,27 +44,6 @@ def stream_bandwidth_gbs(device: torch.device, mib: int = 256, repeats: int = 5)
         _sync(device)
         best = min(best, time.perf_counter() - start)
     return buf.numel() * 4 / best / 1e9
-
-
-def resident_bytes() -> tuple[int | None, int | None]:
-    """(this process's resident memory now, its peak so far) in bytes; None where the system does
-    not say (resident now: Linux /proc; peak: getrusage, in KiB on Linux)."""
-    now = peak = None
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    now = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        import resource
-        import sys
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    except (ImportError, OSError):
-        pass
-    return now, peak
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

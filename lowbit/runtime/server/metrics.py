@@ -11,6 +11,8 @@ import bisect
 from collections import Counter
 from dataclasses import dataclass, field
 
+from lowbit.runtime.process_memory import resident_bytes
+
 # Latency buckets in seconds: from a fast GPU decode step to a long CPU request.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -97,6 +99,10 @@ class Metrics:
             lines.append(f'lowbit_http_errors_total{{status="{status}"}} {self.errors[status]}')
         for hist in (self.ttft, self.itl, self.e2e):
             lines += hist.render()
+        resident, _ = resident_bytes()
+        if resident is not None:  # the name Prometheus' process collectors use
+            lines += ["# HELP process_resident_memory_bytes Resident memory of the server process.",
+                      "# TYPE process_resident_memory_bytes gauge", f"process_resident_memory_bytes {resident}"]
         return "\n".join(lines) + "\n"
 
 
