@@ -16,6 +16,10 @@ build take several minutes.
 
 --model takes any model lowbit quantizes, e.g. bench/moe_synthetic.py's mixture-of-experts model; its
 "decode ÷ roofline" then counts the active bytes (the routed experts') a token reads.
+
+--depths 512,1024 measures instead decode at batch 1 after that many context tokens: `llama-bench
+-p 0 -n 64 -d D` (its "tg64 @ dD") beside `lowbit bench --prompt-tokens D --gen-tokens 64`, both
+timing the 64 generated tokens only; results in vs_llamacpp-depth*.json.
 """
 
 from __future__ import annotations
@@ -116,6 +120,55 @@ def run_lowbit_bench(ckpt: str, threads: int) -> dict:
             "decode_weight_bytes": out["decode_weight_bytes"], "stream_bandwidth_gbs": out["stream_bandwidth_gbs"]}
 
 
+DEPTH_TOKENS = 64
+
+
+def llama_at_depths(binary: Path, gguf: Path, threads: int, depths: list[int]) -> dict[int, float]:
+    done = subprocess.run([str(binary), "-m", str(gguf), "-p", "0", "-n", str(DEPTH_TOKENS), "-d", ",".join(map(str, depths)),
+                           "-t", str(threads), "-r", "3", "-o", "json"], capture_output=True, text=True, check=True)
+    return {int(r["n_depth"]): r["avg_ts"] for r in json.loads(done.stdout) if r["n_gen"] > 0}
+
+
+def lowbit_at_depth(ckpt: str, threads: int, depth: int) -> float:
+    out = json.loads(lowbit("bench", ckpt, "--batches", "1", "--prompt-tokens", str(depth), "--gen-tokens",
+                            str(DEPTH_TOKENS), "--prefill-tokens", "16", "--threads", str(threads), "--json"))
+    return out["decode"][0]["decode_tok_s"]
+
+
+def depth_runs(args, binary: Path, work: Path, cases: list[str], depths: list[int]) -> None:
+    rows = []
+    for case in cases:
+        ckpt, gguf = prepare(args.model, case, work)
+        pairs = []
+        for i in range(args.pairs):
+            theirs = llama_at_depths(binary, gguf, args.threads, depths)
+            ours = {d: lowbit_at_depth(ckpt, args.threads, d) for d in depths}
+            pairs.append((ours, theirs))
+            log(f"{case} pair {i + 1}: " + ", ".join(f"depth {d}: {ours[d]:.1f} vs {theirs[d]:.1f} tok/s" for d in depths))
+        for d in depths:
+            rows.append({"case": case, "depth": d, "lowbit": statistics.median(p[0][d] for p in pairs),
+                         "llama.cpp": statistics.median(p[1][d] for p in pairs),
+                         "ratio": statistics.median(p[0][d] / p[1][d] for p in pairs),
+                         "pairs": [{"lowbit": o[d], "llama.cpp": t[d]} for o, t in pairs]})
+    stamp = time.strftime("%Y-%m-%d %H:%M")
+    name = "vs_llamacpp-depth" if args.model == "smollm2-135m" else f"vs_llamacpp-depth-{Path(args.model).name}"
+    result = {"script": "bench/vs_llamacpp.py --depths", "date": stamp, "model": args.model, "threads": args.threads,
+              "tokens": DEPTH_TOKENS, "machine": describe(), "rows": rows}
+    path = results_file(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    print(f"{args.model}, decode of {DEPTH_TOKENS} tokens at depth, {args.threads} threads, {args.pairs} alternated pairs, "
+          f"{result['machine']}")
+    print("| case | depth | lowbit tok/s | llama.cpp tok/s | ratio (pairs) |")
+    print("| --- | --- | --- | --- | --- |")
+    for r in rows:
+        each = ", ".join(f"{p['lowbit'] / p['llama.cpp']:.2f}" for p in r["pairs"])
+        print(f"| {r['case']} | {r['depth']} | {r['lowbit']:.1f} | {r['llama.cpp']:.1f} | {r['ratio']:.2f}× ({each}) |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -124,6 +177,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--llama-bench", type=Path, default=None, help="an existing llama-bench binary")
     parser.add_argument("--work", type=Path, default=None, help="where the checkpoints and GGUFs go")
+    parser.add_argument("--depths", default=None, help="decode at these context depths instead, e.g. 512,1024")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -131,6 +185,9 @@ def main() -> None:
     work = args.work or lowbit_home() / "vs_llamacpp" / Path(args.model).name
     work.mkdir(parents=True, exist_ok=True)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    if args.depths:
+        depth_runs(args, binary, work, cases, [int(d) for d in args.depths.split(",")])
+        return
     rows = []
     for case in cases:
         ckpt, gguf = prepare(args.model, case, work)
