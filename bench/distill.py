@@ -28,6 +28,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import save_results  # noqa: E402
+
 RESULTS = ROOT / "bench" / "results" / "distill.json"
 FORMAT = "int4-g64"  # README command 1's student; its results are distill.json
 Q4_K_M_BYTES, Q4_K_M_KLD = 105.5e6, 0.054  # llama.cpp's Q4_K_M of SmolLM2-135M (issue 27's figures)
@@ -118,10 +121,7 @@ def main() -> None:
                else RESULTS.with_name("distill-head.json") if head else RESULTS)
     if args.teacher != "smollm2-135m":  # one latest file per teacher too
         results = results.with_name(f"{results.stem}-{args.teacher}.json")
-    results.parent.mkdir(parents=True, exist_ok=True)
-    results.write_text(json.dumps(result, indent=2) + "\n")
-    if args.json:
-        print(json.dumps(result, indent=2))
+    if save_results(results, result, args.json):
         return
     print(f"distill: {run['seconds']:.0f} s for {run['tokens_seen']} tokens seen ({args.samples} x {args.seqlen} windows, "
           f"{args.block_steps} steps/layer, {args.steps} end-to-end at batch {args.batch}, lr {args.lr}, {args.threads} threads)")

@@ -7,6 +7,7 @@ its own table in docs/benchmarks.md.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -38,3 +39,13 @@ def describe() -> str:
     isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
     family = f"family {fields['cpu family']} model {fields['model']}, " if "cpu family" in fields and "model" in fields else ""
     return f"{model} ({family}{isa}), {os.cpu_count()} cores"
+
+
+def save_results(path: Path, result: dict, as_json: bool) -> bool:
+    """Write `result` as the script's latest file at `path`; with as_json also print it (the
+    script then prints nothing else: returns True)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    if as_json:
+        print(json.dumps(result, indent=2))
+    return as_json

@@ -38,7 +38,7 @@ from pathlib import Path
 from lowbit.paths import lowbit_home
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import describe, results_file  # noqa: E402
+from machine import describe, results_file, save_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # case -> (lowbit quantize format or None for the float model, the GGUF type its exact export holds)
@@ -154,11 +154,7 @@ def depth_runs(args, binary: Path, work: Path, cases: list[str], depths: list[in
     name = "vs_llamacpp-depth" if args.model == "smollm2-135m" else f"vs_llamacpp-depth-{Path(args.model).name}"
     result = {"script": "bench/vs_llamacpp.py --depths", "date": stamp, "model": args.model, "threads": args.threads,
               "tokens": DEPTH_TOKENS, "machine": describe(), "rows": rows}
-    path = results_file(name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    if args.json:
-        print(json.dumps(result, indent=2))
+    if save_results(results_file(name), result, args.json):
         return
     print(f"{args.model}, decode of {DEPTH_TOKENS} tokens at depth, {args.threads} threads, {args.pairs} alternated pairs, "
           f"{result['machine']}")
@@ -224,10 +220,7 @@ def main() -> None:
         kept = [{"date": old.get("date"), **r} for r in old.get("cases", []) if r["case"] not in ran]
     result = {"script": "bench/vs_llamacpp.py", "date": stamp, "model": args.model,
               "threads": args.threads, "machine": describe(), "cases": kept + rows}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    if args.json:
-        print(json.dumps(result, indent=2))
+    if save_results(path, result, args.json):
         return
     print(f"{args.model}, {args.threads} threads, {args.pairs} alternated pairs, {result['machine']}")
     print("| case | GGUF | decode b1 lowbit | llama.cpp | ratio | prefill 512 lowbit | llama.cpp | ratio | "
