@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import time
 
 from conftest import TINY_ARGS
@@ -53,6 +54,9 @@ def test_health_is_503_while_loading_then_200(start_server, tiny_model_dir):
     assert seen == [503, 200], server.output()
     # /v1 while loading would have been 503 too; after start-up it serves.
     assert server.request("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2})[0] == 200
+    # the log says how long loading took and what the process holds
+    assert re.search(r"model loaded in \d+\.\d s(, \d+ MiB resident \(KV cache included\))?; ready", server.output()), \
+        server.output()
 
 
 def test_disconnect_mid_stream_aborts_and_frees_kv(module_server):

@@ -22,12 +22,14 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from lowbit.errors import LowbitError
+from lowbit.runtime.process_memory import resident_bytes
 
 log = logging.getLogger("lowbit.serve")
 
@@ -152,6 +154,7 @@ class EngineLoop:
     # -- the engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
         engines = {}
+        began = time.perf_counter()
         for name, (build, what) in self._builders.items():
             try:
                 engines[name] = build()
@@ -167,7 +170,10 @@ class EngineLoop:
         self.stats = self.engine.stats()
         with self._lock:
             self.state = "ready"
-        log.info("model loaded; ready" if len(engines) == 1 else f"{len(engines)} models loaded; ready")
+        resident, _ = resident_bytes()
+        held = f", {resident / 2**20:.0f} MiB resident (KV cache included)" if resident else ""
+        loaded = "model loaded" if len(engines) == 1 else f"{len(engines)} models loaded"
+        log.info(f"{loaded} in {time.perf_counter() - began:.1f} s{held}; ready")
         try:
             self._serve()
         except BaseException as exc:  # noqa: BLE001 - a crashed step must not kill the server silently
