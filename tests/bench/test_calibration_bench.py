@@ -3,20 +3,11 @@ picks the right best recipe."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.bench.bench_scripts import load_bench
 
 
 def _row(fmt, method, pct, bpw, kld, ppl=20.0):
@@ -36,7 +27,7 @@ def _report():
 
 
 def test_configurations_and_best_recipe():
-    calib = _load("calibration")
+    calib = load_bench("calibration")
     configs = calib.configurations(["int4-g64", "nf4"], ["rtn", "gptq"], [0.0, 0.1], ["nf4"], ["gptq"],
                                    calib.parse_best("nf4:gptq:0.1,int4-asym-g32:awq+gptq:0.2"))
     assert configs == [("int4-g64", "rtn", 0.0), ("int4-g64", "gptq", 0.0), ("nf4", "rtn", 0.0), ("nf4", "gptq", 0.0),
@@ -52,7 +43,7 @@ def test_configurations_and_best_recipe():
 
 def test_plots_draw_calibration_rows(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
-    plots = _load("plots")
+    plots = load_bench("plots")
     monkeypatch.setattr(plots, "RESULTS", tmp_path)
     (tmp_path / "calibration.json").write_text(json.dumps(_report()))  # one rows file, the model named inside
     assert plots.quality_models() == ["gemma3-270m"]

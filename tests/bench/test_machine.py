@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-
-def _machine():
-    path = Path(__file__).resolve().parents[2] / "bench" / "machine.py"
-    spec = importlib.util.spec_from_file_location("bench_machine", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.bench.bench_scripts import load_bench
 
 
 def test_save_results_writes_the_file_and_prints_only_for_json(tmp_path, capsys):
-    machine = _machine()
+    machine = load_bench("machine")
     result = {"script": "x", "rows": [1.5, 2]}
     target = tmp_path / "results" / "x.json"
     assert machine.save_results(target, result, False) is False

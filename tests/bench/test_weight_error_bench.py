@@ -2,26 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import torch
 
 from lowbit.quant.registry import as_spec, get_format
 from lowbit.runtime.loader import load_model
-
-
-def _bench():
-    path = Path(__file__).resolve().parents[2] / "bench" / "weight_error.py"
-    spec = importlib.util.spec_from_file_location("weight_error_bench", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.bench.bench_scripts import load_bench
 
 
 def test_relative_mse_matches_direct_sum(tiny_float_model):
     src = tiny_float_model("llama")
-    rows = _bench().weight_errors(str(src), ["int8", "int4-g32"])
+    rows = load_bench("weight_error").weight_errors(str(src), ["int8", "int4-g32"])
     model = load_model(src, dtype=torch.float32)
     expected = {}
     for f in ("int8", "int4-g32"):
