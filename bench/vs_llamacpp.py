@@ -151,10 +151,9 @@ def depth_runs(args, binary: Path, work: Path, cases: list[str], depths: list[in
                          "ratio": statistics.median(p[0][d] / p[1][d] for p in pairs),
                          "pairs": [{"lowbit": o[d], "llama.cpp": t[d]} for o, t in pairs]})
     stamp = time.strftime("%Y-%m-%d %H:%M")
-    name = "vs_llamacpp-depth" if args.model == "smollm2-135m" else f"vs_llamacpp-depth-{Path(args.model).name}"
     result = {"script": "bench/vs_llamacpp.py --depths", "date": stamp, "model": args.model, "threads": args.threads,
               "tokens": DEPTH_TOKENS, "machine": describe(), "rows": rows}
-    if save_results(results_file(name), result, args.json):
+    if save_results(_results_file(args.model, "vs_llamacpp-depth"), result, args.json):
         return
     print(f"{args.model}, decode of {DEPTH_TOKENS} tokens at depth, {args.threads} threads, {args.pairs} alternated pairs, "
           f"{result['machine']}")
@@ -233,9 +232,9 @@ def main() -> None:
               f"{r['decode_vs_roofline']:.2f} |")
 
 
-def _results_file(model: str) -> Path:
+def _results_file(model: str, stem: str = "vs_llamacpp") -> Path:
     """The demo model's file has no model name in it; one file per CPU class (bench/machine.py)."""
-    return results_file("vs_llamacpp" if model == "smollm2-135m" else f"vs_llamacpp-{Path(model).name}")
+    return results_file(stem if model == "smollm2-135m" else f"{stem}-{Path(model).name}")
 
 
 if __name__ == "__main__":

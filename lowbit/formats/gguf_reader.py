@@ -199,7 +199,6 @@ def printable(text: str, limit: int = 80) -> str:
 # element type + u64 count + elements).
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _SCALAR_BYTES = {t: struct.calcsize(f) for t, f in _SCALARS.items()}
-_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
 _STRING, _ARRAY = 8, 9
 _MAX_DIMS = 4  # GGML_MAX_DIMS
 _DEFAULT_ALIGNMENT = 32
@@ -262,7 +261,8 @@ def _walk(path: Path, size: int, data) -> tuple[dict[str, Field], list[_Tensor]]
             raise LowbitError(f"{path} is corrupt: {what} is an array of unknown GGUF type {etype}")
         need(count * width, f"{what} ({count} elements)")
         if etype in _SCALARS:
-            items = np.frombuffer(data, dtype=_NUMPY[etype], count=count, offset=pos).copy()
+            # numpy reads struct's format codes: the same little-endian widths
+            items = np.frombuffer(data, dtype=_SCALARS[etype], count=count, offset=pos).copy()
             pos += count * width
             return Field([_ARRAY, etype], items)
         if etype == _STRING:
