@@ -303,17 +303,22 @@ def concat(parts: list[PreparedWeight]) -> PreparedWeight:
     """One prepared weight whose output rows are those of `parts`, in order (same K and grouping)."""
     first = parts[0]
     k = first.shape[1]
-    if any(p.path != PATH or p.shape[1] != k or p.params["cpg"] != first.params["cpg"]
+    if any(p.path != first.path or p.path not in (PATH, INT8_PATH) or p.shape[1] != k or p.params["cpg"] != first.params["cpg"]
            or p.params["groups"] != first.params["groups"] or p.params["act"] != first.params["act"]
            or not torch.equal(p.tensors["table"], first.tensors["table"])
            for p in parts):
-        raise ValueError("only int4dot weights with the same input width, grouping, code table and activations can be joined")
+        raise ValueError("only int4dot (or int8dot) weights with the same input width, grouping, code table and activations "
+                         "can be joined")
     n = sum(p.shape[0] for p in parts)
     # Tiles of 16 rows: a part whose rows do not fill its last tile shifts the rest, so re-tile.
     vnni = first.params["act"] == "int8"
-    untile = untile_codes_vnni if vnni else untile_codes
+    if vnni:
+        bits = int(first.tensors["bits"])
+        codes = tile_codes_vnni(torch.cat([untile_codes_vnni(p.tensors["codes"], p.shape[0], k, bits) for p in parts]), bits)
+    else:
+        codes = tile_codes(torch.cat([untile_codes(p.tensors["codes"], p.shape[0], k) for p in parts]))
     tensors = {
-        "codes": (tile_codes_vnni if vnni else tile_codes)(torch.cat([untile(p.tensors["codes"], p.shape[0], k) for p in parts])),
+        "codes": codes,
         "table": first.tensors["table"],
         "scales": tile_groups(torch.cat([untile_groups(p.tensors["scales"], p.shape[0]) for p in parts])),
     }

@@ -83,8 +83,8 @@ class Linear:
 
 
 def quantized_linear(pw: PreparedWeight) -> Linear | None:
-    """A prepared weight on cpu-int4dot or cpu-int8f, or None for any other path."""
-    return int4_linear(pw) if pw.path == cpu_int4dot.PATH else int8_linear(pw)
+    """A prepared weight on cpu-int4dot, cpu-int8dot or cpu-int8f, or None for any other path."""
+    return int4_linear(pw) if pw.path in (cpu_int4dot.PATH, cpu_int4dot.INT8_PATH) else int8_linear(pw)
 
 
 def int8_linear(pw: PreparedWeight) -> Linear | None:
@@ -99,8 +99,9 @@ def int8_linear(pw: PreparedWeight) -> Linear | None:
 
 
 def int4_linear(pw: PreparedWeight) -> Linear | None:
-    """A cpu-int4dot prepared weight (either activation route), or None for any other path."""
-    if pw.path != cpu_int4dot.PATH or not cpu_int4dot.available():
+    """A cpu-int4dot prepared weight (either activation route) or a cpu-int8dot one (8-bit codes on
+    the same int8-activation kernel), or None for any other path."""
+    if pw.path not in (cpu_int4dot.PATH, cpu_int4dot.INT8_PATH) or not cpu_int4dot.available():
         return None
     lib, name = (int4_vnni.library(), "lowbit_i4v_matmul") if pw.params["act"] == "int8" else (int4_dot.library(), "lowbit_i4_matmul")
     n, k = pw.shape

@@ -82,6 +82,21 @@ def test_joined_weights_equal_their_parts():
         cpu_int4dot.concat([parts[0], cpu_int4dot.prepare(quantized("int4-asym-g64", 8, 192), act="bf16")])
 
 
+def test_joined_8bit_weights_equal_their_parts():
+    # int8 codes on the int8-activation kernel (cpu-int8dot) join as the 4-bit ones do: a decode
+    # step runs q/k/v and gate/up as one call
+    if not cpu_int4dot.vnni_int8_available():
+        pytest.skip("no AVX512-VNNI here")
+    parts = [cpu_int4dot.prepare(quantized("int8-g32", n, 192)) for n in (64, 30, 100)]
+    assert {p.path for p in parts} == {cpu_int4dot.INT8_PATH}
+    joined = cpu_int4dot.concat(parts)
+    assert joined.path == cpu_int4dot.INT8_PATH and joined.shape == (194, 192)
+    x = torch.randn(3, 192)
+    assert torch.equal(qmatmul(x, joined), torch.cat([qmatmul(x, p) for p in parts], dim=-1))
+    with pytest.raises(ValueError):  # 4- and 8-bit codes do not mix
+        cpu_int4dot.concat([parts[0], prepared(quantized("int4-g32", 64, 192))])
+
+
 @pytest.mark.parametrize("act", ["int8", "bf16"])
 def test_rows_of_a_joined_weight_share_its_memory_and_compute_as_their_part(act):
     if act == "bf16" and not cpu_int4dot.bf16_available():

@@ -51,7 +51,7 @@ def _linear(module) -> decode_chain.Linear:
     else:
         raise Unsupported(f"a {type(module).__name__} projection")
     if found is None:
-        raise Unsupported("a projection on a kernel other than cpu-int4dot, cpu-int8f or the dense float32 one")
+        raise Unsupported("a projection on a kernel other than cpu-int4dot, cpu-int8dot, cpu-int8f or the dense float32 one")
     return found
 
 

@@ -87,7 +87,8 @@ def _concat_for(modules: list[nn.Module]):
         if prepared is None or getattr(m, "bias", None) is not None or getattr(m, "outliers", None) is not None:
             return None
         paths.add(prepared.path)
-    return {frozenset({cpu_int4dot.PATH}): cpu_int4dot.concat, frozenset({cpu_int8.PATH}): cpu_int8.concat}.get(frozenset(paths))
+    return {frozenset({cpu_int4dot.PATH}): cpu_int4dot.concat, frozenset({cpu_int4dot.INT8_PATH}): cpu_int4dot.concat,
+            frozenset({cpu_int8.PATH}): cpu_int8.concat}.get(frozenset(paths))
 
 
 def _join(modules: list[nn.Module]) -> JoinedLinear | JoinedDense | None:

@@ -46,17 +46,21 @@ def _engine(path, quantize: str | None = None, **kw) -> Engine:
     return engine
 
 
-QUANTIZED = {"int4": "int4-g32", "int8": "int8", "int8-g32": "int8-g32"}
-KINDS = {"int4": 1, "bf16-stored": 2, "float32": 2, "int8": 3, "int8-g32": 3}
+QUANTIZED = {"int4": "int4-g32", "int8": "int8", "int8-g32": "int8-g32", "int8-w8a8": "int8-g32"}
+KINDS = {"int4": 1, "bf16-stored": 2, "float32": 2, "int8": 3, "int8-g32": 3, "int8-w8a8": 1}
 
 
 @pytest.mark.parametrize("family, weights", [("llama", "bf16-stored"), ("llama", "float32"), ("llama", "int4"),
-                                             ("llama", "int8"), ("llama", "int8-g32"), ("gemma3", "bf16-stored"),
-                                             ("gemma3", "int4")])
-def test_chained_steps_equal_the_model_forward(tiny_float_model, family, weights):
+                                             ("llama", "int8"), ("llama", "int8-g32"), ("llama", "int8-w8a8"),
+                                             ("gemma3", "bf16-stored"), ("gemma3", "int4")])
+def test_chained_steps_equal_the_model_forward(tiny_float_model, family, weights, monkeypatch):
     # Gemma-3: (1 + w) norms, q/k norms, post-norms, GeGLU, embedding scale, sliding and global layers
     if weights == "int4" and not cpu_int4dot.available() or weights.startswith("int8") and not cpu_int8.available():
         pytest.skip(f"no {weights} kernel on this machine")
+    if weights == "int8-w8a8":  # 8-bit codes on the int8-activation kernel, only when named (Q8_0's arithmetic)
+        if not cpu_int4dot.vnni_int8_available():
+            pytest.skip("no AVX512-VNNI here: 8-bit codes have no int8-activation kernel")
+        monkeypatch.setenv("LOWBIT_KERNEL", "cpu-int8dot")
     path = tiny_float_model(family=family, dtype=torch.float32 if weights == "float32" else torch.bfloat16, layers=3)
     engine = _engine(path, QUANTIZED.get(weights))
     assert decode_chain.why_not(engine.model, engine.cache) is None
