@@ -2,7 +2,7 @@
 # One prepared check for a CUDA machine (one GPU, e.g. an H200), in under 8 minutes in all:
 #   setup  torch / lowbit present? (installs only what is missing: torch, then `pip install -e ".[test]"`)
 #   (a)    the Triton kernel tests compiled for the GPU (tests/kernels/triton_cases.py, not the interpreter)
-#   (b)    bench/kernels.py, every format at 1-16 rows beside torch's bf16 matmul, as a share of HBM bandwidth
+#   (b)    bench/kernel_speed.py, every format at 1-16 rows beside torch's bf16 matmul, as a share of HBM bandwidth
 #   (c)    `lowbit eval` of an RTN int4 SmolLM2 checkpoint, on the GPU against the CPU's PPL
 #   (d)    `lowbit bench` decode at batch 1-64, int4 checkpoint and bf16 model
 # Every table goes to ONE file: $OUT/gpu_check.md when $OUT is set, else bench/results/gpu_check.md.
@@ -129,10 +129,10 @@ do_kernels() {
     set -euo pipefail
     local formats="int4 int4-asym int8 nf4 fp8 fp8-block128 mxfp4 nvfp4"
     if (( DRY )); then
-        "$PY" bench/kernels.py --device cpu --path triton --formats $formats --shapes 64x128 --rows 1,16 \
+        "$PY" bench/kernel_speed.py --device cpu --path triton --formats $formats --shapes 64x128 --rows 1,16 \
             --rounds 1 --budget 0.01 --markdown "$WORK/kernels.md" >&2
     else
-        "$PY" bench/kernels.py --device cuda --formats $formats --shapes 4096x4096,14336x4096 --rows 1,2,4,8,16 \
+        "$PY" bench/kernel_speed.py --device cuda --formats $formats --shapes 4096x4096,14336x4096 --rows 1,2,4,8,16 \
             --peak-gb-s 4800 --rounds 3 --budget 0.05 --markdown "$WORK/kernels.md" >&2
     fi
     cat "$WORK/kernels.md"

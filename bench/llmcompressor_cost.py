@@ -34,8 +34,6 @@ from pathlib import Path
 MODEL = "~/.cache/lowbit/models/smollm2-135m"
 RESULTS = Path(__file__).resolve().parent / "results"
 
-# bench/kernels.py would shadow the `kernels` package transformers probes for at import.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 
 def dump_ids(args: argparse.Namespace) -> None:

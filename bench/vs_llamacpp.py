@@ -1,7 +1,8 @@
 """lowbit beside llama.cpp on exactly the same weights, in one run, on this machine.
 
 For each case the model is quantized by lowbit (or kept bf16), exported to GGUF *exactly*
-(`lowbit convert --to gguf` must report exact: int4 g32 → Q4_0, int8 g32 → Q8_0, bf16 → BF16), and
+(`lowbit convert --to gguf` must report exact: int4 g32 → Q4_0, int8 g32 → Q8_0, bf16 → BF16; the
+int8-w8a8 case runs the int8 checkpoint with `--kernel cpu-int8dot`, Q8_0's arithmetic), and
 then `llama-bench -p 512 -n 128` and `lowbit bench` (prefill 512, decode 128 at batch 1, plus 16
 concurrent) run alternately `--pairs` times with the same thread count. Reported: the medians
 and the median of the paired ratios (this VM drifts 10-20 % between runs, so pairs are compared
@@ -11,7 +12,7 @@ llama.cpp is built once from the llama-cpp-python sdist on PyPI (its vendor/llam
 $LOWBIT_HOME/llamacpp, with cmake and a C++ compiler (Debian's). Not part of CI: the download and
 build take several minutes.
 
-    python bench/vs_llamacpp.py [--model smollm2-135m] [--cases int4,int4-g64,int8,bf16] [--pairs 3] [--threads 2]
+    python bench/vs_llamacpp.py [--model smollm2-135m] [--cases int4,int4-g64,int8,int8-w8a8,bf16] [--pairs 3] [--threads 2]
         [--llama-bench PATH] [--json]
 
 --model takes any model lowbit quantizes, e.g. bench/moe_synthetic.py's mixture-of-experts model; its
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from lowbit.paths import lowbit_home
@@ -41,11 +43,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import describe, results_file, save_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-# case -> (lowbit quantize format or None for the float model, the GGUF type its exact export holds)
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    """One comparison: lowbit's quantize format (None: the float model), the GGUF type its exact
+    export holds, the checkpoint it shares with other cases (default its own), and extra
+    `lowbit bench` options."""
+
+    fmt: str | None
+    gguf_type: str
+    ckpt: str | None = None
+    bench_args: tuple[str, ...] = ()
+
+
 # int4-g64 → Q4_0 is exact too (each 32-block repeats its group's scale); both int4 cases run lowbit's
-# int4 kernel (int4_vnni.c: AVX512-VNNI, or AVX2), which takes any group of whole 32s.
-CASES = {"int4": ("int4-g32", "Q4_0"), "int4-g64": ("int4-g64", "Q4_0"), "int8": ("int8-g32", "Q8_0"),
-         "bf16": (None, "BF16")}
+# int4 kernel (int4_vnni.c: AVX512-VNNI, or AVX2), which takes any group of whole 32s. int8 runs
+# lowbit's default int8 kernel (float32 activations); int8-w8a8 the same checkpoint through
+# cpu-int8dot (activations rounded to int8 per 32, Q8_0's own arithmetic; AVX512-VNNI only).
+CASES = {"int4": Case("int4-g32", "Q4_0"), "int4-g64": Case("int4-g64", "Q4_0"), "int8": Case("int8-g32", "Q8_0"),
+         "int8-w8a8": Case("int8-g32", "Q8_0", ckpt="int8", bench_args=("--kernel", "cpu-int8dot")),
+         "bf16": Case(None, "BF16")}
 TOOLS = ("llama-bench", "llama-perplexity", "llama-server")
 
 
@@ -88,14 +106,15 @@ def lowbit(*args: str, capture: bool = True) -> str:
 
 def prepare(model: str, case: str, work: Path) -> tuple[str, Path]:
     """(what lowbit runs, the GGUF llama.cpp runs): the same weights, checked exact."""
-    fmt, gtype = CASES[case]
-    if fmt is None:
+    spec = CASES[case]
+    name = spec.ckpt or case
+    if spec.fmt is None:
         ckpt = model
     else:
-        ckpt = str(work / f"{case}")
+        ckpt = str(work / name)
         if not Path(ckpt).is_dir():
-            lowbit("quantize", model, "--format", fmt, "-o", ckpt)
-    gguf = work / f"{case}.gguf"
+            lowbit("quantize", model, "--format", spec.fmt, "-o", ckpt)
+    gguf = work / f"{name}.gguf"
     if not gguf.is_file():
         summary = json.loads(lowbit("convert", ckpt, "-o", str(gguf), "--to", "gguf", "--json"))
         if not summary["exact"]:
@@ -112,9 +131,9 @@ def run_llama_bench(binary: Path, gguf: Path, threads: int) -> dict:
     return {"prefill_tok_s": prefill["avg_ts"], "decode_tok_s": decode["avg_ts"]}
 
 
-def run_lowbit_bench(ckpt: str, threads: int) -> dict:
+def run_lowbit_bench(ckpt: str, threads: int, extra: tuple[str, ...] = ()) -> dict:
     out = json.loads(lowbit("bench", ckpt, "--batches", "1,16", "--prompt-tokens", "8", "--gen-tokens", "128",
-                            "--prefill-tokens", "512", "--threads", str(threads), "--json"))
+                            "--prefill-tokens", "512", "--threads", str(threads), *extra, "--json"))
     by_batch = {d["batch"]: d["decode_tok_s"] for d in out["decode"]}
     return {"prefill_tok_s": out["prefill_tok_s"], "decode_tok_s": by_batch[1], "decode16_tok_s": by_batch[16],
             "decode_weight_bytes": out["decode_weight_bytes"], "stream_bandwidth_gbs": out["stream_bandwidth_gbs"]}
@@ -129,9 +148,9 @@ def llama_at_depths(binary: Path, gguf: Path, threads: int, depths: list[int]) -
     return {int(r["n_depth"]): r["avg_ts"] for r in json.loads(done.stdout) if r["n_gen"] > 0}
 
 
-def lowbit_at_depth(ckpt: str, threads: int, depth: int) -> float:
+def lowbit_at_depth(ckpt: str, threads: int, depth: int, extra: tuple[str, ...] = ()) -> float:
     out = json.loads(lowbit("bench", ckpt, "--batches", "1", "--prompt-tokens", str(depth), "--gen-tokens",
-                            str(DEPTH_TOKENS), "--prefill-tokens", "16", "--threads", str(threads), "--json"))
+                            str(DEPTH_TOKENS), "--prefill-tokens", "16", "--threads", str(threads), *extra, "--json"))
     return out["decode"][0]["decode_tok_s"]
 
 
@@ -142,7 +161,7 @@ def depth_runs(args, binary: Path, work: Path, cases: list[str], depths: list[in
         pairs = []
         for i in range(args.pairs):
             theirs = llama_at_depths(binary, gguf, args.threads, depths)
-            ours = {d: lowbit_at_depth(ckpt, args.threads, d) for d in depths}
+            ours = {d: lowbit_at_depth(ckpt, args.threads, d, CASES[case].bench_args) for d in depths}
             pairs.append((ours, theirs))
             log(f"{case} pair {i + 1}: " + ", ".join(f"depth {d}: {ours[d]:.1f} vs {theirs[d]:.1f} tok/s" for d in depths))
         for d in depths:
@@ -167,7 +186,8 @@ def depth_runs(args, binary: Path, work: Path, cases: list[str], depths: list[in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--cases", default="int4,int4-g64,int8,bf16")
+    parser.add_argument("--cases", default="int4,int4-g64,int8,int8-w8a8,bf16",
+                        help=f"comma-separated, of {', '.join(CASES)}")
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--llama-bench", type=Path, default=None, help="an existing llama-bench binary")
@@ -180,6 +200,9 @@ def main() -> None:
     work = args.work or lowbit_home() / "vs_llamacpp" / Path(args.model).name
     work.mkdir(parents=True, exist_ok=True)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        raise SystemExit(f"unknown case {', '.join(unknown)}: the cases are {', '.join(CASES)}")
     if args.depths:
         depth_runs(args, binary, work, cases, [int(d) for d in args.depths.split(",")])
         return
@@ -189,7 +212,7 @@ def main() -> None:
         pairs = []
         for i in range(args.pairs):
             theirs = run_llama_bench(binary, gguf, args.threads)
-            ours = run_lowbit_bench(ckpt, args.threads)
+            ours = run_lowbit_bench(ckpt, args.threads, CASES[case].bench_args)
             pairs.append((ours, theirs))
             log(f"{case} pair {i + 1}: decode {ours['decode_tok_s']:.1f} vs {theirs['decode_tok_s']:.1f} tok/s, "
                 f"prefill {ours['prefill_tok_s']:.0f} vs {theirs['prefill_tok_s']:.0f} tok/s")
@@ -198,7 +221,7 @@ def main() -> None:
         ours0 = pairs[0][0]
         roofline = ours0["decode_weight_bytes"] / (ours0["stream_bandwidth_gbs"] * 1e9)  # s per token at bandwidth
         rows.append({
-            "case": case, "gguf_type": CASES[case][1], "gguf_bytes": gguf.stat().st_size,
+            "case": case, "gguf_type": CASES[case].gguf_type, "lowbit_args": list(CASES[case].bench_args), "gguf_bytes": gguf.stat().st_size,
             "decode_tok_s": {"lowbit": med("decode_tok_s", 0), "llama.cpp": med("decode_tok_s", 1),
                              "ratio": ratio("decode_tok_s")},
             "prefill_tok_s": {"lowbit": med("prefill_tok_s", 0), "llama.cpp": med("prefill_tok_s", 1),

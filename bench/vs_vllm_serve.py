@@ -147,8 +147,8 @@ def measure(kind: str, name: str, model: Path, args) -> list[dict] | str:
     log = Path(tempfile.gettempdir()) / f"vs_vllm_{kind}.log"
     print("+", " ".join(cmd), f"> {log}", flush=True)
     with open(log, "wb") as f:
-        # not from bench/: `python -m` puts the working directory first on sys.path, and
-        # transformers' probe for a package named `kernels` then imported bench/kernels.py
+        # not from bench/: `python -m` puts the working directory first on sys.path, where a
+        # script could shadow a package the server imports
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=tempfile.gettempdir())
     try:
         wait_ready(base, proc, log=log)

@@ -1,9 +1,9 @@
 """Quantized matmul speed per format and layer shape, against bf16 F.linear and the memory roofline.
 
-    python bench/kernels.py              # every format x shape x M (minutes on a 2-core CPU)
-    python bench/kernels.py --quick      # a subset
-    python bench/kernels.py --json       # one JSON object on stdout as well
-    python bench/kernels.py --device cuda --rows 1,2,4,8,16 --peak-gb-s 4800 --markdown OUT.md
+    python bench/kernel_speed.py              # every format x shape x M (minutes on a 2-core CPU)
+    python bench/kernel_speed.py --quick      # a subset
+    python bench/kernel_speed.py --json       # one JSON object on stdout as well
+    python bench/kernel_speed.py --device cuda --rows 1,2,4,8,16 --peak-gb-s 4800 --markdown OUT.md
 
 For each (format, N x K, M): the path dispatch picked, the median time of qmatmul, the effective
 weight bandwidth (bytes the path reads / time), its ratio to the machine's streaming-read

@@ -1,0 +1,54 @@
+"""bench/vs_llamacpp.py's cases without llama.cpp: which checkpoint and GGUF each runs, and what
+`lowbit bench` is asked for (the peers themselves run outside CI)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.bench.bench_scripts import load_bench
+
+
+@pytest.fixture
+def vs(monkeypatch):
+    module = load_bench("vs_llamacpp")
+    calls = []
+
+    def fake_lowbit(*args, capture=True):
+        calls.append(args)
+        if args[0] == "quantize":
+            Path(args[-1]).mkdir()
+        elif args[0] == "convert":
+            Path(args[3]).write_bytes(b"GGUF")
+            return json.dumps({"exact": True})
+        elif args[0] == "bench":
+            return json.dumps({"prefill_tok_s": 1.0, "decode": [{"batch": 1, "decode_tok_s": 2.0}, {"batch": 16, "decode_tok_s": 3.0}],
+                               "decode_weight_bytes": 4, "stream_bandwidth_gbs": 5.0})
+        return ""
+
+    monkeypatch.setattr(module, "lowbit", fake_lowbit)
+    module.calls = calls
+    return module
+
+
+def test_the_w8a8_case_runs_the_int8_files_through_the_int8_activation_kernel(vs, tmp_path):
+    assert vs.prepare("m", "int8", tmp_path) == vs.prepare("m", "int8-w8a8", tmp_path) == (str(tmp_path / "int8"), tmp_path / "int8.gguf")
+    assert [c[0] for c in vs.calls] == ["quantize", "convert"]  # quantized and exported once for both
+    vs.run_lowbit_bench("ckpt", 2, vs.CASES["int8-w8a8"].bench_args)
+    vs.run_lowbit_bench("ckpt", 2, vs.CASES["int8"].bench_args)
+    w8a8, default = vs.calls[-2:]
+    assert w8a8[w8a8.index("--kernel") + 1] == "cpu-int8dot" and "--kernel" not in default
+
+
+def test_the_float_case_runs_the_model_itself(vs, tmp_path):
+    ckpt, gguf = vs.prepare("smollm2-135m", "bf16", tmp_path)
+    assert ckpt == "smollm2-135m" and gguf == tmp_path / "bf16.gguf"
+    assert [c[0] for c in vs.calls] == ["convert"]
+
+
+def test_an_inexact_export_is_refused(vs, tmp_path, monkeypatch):
+    monkeypatch.setattr(vs, "lowbit", lambda *a, capture=True: json.dumps({"exact": False}) if a[0] == "convert" else "")
+    with pytest.raises(SystemExit, match="not exact"):
+        vs.prepare("smollm2-135m", "bf16", tmp_path)
