@@ -215,10 +215,10 @@ def untile_groups(v: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _scales16(scales: torch.Tensor, bits: int) -> torch.Tensor | None:
-    """The scales as float16 for the AVX2 int8-route kernel (int4_vnni.c `scales16`) where every
-    one is exactly a float16; None elsewhere (the AVX-512 section reads float32)."""
+    """The scales as float16 for the int8-route kernel (int4_vnni.c `scales16`, either ISA) where
+    every one is exactly a float16; None elsewhere (float32 scales)."""
     lib = _I4V or int4_vnni.library()
-    if lib is None or lib.lowbit_i4v_available() != 2 or bits != 4:
+    if lib is None or lib.lowbit_i4v_available() == 0 or bits == 8 and lib.lowbit_i4v_available() != 1:
         return None
     half = scales.half()
     return half if torch.equal(half.float(), scales) else None
