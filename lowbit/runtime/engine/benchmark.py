@@ -1,6 +1,9 @@
 """What `lowbit bench` measures, as plain functions returning plain dicts.
 
-- prefill: one long prompt, max_tokens 1: prompt tokens / wall time; TTFT of a short prompt.
+- prefill: one long prompt, max_tokens 1: prompt tokens / wall time, the median of PREFILL_RUNS
+  prompts after one of the same length as a warm-up (as llama-bench repeats pp512 after a warm-up;
+  the first long prompt also pays first-touch page faults, reported apart as
+  `prefill_first_tok_s`); TTFT of a short prompt.
 - decode at batch B: B requests of a short prompt, generating `gen_tokens` each with EOS
   ignored; decode tok/s counts tokens after each request's first, over the time after every
   request has produced it (so prefill is excluded); inter-token latency is the median step.
@@ -130,6 +133,9 @@ def run_requests(engine, prompts: list[list[int]], params: SamplingParams) -> di
     }
 
 
+PREFILL_RUNS = 3
+
+
 def run_bench(engine, batches=(1, 4, 16, 64), prompt_tokens: int = 32, gen_tokens: int = 64,
               prefill_tokens: int = 512, spec_engine=None, cascade_engine=None) -> dict:
     """All of `lowbit bench`'s figures for one engine (no draft). `spec_engine`: the same model
@@ -142,9 +148,14 @@ def run_bench(engine, batches=(1, 4, 16, 64), prompt_tokens: int = 32, gen_token
     run_requests(engine, [bench_prompt(tok, 16)], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
 
     prefill_len = min(prefill_tokens, engine.max_model_len - 2)
-    t0 = time.perf_counter()
-    run_requests(engine, [bench_prompt(tok, prefill_len)], SamplingParams(temperature=0, max_tokens=1))
-    prefill_s = time.perf_counter() - t0
+    long_prompt = bench_prompt(tok, prefill_len)
+    one_token = SamplingParams(temperature=0, max_tokens=1)
+    prefill_times = []
+    for i in range(1 + PREFILL_RUNS):  # a different first token each: no prefix-cache hits
+        t0 = time.perf_counter()
+        run_requests(engine, [[(long_prompt[0] + i) % engine.config.vocab_size] + long_prompt[1:]], one_token)
+        prefill_times.append(time.perf_counter() - t0)
+    prefill_s = statistics.median(prefill_times[1:])
     result = {
         "model": str(engine.model_path),
         "dtype": str(engine.dtype).replace("torch.", ""),
@@ -152,6 +163,7 @@ def run_bench(engine, batches=(1, 4, 16, 64), prompt_tokens: int = 32, gen_token
         "threads": torch.get_num_threads(),
         "prefill_tokens": prefill_len,
         "prefill_tok_s": prefill_len / prefill_s,
+        "prefill_first_tok_s": prefill_len / prefill_times[0],
         "weight_bytes": weight_bytes(engine.model),
         "kv_cache_bytes": engine.cache.nbytes,
         "kv_blocks": engine.cache.num_blocks,
