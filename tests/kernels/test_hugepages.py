@@ -124,3 +124,33 @@ def test_an_int4_engine_places_each_weight_once(tiny_float_model, monkeypatch):
     dense = {m.weight.data_ptr(): m.weight.numel() * m.weight.element_size() for m in engine.model.modules()
              if type(m) is InvariantLinear}  # the head
     assert sum(n for g, n in taken if g == final) <= 1.02 * (unique + sum(dense.values()))
+
+
+def test_lazy_zeros_are_zeros_that_take_memory_only_where_written():
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("resident memory is read from /proc")
+    from lowbit.runtime.process_memory import resident_bytes
+
+    before = resident_bytes()[0]
+    t = hugepages.lazy_zeros((256, 1024, 256), torch.float32)  # 256 MiB
+    assert t.shape == (256, 1024, 256) and t.dtype is torch.float32 and t.is_contiguous()
+    assert resident_bytes()[0] - before < 32 << 20  # nothing touched yet
+    t[3].fill_(2.5)  # one MiB written
+    assert t[3].eq(2.5).all() and t[2].eq(0).all() and t[4].eq(0).all()
+    assert resident_bytes()[0] - before < 64 << 20
+    assert float(t[100:110].sum()) == 0.0 and float(t.sum()) == 2.5 * 1024 * 256  # reads see zeros
+    assert hugepages.lazy_zeros((3, 5), torch.int8).eq(0).all()
+
+
+def test_an_engine_kv_cache_is_resident_only_where_used(smollm2_dir):
+    # the default cache is sized from free memory (up to 4 GiB); loading must not touch it all
+    from lowbit.runtime.engine.engine import Engine
+    from lowbit.runtime.process_memory import resident_bytes
+
+    before = resident_bytes()[0]
+    engine = Engine(smollm2_dir, kv_memory=2 << 30)
+    assert engine.cache.nbytes > 1.9 * (1 << 30)
+    # the model adds ~0.5 GB; zeros written in full would add the cache's 2 GiB as well
+    assert resident_bytes()[0] - before < 1 << 30

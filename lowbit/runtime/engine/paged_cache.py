@@ -21,9 +21,12 @@ and kv head (absmax / qmax), and dequantized when gathered.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from lowbit.errors import UsageError
+from lowbit.kernels import hugepages
 from lowbit.runtime.attention import AttentionCache
 from lowbit.runtime.config import ModelConfig
 from lowbit.runtime.engine import paged_attention as pa
@@ -61,8 +64,11 @@ class PagedKVCache(AttentionCache):
         store = dtype if kv_dtype is None else torch.int8 if kv_dtype == "int8" else torch.uint8
         shape = (slots, self.kv_heads, self.head_dim)
         n = config.num_hidden_layers
-        self.keys = [torch.zeros(shape, dtype=store, device=self.device) for _ in range(n)]
-        self.values = [torch.zeros(shape, dtype=store, device=self.device) for _ in range(n)]
+        # on CPU, zeros whose pages appear as blocks are first written (hugepages.lazy_zeros): the
+        # default cache is sized for many long sequences, most of it never touched
+        zeros = hugepages.lazy_zeros if self.device.type == "cpu" else partial(torch.zeros, device=self.device)
+        self.keys = [zeros(shape, dtype=store) for _ in range(n)]
+        self.values = [zeros(shape, dtype=store) for _ in range(n)]
         if kv_dtype is None:
             self.key_scales = self.value_scales = None
         else:

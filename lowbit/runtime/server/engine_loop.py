@@ -171,7 +171,7 @@ class EngineLoop:
         with self._lock:
             self.state = "ready"
         resident, _ = resident_bytes()
-        held = f", {resident / 2**20:.0f} MiB resident (KV cache included)" if resident else ""
+        held = f", {resident / 2**20:.0f} MiB resident (the KV cache counts as its blocks are written)" if resident else ""
         loaded = "model loaded" if len(engines) == 1 else f"{len(engines)} models loaded"
         log.info(f"{loaded} in {time.perf_counter() - began:.1f} s{held}; ready")
         try:
