@@ -164,3 +164,41 @@ def test_moe_layers_take_the_chain_and_route_alike(tmp_path, case, weights):
     plain = _engine(tmp_path, QUANTIZED.get(weights))
     plain.runner.chained = None
     assert [o.token_ids for o in plain.generate(prompts(4), GREEDY)] == [o.token_ids for o in outs]
+
+
+def test_a_step_mixing_decodes_and_prefill_chunks_runs_the_decodes_on_the_chain(tiny_float_model):
+    # decodes already running when longer prompts arrive: those steps split into a chained forward
+    # of the short items and a layer-by-layer one of the chunks, with the outputs of one forward
+    if not cpu_int4dot.available():
+        pytest.skip("no int4 kernel on this machine")
+    path = tiny_float_model(family="llama", dtype=torch.bfloat16, layers=3)
+    late = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=2)
+
+    def run(engine):
+        for i, p in enumerate(prompts(2)):
+            engine.add_request(f"early{i}", p, GREEDY)
+        for _ in range(3):
+            engine.step()  # the early ones are decoding now
+        for i, p in enumerate(prompts(5, seed=1)[2:]):  # 40, 9 and 33 tokens: prefill chunks
+            engine.add_request(f"late{i}", p, late)
+        outs = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                got = outs.setdefault(o.request_id, {"tokens": [], "prompt": None})
+                got["tokens"] += o.new_token_ids
+                if o.prompt_logprobs is not None:
+                    got["prompt"] = [None if e is None else (e.token_id, e.logprob, e.rank, e.top) for e in o.prompt_logprobs]
+        return outs
+
+    engine = _engine(path, "int4-g32")
+    runner = engine.runner
+    calls = []
+    real = runner._forward
+    runner._forward = lambda works: calls.append([len(w.token_ids) for w in works]) or real(works)
+    rows = _checked(runner)
+    split = run(engine)
+    mixed = [(a, b) for a, b in zip(calls, calls[1:]) if max(a) <= 8 < min(b)]
+    assert mixed and rows  # some steps were split, and their short halves went through the chain
+    plain = _engine(path, "int4-g32")
+    plain.runner.chained = None  # one forward a step, layer by layer
+    assert run(plain) == split  # the same tokens and prompt log-probs, bit for bit
