@@ -67,7 +67,10 @@ int lowbit_i4v_available(void) { return HAVE_I4VNNI ? 1 : HAVE_I4AVX2 ? 2 : 0; }
 
 #if HAVE_I4VNNI
 #define ROWS 16
-#define MAXMB LOWBIT_PASS_ROWS
+/* x rows per pass: 8 (two tiles side by side, each x dword broadcast once for both) took
+   0.92-0.97x the time of 16 (one tile) at 16-256 rows, groups of 32 and 64, on 2 Zen 5 cores
+   (SmolLM2's layers, alternated C-call sweeps; one run of five at 16 rows, g64: 1.03x). */
+#define MAXMB 8
 #define TILE_CHUNK(BITS) ((BITS) * 16)    /* bytes of one tile's chunk of 8 k */
 #define STRIDE(BITS) (4 * TILE_CHUNK(BITS)) /* from one chunk of a tile to its next: four tiles interleaved */
 /* How far ahead of a pass's stream to prefetch into L1. On 2 Zen 5 cores, SmolLM2's 30 layers of
@@ -155,7 +158,16 @@ INLINE void vtiles(const int BITS, const int TT, const int MB, const I4VWeight *
     } break;
 static void vpass(int tt, int mb, const I4VWeight *w, int64_t t0, const int8_t *xq, int64_t M, const float *xs,
                   const int32_t *xa, int64_t m0, float *tot) {
-    LOWBIT_TILE_PASSES(tt, mb, MB_CASE);
+    /* the (tt, mb) pairs lowbit_tile_runs makes with passes of MAXMB rows */
+    if (tt == 4) {
+        switch (mb) { LOWBIT_MB_UPTO4(MB_CASE, 4) }
+    } else if (tt == 3) {
+        switch (mb) { LOWBIT_MB_UPTO4(MB_CASE, 3) }
+    } else if (tt == 2) {
+        switch (mb) { LOWBIT_MB_UPTO4(MB_CASE, 2) LOWBIT_MB_5TO8(MB_CASE, 2) }
+    } else {
+        switch (mb) { LOWBIT_MB_UPTO4(MB_CASE, 1) LOWBIT_MB_5TO8(MB_CASE, 1) }
+    }
 }
 #undef MB_CASE
 
@@ -428,7 +440,7 @@ int lowbit_i4v_matmul(const I4VWeight *w, const void *x, int x_bf16, int64_t ldx
             lowbit_chunks_by_row(xq, rows, M, C, kp);
             LowbitTileCall call = {.w = w, .xq = xq, .xs = xs, .xa = xa, .M = M, .ldy = ldy, .y = y, .y_bf16 = y_bf16};
 #if HAVE_I4VNNI
-            lowbit_tile_runs(ta, tb, vrun_tiles, &call);
+            lowbit_tile_runs(ta, tb, vrun_tiles, &call, MAXMB);
 #else
             vtile_runs2(ta, tb, &call);
 #endif

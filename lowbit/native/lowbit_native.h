@@ -127,7 +127,7 @@ static inline void lowbit_for_items(int64_t count, int parallel, int threads, lo
 /* ---- the int4 kernels' tiles (int4_dot.c, int4_vnni.c) -------------------------------------- */
 
 /* Both keep 16 output rows per tile (one per vector lane), four tiles interleaved, and run x rows
-   in passes of up to 16. */
+   in passes of up to LOWBIT_PASS_ROWS (int4_vnni.c: 8). */
 
 /* x rows (converted, row_bytes apart) regrouped chunk by chunk for the passes: the 8 bytes of chunk
    c of row m go to xq + (c * M + m) * 8, so a pass reads one chunk of all its rows together. */
@@ -152,13 +152,14 @@ typedef struct {
 /* run(call, tt, mb, t, m0): tiles t..t+tt-1 against x rows m0..m0+mb-1, computed and stored. */
 typedef void (*lowbit_tile_run_fn)(LowbitTileCall *call, int tt, int mb, int64_t t, int64_t m0);
 
-/* A thread's tiles ta..tb-1 against x rows 0..M-1: passes of up to 16 rows, each over runs of up
-   to tt_max tiles side by side (enough independent accumulators to cover the dot product's
-   latency, at most 16 in all), a run staying within its group of four interleaved tiles. */
-static inline void lowbit_tile_runs(int64_t ta, int64_t tb, lowbit_tile_run_fn run, LowbitTileCall *call) {
+/* A thread's tiles ta..tb-1 against x rows 0..M-1: passes of up to pass_rows rows (at most
+   LOWBIT_PASS_ROWS), each over runs of up to tt_max tiles side by side (enough independent
+   accumulators to cover the dot product's latency, at most 16 in all), a run staying within its
+   group of four interleaved tiles. */
+static inline void lowbit_tile_runs(int64_t ta, int64_t tb, lowbit_tile_run_fn run, LowbitTileCall *call, int pass_rows) {
     const int64_t M = call->M;
-    for (int64_t m0 = 0; m0 < M; m0 += LOWBIT_PASS_ROWS) {
-        const int mb = M - m0 >= LOWBIT_PASS_ROWS ? LOWBIT_PASS_ROWS : (int)(M - m0);
+    for (int64_t m0 = 0; m0 < M; m0 += pass_rows) {
+        const int mb = M - m0 >= pass_rows ? pass_rows : (int)(M - m0);
         const int tt_max = mb <= 4 ? 4 : mb <= 8 ? 2 : 1;
         for (int64_t t = ta; t < tb;) {
             int tt = tb - t < tt_max ? (int)(tb - t) : tt_max;
