@@ -218,7 +218,8 @@ def _scales16(scales: torch.Tensor, bits: int) -> torch.Tensor | None:
     """The scales as float16 for the int8-route kernel (int4_vnni.c `scales16`, either ISA) where
     every one is exactly a float16; None elsewhere (float32 scales)."""
     lib = _I4V or int4_vnni.library()
-    if lib is None or lib.lowbit_i4v_available() == 0 or bits == 8 and lib.lowbit_i4v_available() != 1:
+    route = 0 if lib is None else lib.lowbit_i4v_available()  # 1: AVX512-VNNI (4- and 8-bit codes), 2: AVX2 (4-bit)
+    if route == 0 or bits == 8 and route != 1:
         return None
     half = scales.half()
     return half if torch.equal(half.float(), scales) else None

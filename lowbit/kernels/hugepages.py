@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import mmap
 import os
 import threading
@@ -177,10 +178,8 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     the kernel hands out zeroed page by page on first touch (advised MADV_HUGEPAGE where THP is on,
     as the weights are). torch.zeros writes every byte at once: the engine's default 4 GiB KV
     cache took ~6 s to start (2 Zen 5 cores) and was resident before the first token."""
-    count = 1
-    for n in shape:
-        count *= n
-    nbytes = max(count * torch.empty((), dtype=dtype).element_size(), 1)
+    count = math.prod(shape)
+    nbytes = max(count * dtype.itemsize, 1)
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if enabled() and nbytes >= HUGE_PAGE:
         mapping.madvise(mmap.MADV_HUGEPAGE)

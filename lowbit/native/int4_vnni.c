@@ -158,16 +158,7 @@ INLINE void vtiles(const int BITS, const int TT, const int MB, const I4VWeight *
     } break;
 static void vpass(int tt, int mb, const I4VWeight *w, int64_t t0, const int8_t *xq, int64_t M, const float *xs,
                   const int32_t *xa, int64_t m0, float *tot) {
-    /* the (tt, mb) pairs lowbit_tile_runs makes with passes of MAXMB rows */
-    if (tt == 4) {
-        switch (mb) { LOWBIT_MB_UPTO4(MB_CASE, 4) }
-    } else if (tt == 3) {
-        switch (mb) { LOWBIT_MB_UPTO4(MB_CASE, 3) }
-    } else if (tt == 2) {
-        switch (mb) { LOWBIT_MB_UPTO4(MB_CASE, 2) LOWBIT_MB_5TO8(MB_CASE, 2) }
-    } else {
-        switch (mb) { LOWBIT_MB_UPTO4(MB_CASE, 1) LOWBIT_MB_5TO8(MB_CASE, 1) }
-    }
+    LOWBIT_TILE_PASSES_8(tt, mb, MB_CASE); /* passes of MAXMB = 8 rows */
 }
 #undef MB_CASE
 

@@ -171,10 +171,15 @@ static inline void lowbit_tile_runs(int64_t ta, int64_t tb, lowbit_tile_run_fn r
 }
 
 /* switch over (tt, mb) to CASE(TT, MB) (each `case MB: ...; break;`) for the pairs
-   lowbit_tile_runs makes, so every pass compiles with constant TT and MB. */
+   lowbit_tile_runs makes, so every pass compiles with constant TT and MB: LOWBIT_TILE_PASSES for
+   passes of up to 16 rows, LOWBIT_TILE_PASSES_8 for passes of up to 8. */
 #define LOWBIT_MB_UPTO4(CASE, TT) CASE(TT, 1) CASE(TT, 2) CASE(TT, 3) CASE(TT, 4)
 #define LOWBIT_MB_5TO8(CASE, TT) CASE(TT, 5) CASE(TT, 6) CASE(TT, 7) CASE(TT, 8)
-#define LOWBIT_TILE_PASSES(tt, mb, CASE)                                            \
+#define LOWBIT_MB_9TO16(CASE, TT) \
+    CASE(TT, 9) CASE(TT, 10) CASE(TT, 11) CASE(TT, 12) CASE(TT, 13) CASE(TT, 14) CASE(TT, 15) CASE(TT, 16)
+#define LOWBIT_NO_CASES(CASE, TT)
+/* WIDE: the one-tile cases beyond 8 rows (LOWBIT_MB_9TO16 or LOWBIT_NO_CASES) */
+#define LOWBIT_TILE_PASSES_UPTO(tt, mb, CASE, WIDE)                                 \
     do {                                                                            \
         if ((tt) == 4) {                                                            \
             switch (mb) { LOWBIT_MB_UPTO4(CASE, 4) }                                \
@@ -183,12 +188,10 @@ static inline void lowbit_tile_runs(int64_t ta, int64_t tb, lowbit_tile_run_fn r
         } else if ((tt) == 2) {                                                     \
             switch (mb) { LOWBIT_MB_UPTO4(CASE, 2) LOWBIT_MB_5TO8(CASE, 2) }        \
         } else {                                                                    \
-            switch (mb) {                                                           \
-                LOWBIT_MB_UPTO4(CASE, 1) LOWBIT_MB_5TO8(CASE, 1)                    \
-                CASE(1, 9) CASE(1, 10) CASE(1, 11) CASE(1, 12)                      \
-                CASE(1, 13) CASE(1, 14) CASE(1, 15) CASE(1, 16)                     \
-            }                                                                       \
+            switch (mb) { LOWBIT_MB_UPTO4(CASE, 1) LOWBIT_MB_5TO8(CASE, 1) WIDE(CASE, 1) } \
         }                                                                           \
     } while (0)
+#define LOWBIT_TILE_PASSES(tt, mb, CASE) LOWBIT_TILE_PASSES_UPTO(tt, mb, CASE, LOWBIT_MB_9TO16)
+#define LOWBIT_TILE_PASSES_8(tt, mb, CASE) LOWBIT_TILE_PASSES_UPTO(tt, mb, CASE, LOWBIT_NO_CASES)
 
 #endif
