@@ -1,6 +1,9 @@
 """Helpers of bench/gpu_check.sh: the tiny model of its --dry-run, and its JSON outputs as markdown.
 
     python bench/gpu_check.py tiny-model DIR          # a tiny random Llama + byte tokenizer + DIR/text.txt
+    python bench/gpu_check.py pack DIR                # the demo model's config and tokenizer + wiki-eval, for a
+                                                      # machine that cannot fetch or build the demo assets
+    python bench/gpu_check.py shape-model PACK DIR    # random weights in the packed model's shape, with its tokenizer
     python bench/gpu_check.py setup                   # versions and the device, as markdown lines
     python bench/gpu_check.py pytest LOG [LOG ...]    # pytest's counts, summed over the logs
     python bench/gpu_check.py eval CPU_JSON [--gpu GPU_JSON | --skip REASON]
@@ -45,6 +48,45 @@ def tiny_model(directory: Path) -> None:
     tokenizer.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}))
     (directory / "text.txt").write_text(TINY_TEXT)
+
+
+PACKED_MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+
+
+def pack(directory: Path) -> None:
+    """What a device machine with no package index needs of the demo assets, in a few MB: the
+    weights (269 MB) do not fit the 64 MiB a device call carries, so the check there runs random
+    weights of the same shape (shape_model), with the real tokenizer and text."""
+    import shutil
+
+    from lowbit.paths import data_asset_path, model_asset_path
+
+    source = model_asset_path("smollm2-135m")
+    if not (source / "config.json").exists():
+        raise SystemExit(f"gpu_check: {source} is missing: run `lowbit assets --only smollm2-135m,wiki` first")
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in PACKED_MODEL_FILES:
+        if (source / name).exists():
+            shutil.copy2(source / name, directory / name)
+    shutil.copy2(data_asset_path("wiki-eval"), directory / "wiki-eval.txt")
+
+
+def shape_model(pack_dir: Path, directory: Path) -> None:
+    """The packed config with random weights (transformers' own init, seed 0), saved as bf16 beside
+    the packed tokenizer: the real model's shapes and bytes per token, not its perplexity."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(pack_dir)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    directory.mkdir(parents=True, exist_ok=True)
+    model.to(torch.bfloat16).save_pretrained(directory)
+    for name in PACKED_MODEL_FILES:
+        if (pack_dir / name).exists():
+            shutil.copy2(pack_dir / name, directory / name)
 
 
 def setup() -> int:
@@ -108,11 +150,12 @@ def eval_report(cpu_json: str, gpu_json: str | None, skip: str | None) -> int:
              "| device | PPL | ± | eval s | tokens/s |", "| --- | --- | --- | --- | --- |"]
     for name, r in (("cpu", cpu), ("cuda", gpu)):
         if r is not None:
+            name = r.get("device", name)
             t = r.get("timings", {})
             lines.append(f"| {name} | {r['ppl']:.4f} | {r['ppl_err']:.4f} | {t.get('eval_s', 0):.1f} | {t.get('tokens_per_s', 0):.0f} |")
     if gpu is not None:
         rel = abs(gpu["ppl"] - cpu["ppl"]) / cpu["ppl"]
-        lines += ["", f"GPU PPL against the CPU's: {rel:.2e} relative difference"]
+        lines += ["", f"second run's PPL against the CPU's: {rel:.2e} relative difference"]
     elif skip:
         lines += ["", f"GPU eval skipped: {skip}"]
     else:
@@ -149,6 +192,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("tiny-model").add_argument("dir", type=Path)
+    sub.add_parser("pack").add_argument("dir", type=Path)
+    shape = sub.add_parser("shape-model")
+    shape.add_argument("pack", type=Path)
+    shape.add_argument("dir", type=Path)
     sub.add_parser("setup")
     sub.add_parser("pytest").add_argument("logs", type=Path, nargs="+")
     ev = sub.add_parser("eval")
@@ -159,6 +206,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.cmd == "tiny-model":
         tiny_model(args.dir)
+        return 0
+    if args.cmd == "pack":
+        pack(args.dir)
+        return 0
+    if args.cmd == "shape-model":
+        shape_model(args.pack, args.dir)
         return 0
     if args.cmd == "setup":
         return setup()

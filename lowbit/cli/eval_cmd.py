@@ -38,6 +38,8 @@ def eval_command(
     cascade_threshold: float = typer.Option(0.9, "--cascade-threshold", help="Cascade confidence threshold in [0, 1] "
                                             "(1 = never the cheap model)."),
     dtype: str = typer.Option("f32", "--dtype", help="Compute dtype: f32 (default, needed for small KLDs) or bf16 (float32, bfloat16 mean the same)."),
+    device: str = typer.Option("auto", "--device", help="auto (the first CUDA device when torch sees one, else "
+                               "the CPU), cpu, cuda or cuda:N."),
     kernel: Optional[str] = KERNEL_OPTION,
     int4_activations: Optional[str] = INT4_ACTIVATIONS_OPTION,
     threads: Optional[int] = THREADS_OPTION,
@@ -64,7 +66,7 @@ def eval_command(
         check_confidence(exit_confidence)
     with use_settings(settings):
         with console.status("loading model and text"):
-            job = prepare(model, data, ctx=ctx, chunks=chunks, stride=stride, base=base, dtype=dtype)
+            job = prepare(model, data, ctx=ctx, chunks=chunks, stride=stride, base=base, dtype=dtype, device=device)
         kernels = kernel_summary(job.model)
         early = wrap_eval_job(job, early_exit, exit_threshold, exit_confidence) if early_exit is not None else None
         if cascade is not None:
@@ -112,6 +114,7 @@ def _as_json(report) -> dict:
         "model": report.model,
         "data": report.data,
         "dtype": report.dtype,
+        "device": report.device,
         "mode": result.mode,
         "ctx": result.ctx,
         "stride": result.stride,

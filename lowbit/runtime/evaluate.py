@@ -410,6 +410,7 @@ class EvalReport:
     dtype: str
     result: EvalResult
     load_s: float
+    device: str = "cpu"
 
 
 @dataclass(slots=True)
@@ -428,6 +429,7 @@ class EvalJob:
     bos_id: int | None
     windows: list[Window]
     load_s: float
+    device: str = "cpu"
 
 
 def prepare(
@@ -438,6 +440,7 @@ def prepare(
     stride: int | None = None,
     base: str | None = None,
     dtype: str = "f32",
+    device: str = "auto",
 ) -> EvalJob:
     """Resolve and load `model` (demo name, path or hub id) and `data` (demo name or UTF-8 file),
     tokenize, and plan the windows; every bad input fails here, before any window runs.
@@ -449,7 +452,10 @@ def prepare(
     from lowbit.runtime.loader import load_model
     from lowbit.runtime.tokenizer import load_tokenizer
 
+    from lowbit.runtime.device import resolve_device
+
     dtype = dtype_name(dtype, allowed=EVAL_DTYPES)
+    target = resolve_device(device)
     check_ctx(ctx)
     if chunks is not None and chunks < 1:
         raise UsageError(f"--chunks must be at least 1, got {chunks}")
@@ -461,13 +467,13 @@ def prepare(
 
     started = time.perf_counter()
     tokenizer = load_tokenizer(model_path)
-    lm = load_model(model_path, dtype=DTYPES[dtype])
+    lm = load_model(model_path, dtype=DTYPES[dtype], device=target)
     # No fuse_projections here: eval windows have ctx rows, which take the int4 kernel's prefill
     # route part by part, so joined q/k/v and gate/up only add a concat (slower, with identical
     # logits).
     base_lm = None
     if base_path is not None:
-        base_lm = load_model(base_path, dtype=DTYPES[dtype])
+        base_lm = load_model(base_path, dtype=DTYPES[dtype], device=target)
         _check_same_vocab(lm, base_lm)
         _check_same_tokenizer(tokenizer, load_tokenizer(base_path), text)
     _check_models(lm, base_lm, ctx)
@@ -476,13 +482,13 @@ def prepare(
     return EvalJob(
         model_name=str(model), data_name=str(data), base_name=base, dtype=dtype, ctx=ctx, stride=stride,
         model=lm, base_model=base_lm, tokens=tokens, bos_id=bos_id, windows=windows,
-        load_s=time.perf_counter() - started,
+        load_s=time.perf_counter() - started, device=str(target),
     )
 
 
 def run(job: EvalJob, on_window: ProgressCallback | None = None) -> EvalReport:
     result = _evaluate_planned(job.model, job.tokens, job.windows, job.bos_id, job.base_model, job.ctx, job.stride, on_window)
-    return EvalReport(model=job.model_name, data=job.data_name, base=job.base_name, dtype=job.dtype, result=result, load_s=job.load_s)
+    return EvalReport(model=job.model_name, data=job.data_name, base=job.base_name, dtype=job.dtype, result=result, load_s=job.load_s, device=job.device)
 
 
 def evaluate(
@@ -494,9 +500,10 @@ def evaluate(
     base: str | None = None,
     dtype: str = "f32",
     on_window: ProgressCallback | None = None,
+    device: str = "auto",
 ) -> EvalReport:
     """`lowbit eval` as a function: prepare() then run()."""
-    return run(prepare(model, data, ctx, chunks, stride, base, dtype), on_window)
+    return run(prepare(model, data, ctx, chunks, stride, base, dtype, device), on_window)
 
 
 def _check_same_tokenizer(tokenizer, base_tokenizer, text: str) -> None:
