@@ -12,8 +12,10 @@ speed-up over bf16 F.linear of the same shape, timed in the same run in alternat
 (bf16, then every format, repeated) so load changes on a shared machine hit all alike. Weights are rotated through
 enough copies to exceed the cache, so every call streams its weight from memory as decode does.
 On a CUDA machine the same script times the Triton path against cuBLAS bf16, each sample a run of
-back-to-back calls between two CUDA events (one call of a decode-sized matmul is shorter than a
-synchronisation), on larger default shapes; --peak-gb-s gives the bandwidth the "of peak" columns
+20 back-to-back calls between two CUDA events (one call of a decode-sized matmul is shorter than a
+synchronisation), on larger default shapes, twice: replayed from one CUDA graph ("time µs", the
+device's own time) and launched one by one from Python ("eager µs", what an eager caller waits;
+the first GPU check found every call of a fast kernel there bound by its launch); --peak-gb-s gives the bandwidth the "of peak" columns
 divide by (the datasheet's HBM figure, e.g. 4800 for an H200; default: the streaming read measured
 here), for the kernel and for bf16 alike. --path forces a kernel path (e.g. `triton` on the CPU
 under TRITON_INTERPRET=1, which bench/gpu_check.sh --dry-run uses); --markdown appends the table.
@@ -49,13 +51,14 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def sample_times(calls, device, budget_s=0.4, min_reps=5, max_reps=200) -> list[float]:
-    """Seconds per call, cycling through `calls` (one per weight copy), after two warm-up calls."""
+def sample_times(calls, device, budget_s=0.4, min_reps=5, max_reps=200, graph: bool = False) -> list[float]:
+    """Seconds per call, cycling through `calls` (one per weight copy), after two warm-up calls.
+    graph: on a GPU, replay the calls from a CUDA graph (the device's time, launch overhead left out)."""
     for c in calls[:2]:
         c()
     sync(device)
     if device.type == "cuda":
-        return _cuda_sample_times(calls, budget_s, min_reps, max_reps)
+        return _cuda_sample_times(calls, budget_s, min_reps, max_reps, graph=graph)
     times = []
     start = time.perf_counter()
     i = 0
@@ -68,17 +71,37 @@ def sample_times(calls, device, budget_s=0.4, min_reps=5, max_reps=200) -> list[
     return times
 
 
-def _cuda_sample_times(calls, budget_s, min_samples, max_samples, per_sample=20) -> list[float]:
-    """Seconds per call on a GPU: each sample times `per_sample` back-to-back calls with events."""
+def _cuda_graph(calls, per_sample: int):
+    """One CUDA graph of `per_sample` calls (warmed up on a side stream first, as capture needs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for c in calls[:3]:
+            c()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(per_sample):
+            calls[i % len(calls)]()
+    return g
+
+
+def _cuda_sample_times(calls, budget_s, min_samples, max_samples, per_sample=20, graph=False) -> list[float]:
+    """Seconds per call on a GPU: each sample times `per_sample` back-to-back calls with events,
+    launched one by one from Python, or replayed from one CUDA graph."""
+    replay = _cuda_graph(calls, per_sample).replay if graph else None
     times = []
     start = time.perf_counter()
     i = 0
     while (len(times) < min_samples or time.perf_counter() - start < budget_s) and len(times) < max_samples:
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
-        for _ in range(per_sample):
-            calls[i % len(calls)]()
-            i += 1
+        if replay is not None:
+            replay()
+        else:
+            for _ in range(per_sample):
+                calls[i % len(calls)]()
+                i += 1
         end.record()
         end.synchronize()
         times.append(begin.elapsed_time(end) / 1000 / per_sample)
@@ -89,13 +112,14 @@ def median_time(calls, device, budget_s=0.4, min_reps=5, max_reps=200) -> float:
     return statistics.median(sample_times(calls, device, budget_s, min_reps, max_reps))
 
 
-def interleaved_medians(candidates: dict, device, rounds: int, budget_s: float) -> dict:
+def interleaved_medians(candidates: dict, device, rounds: int, budget_s: float, graph: bool = False) -> dict:
     """Median seconds per call of each candidate, timed in alternating rounds so that a change in
     the machine's load during the run hits every candidate alike."""
     samples = {name: [] for name in candidates}
     for _ in range(rounds):
         for name, calls in candidates.items():
-            samples[name] += sample_times(calls, device, budget_s / rounds, min_reps=3, max_reps=max(3, 200 // rounds))
+            samples[name] += sample_times(calls, device, budget_s / rounds, min_reps=3, max_reps=max(3, 200 // rounds),
+                                          graph=graph)
     return {name: statistics.median(ts) for name, ts in samples.items()}
 
 
@@ -138,7 +162,9 @@ def run(formats, shapes, rows, device, rounds: int = 5, budget_s: float = 0.3, p
             candidates = {"bf16": [lambda d=d: F.linear(x, d) for d in dense]}
             for label, ps in prepared.items():
                 candidates[label] = [lambda p=p: qmatmul(x, p) for p in ps]
-            t = interleaved_medians(candidates, device, rounds, budget_s=budget_s * rounds)
+            # on a GPU: the device's time (graph replay), and the time a Python caller sees per call
+            t = interleaved_medians(candidates, device, rounds, budget_s=budget_s * rounds, graph=device.type == "cuda")
+            eager = interleaved_medians(candidates, device, rounds, budget_s=budget_s * rounds) if device.type == "cuda" else t
             bf16_gbs = n * k * 2 / t["bf16"]
             for label, ps in prepared.items():
                 first = ps[0]
@@ -147,6 +173,7 @@ def run(formats, shapes, rows, device, rounds: int = 5, budget_s: float = 0.3, p
                     "format": label, "path": first.path, "n": n, "k": k, "m": m, "us": t[label] * 1e6,
                     "gb_s": gbs / 1e9, "of_stream": gbs / bw, "of_peak": gbs / peak, "vs_bf16": t["bf16"] / t[label],
                     "bf16_us": t["bf16"] * 1e6, "bf16_of_peak": bf16_gbs / peak,
+                    "eager_us": eager[label] * 1e6, "bf16_eager_us": eager["bf16"] * 1e6,
                 })
         del dense, prepared
     return {
@@ -194,11 +221,12 @@ def markdown(report: dict) -> str:
     """The table as markdown: one row per (format, shape, M), bf16 beside it."""
     lines = [f"{report['device']} · streaming read {report['stream_gb_s']:.1f} GB/s measured · "
              f"of peak = weight bytes per second / {report['peak_gb_s']:.0f} GB/s ({report['peak_source']})", "",
-             "| format | path | N x K | M | time µs | GB/s | of peak | bf16 µs | bf16 of peak | × bf16 |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| format | path | N x K | M | time µs | GB/s | of peak | bf16 µs | bf16 of peak | × bf16 | eager µs | bf16 eager µs |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in report["results"]:
         lines.append(f"| {r['format']} | {r['path']} | {r['n']}x{r['k']} | {r['m']} | {r['us']:.1f} | {r['gb_s']:.1f} | "
-                     f"{r['of_peak']:.0%} | {r['bf16_us']:.1f} | {r['bf16_of_peak']:.0%} | {r['vs_bf16']:.2f} |")
+                     f"{r['of_peak']:.0%} | {r['bf16_us']:.1f} | {r['bf16_of_peak']:.0%} | {r['vs_bf16']:.2f} | "
+                     f"{r['eager_us']:.1f} | {r['bf16_eager_us']:.1f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -27,6 +27,7 @@ right after loading, because the interpreter computes bf16 wrongly.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -41,7 +42,9 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DECODE_MAX_ROWS = 16
 
 
-@triton.jit
+# M is the batch's row count, different nearly every call: compiled once for all M (Triton would
+# otherwise specialise on M == 1 and on M % 16 and compile again mid-serving)
+@triton.jit(do_not_specialize=["M"])
 def _qmm_kernel(
     x_ptr, codes_ptr, table_ptr, scales_ptr, scale_table_ptr, zeros_ptr, y_ptr,
     M, N, K, G, GROUP, ROW_BYTES, stride_xm,
@@ -98,23 +101,51 @@ def _qmm_kernel(
         tl.atomic_add(out, acc, mask=omask)
 
 
+# How the packed kernel turns an element code into its value at scale 1 (prepare picks the first
+# that reproduces the format's table exactly; a table read per element is the slow last resort).
+DECODE_TABLE, DECODE_AFFINE, DECODE_SELECT16, DECODE_E4M3, DECODE_E5M2 = range(5)
+
+
 @triton.jit
-def _decode(c, table_ptr, TABLE_OFFSET, TABLE_STEP, AFFINE: tl.constexpr):
-    if AFFINE:  # int codes: value = offset + step * code, no table read
+def _select16(c, table_ptr):
+    """table[c] for 4-bit codes from 16 values held in registers: a 4-level tree of selects on the
+    code's bits instead of a memory read per element (NF4's code book, E2M1)."""
+    b0 = (c & 1) != 0
+    b1 = (c & 2) != 0
+    b2 = (c & 4) != 0
+    b3 = (c & 8) != 0
+    t = table_ptr
+    v0 = tl.where(b1, tl.where(b0, tl.load(t + 3), tl.load(t + 2)), tl.where(b0, tl.load(t + 1), tl.load(t + 0)))
+    v1 = tl.where(b1, tl.where(b0, tl.load(t + 7), tl.load(t + 6)), tl.where(b0, tl.load(t + 5), tl.load(t + 4)))
+    v2 = tl.where(b1, tl.where(b0, tl.load(t + 11), tl.load(t + 10)), tl.where(b0, tl.load(t + 9), tl.load(t + 8)))
+    v3 = tl.where(b1, tl.where(b0, tl.load(t + 15), tl.load(t + 14)), tl.where(b0, tl.load(t + 13), tl.load(t + 12)))
+    return tl.where(b3, tl.where(b2, v3, v2), tl.where(b2, v1, v0))
+
+
+@triton.jit
+def _decode(c, table_ptr, TABLE_OFFSET, TABLE_STEP, DECODE: tl.constexpr):
+    if DECODE == 1:  # int codes: value = offset + step * code, no table read
         return c.to(tl.float32) * TABLE_STEP + TABLE_OFFSET
-    return tl.load(table_ptr + c)
+    elif DECODE == 2:
+        return _select16(c, table_ptr)
+    elif DECODE == 3:  # the code is an OCP E4M3 byte: the hardware converts it
+        return c.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    elif DECODE == 4:
+        return c.to(tl.uint8).to(tl.float8e5, bitcast=True).to(tl.float32)
+    else:
+        return tl.load(table_ptr + c)
 
 
 @triton.jit
 def _packed_part(acc_part, x_ptr, rm, m_ok, stride_xm, ke, ke_ok, c, rn, n_ok, g_elem, table_ptr,
                  TABLE_OFFSET, TABLE_STEP, scales_ptr, scale_table_ptr, zeros_ptr, G,
-                 AFFINE: tl.constexpr, SCALE_CODES: tl.constexpr, HAS_ZERO: tl.constexpr,
+                 DECODE: tl.constexpr, SCALE_CODES: tl.constexpr, HAS_ZERO: tl.constexpr,
                  STEP_SCALE: tl.constexpr, DOT_FP32: tl.constexpr):
     """acc_part + x[:, ke] . w[rn, ke]^T for one set of columns ke and their codes c [BLOCK_N, len(ke)];
     with STEP_SCALE the scale is left out (the caller applies it per step)."""
     x = tl.load(x_ptr + rm[:, None] * stride_xm + ke[None, :], mask=m_ok[:, None] & ke_ok[None, :], other=0.0)
     x = x.to(tl.float32)
-    w = _decode(c, table_ptr, TABLE_OFFSET, TABLE_STEP, AFFINE)
+    w = _decode(c, table_ptr, TABLE_OFFSET, TABLE_STEP, DECODE)
     if not STEP_SCALE:
         wmask = n_ok[:, None] & ke_ok[None, :]
         gidx = rn[:, None] * G + g_elem[None, :]
@@ -131,12 +162,12 @@ def _packed_part(acc_part, x_ptr, rm, m_ok, stride_xm, ke, ke_ok, c, rn, n_ok, g
     return acc_part + tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _qmm_packed_kernel(
     x_ptr, codes_ptr, table_ptr, scales_ptr, scale_table_ptr, zeros_ptr, y_ptr,
     M, N, K, G, GROUP, ROW_BYTES, stride_xm, TABLE_OFFSET, TABLE_STEP,
     BITS: tl.constexpr, SCALE_CODES: tl.constexpr, HAS_ZERO: tl.constexpr, DOT_FP32: tl.constexpr,
-    AFFINE: tl.constexpr, STEP_SCALE: tl.constexpr,
+    DECODE: tl.constexpr, STEP_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -159,17 +190,17 @@ def _qmm_packed_kernel(
                            mask=n_ok[:, None] & (ke < K)[None, :], other=0).to(tl.int32)
             part = _packed_part(part, x_ptr, rm, m_ok, stride_xm, ke, ke < K, byte & 15, rn, n_ok, ke // GROUP,
                                 table_ptr, TABLE_OFFSET, TABLE_STEP, scales_ptr, scale_table_ptr, zeros_ptr, G,
-                                AFFINE, SCALE_CODES, HAS_ZERO, STEP_SCALE, DOT_FP32)
+                                DECODE, SCALE_CODES, HAS_ZERO, STEP_SCALE, DOT_FP32)
             part = _packed_part(part, x_ptr, rm, m_ok, stride_xm, ke + 1, ke + 1 < K, byte >> 4, rn, n_ok,
                                 (ke + 1) // GROUP, table_ptr, TABLE_OFFSET, TABLE_STEP, scales_ptr, scale_table_ptr,
-                                zeros_ptr, G, AFFINE, SCALE_CODES, HAS_ZERO, STEP_SCALE, DOT_FP32)
+                                zeros_ptr, G, DECODE, SCALE_CODES, HAS_ZERO, STEP_SCALE, DOT_FP32)
         else:  # BITS == 8
             ke = k0 + tl.arange(0, BLOCK_K)
             code = tl.load(codes_ptr + rn[:, None] * ROW_BYTES + ke[None, :],
                            mask=n_ok[:, None] & (ke < K)[None, :], other=0).to(tl.int32)
             part = _packed_part(part, x_ptr, rm, m_ok, stride_xm, ke, ke < K, code, rn, n_ok, ke // GROUP,
                                 table_ptr, TABLE_OFFSET, TABLE_STEP, scales_ptr, scale_table_ptr, zeros_ptr, G,
-                                AFFINE, SCALE_CODES, HAS_ZERO, STEP_SCALE, DOT_FP32)
+                                DECODE, SCALE_CODES, HAS_ZERO, STEP_SCALE, DOT_FP32)
         if STEP_SCALE:
             # the step lies in one group g of every row: dot(x, (v - z) * s) = (dot(x, v) - z * sum(x)) * s
             gidx = rn * G + k0 // GROUP
@@ -217,16 +248,36 @@ def prepare(qt: QTensor, device: torch.device) -> PreparedWeight:
         tensors["zeros"] = gs.zero.float().contiguous()
     tensors = {name: t.to(device) for name, t in tensors.items()}
     params = {"bits": bits, "group": gs.group_size, "groups": gs.scale.shape[1], "row_bytes": codes.shape[1],
-              "affine": _affine(tensors["table"])}
+              **_decoding(tensors["table"], bits)}
     return PreparedWeight(path="triton", shape=(n, k), label=cpu.spec.label, device=torch.device(device), tensors=tensors, params=params)
 
 
-def _affine(table: torch.Tensor) -> tuple[float, float] | None:
-    """(offset, step) when table[c] == offset + step * c exactly for every code (int formats)."""
+def _decoding(table: torch.Tensor, bits: int) -> dict:
+    """The packed kernel's DECODE mode for a code table, and the affine mode's (offset, step)."""
     t = table.double().cpu()
     offset, step = t[0].item(), (t[1] - t[0]).item()
-    exact = torch.equal(t, offset + step * torch.arange(t.numel(), dtype=torch.float64))
-    return (offset, step) if exact else None
+    if torch.equal(t, offset + step * torch.arange(t.numel(), dtype=torch.float64)):
+        return {"decode": DECODE_AFFINE, "affine": (offset, step)}
+    if bits == 8:
+        every_byte = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+        for mode, dtype in ((DECODE_E4M3, torch.float8_e4m3fn), (DECODE_E5M2, torch.float8_e5m2)):
+            if _same_values(t, every_byte.view(dtype).double()):
+                return {"decode": mode, "affine": (0.0, 0.0)}
+    if bits == 4:
+        return {"decode": DECODE_SELECT16, "affine": (0.0, 0.0)}
+    return {"decode": DECODE_TABLE, "affine": (0.0, 0.0)}
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal element for element, NaN where the other is NaN."""
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan])
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    # asked once per device: a decode step calls matmul hundreds of times
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _default_config(m: int, n: int, k: int, device: torch.device) -> dict:
@@ -234,9 +285,14 @@ def _default_config(m: int, n: int, k: int, device: torch.device) -> dict:
         return {"BLOCK_M": 16 if m <= 16 else 32, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2 if m <= 16 else 1}
     if m <= DECODE_MAX_ROWS:
         block_n, block_k = 64, 128
-        tiles = triton.cdiv(n, block_n)
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        split = max(1, min(triton.cdiv(2 * sms, tiles), triton.cdiv(k, block_k), 16))
+        tiles, k_steps = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
+        sms = _multiprocessors(device)
+        # bench/triton_sweep.py on an H200 (int4, 1 and 16 rows): K split in 8 beat the old
+        # "2 programs per SM" rule's 5 (4096x4096: 72 vs 93 us) and 2 (14336x4096: 74 vs 86 us);
+        # a power of two divides the K steps evenly
+        split = 8
+        while split > 1 and (split > k_steps or tiles * split > 16 * sms):
+            split //= 2
         return {"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split}
     return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 1}
 
@@ -250,19 +306,22 @@ def matmul(x: torch.Tensor, pw: PreparedWeight, config: dict | None = None) -> t
     t, p = pw.tensors, pw.params
     y = (torch.zeros if cfg["SPLIT_K"] > 1 else torch.empty)(m, n, device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), cfg["SPLIT_K"])
-    if INTERPRET:
-        cfg.pop("num_warps", None)  # a launch option of the compiler, which the interpreter does not take
+    if INTERPRET:  # launch options of the compiler, which the interpreter does not take
+        cfg.pop("num_warps", None)
+        cfg.pop("num_stages", None)
     scales = t["scales"]
     args = (x, t["codes"], t["table"], scales, t.get("scale_table", scales), t.get("zeros", scales), y,
             m, n, k, p["groups"], p["group"], p["row_bytes"], x.stride(0))
     flags = dict(BITS=p["bits"], SCALE_CODES="scale_table" in t, HAS_ZERO="zeros" in t,
                  DOT_FP32=INTERPRET or x.dtype == torch.float32)
     if p["bits"] in (4, 8):
-        affine = p.get("affine")
         # one scale per row and K step: the group holds whole steps, or the row is one group
         step_scale = p["group"] % cfg["BLOCK_K"] == 0 or p["groups"] == 1
-        _qmm_packed_kernel[grid](*args, *(affine or (0.0, 0.0)), **flags, AFFINE=affine is not None,
-                                 STEP_SCALE=step_scale, **cfg)
+        _qmm_packed_kernel[grid](*args, *p["affine"], **flags, DECODE=p["decode"], STEP_SCALE=step_scale, **cfg)
     else:
+        if not INTERPRET and m > DECODE_MAX_ROWS:
+            # the general kernel's prefill tile staged 3 deep took 240 KB of shared memory (int3/int6
+            # on an H200, over its 227 KB): 2 stages fit
+            cfg.setdefault("num_stages", 2)
         _qmm_kernel[grid](*args, **flags, **cfg)
     return y

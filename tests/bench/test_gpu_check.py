@@ -51,8 +51,8 @@ def test_dry_run_writes_every_section_with_numbers(tmp_path):
     kernels = sections["(b) Quantized matmul against bf16, share of HBM bandwidth"]
     for fmt in FORMATS:
         for m in (1, 16):
-            # format | path | N x K | M | time µs | GB/s | of peak | bf16 µs | bf16 of peak | × bf16
-            assert re.search(rf"^\| {re.escape(fmt)} \| triton \| 64x128 \| {m} \| {NUM} \| {NUM} \| {NUM}% \| {NUM} \| {NUM}% \| {NUM} \|$",
+            # format | path | N x K | M | time µs | GB/s | of peak | bf16 µs | bf16 of peak | × bf16 | eager µs | bf16 eager µs
+            assert re.search(rf"^\| {re.escape(fmt)} \| triton \| 64x128 \| {m} \| {NUM} \| {NUM} \| {NUM}% \| {NUM} \| {NUM}% \| {NUM} \| {NUM} \| {NUM} \|$",
                              kernels, re.M), (fmt, m)
     evaluation = sections["(c) lowbit eval of an int4 checkpoint: GPU against CPU"]
     # the dry run's second eval takes `--device cpu` too: two rows, the same PPL
