@@ -248,17 +248,24 @@ def prepare(qt: QTensor, device: torch.device) -> PreparedWeight:
         tensors["zeros"] = gs.zero.float().contiguous()
     tensors = {name: t.to(device) for name, t in tensors.items()}
     params = {"bits": bits, "group": gs.group_size, "groups": gs.scale.shape[1], "row_bytes": codes.shape[1],
-              **_decoding(tensors["table"], bits)}
+              **_decoding(tensors["table"], bits, _has_fp8(torch.device(device)))}
     return PreparedWeight(path="triton", shape=(n, k), label=cpu.spec.label, device=torch.device(device), tensors=tensors, params=params)
 
 
-def _decoding(table: torch.Tensor, bits: int) -> dict:
+def _has_fp8(device: torch.device) -> bool:
+    """Triton converts FP8 bytes in hardware from compute capability 8.9 (Ada, Hopper) on."""
+    if device.type != "cuda" or INTERPRET:
+        return INTERPRET
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _decoding(table: torch.Tensor, bits: int, fp8_hardware: bool = True) -> dict:
     """The packed kernel's DECODE mode for a code table, and the affine mode's (offset, step)."""
     t = table.double().cpu()
     offset, step = t[0].item(), (t[1] - t[0]).item()
     if torch.equal(t, offset + step * torch.arange(t.numel(), dtype=torch.float64)):
         return {"decode": DECODE_AFFINE, "affine": (offset, step)}
-    if bits == 8:
+    if bits == 8 and fp8_hardware:
         every_byte = torch.arange(256, dtype=torch.int32).to(torch.uint8)
         for mode, dtype in ((DECODE_E4M3, torch.float8_e4m3fn), (DECODE_E5M2, torch.float8_e5m2)):
             if _same_values(t, every_byte.view(dtype).double()):

@@ -86,6 +86,21 @@ def test_eval_json_matches_transformers_reference(tiny, run_cli):
     assert report["ppl"] == pytest.approx(_reference_ppl(tiny["hf_a"], TEXT, 64), rel=1e-4)
     assert set(report["timings"]) == {"load_s", "eval_s", "tokens_per_s"}
     assert "kld" not in report
+    assert report["device"].startswith("cuda") if torch.cuda.is_available() else report["device"] == "cpu"  # --device auto
+
+
+def test_eval_on_an_explicit_device_gives_the_same_ppl(tiny, run_cli):
+    # --device cpu (and cuda where there is one) loads the model there; the CPU's PPL is the reference
+    reports = {}
+    for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
+        code, out, _ = run_cli(["eval", str(tiny["a"]), "--data", str(tiny["text"]), "--ctx", "64", "--chunks", "2",
+                                "--device", device, "--json"])
+        assert code == 0
+        reports[device] = json.loads(out)
+    assert reports["cpu"]["device"] == "cpu"
+    if "cuda" in reports:
+        assert reports["cuda"]["device"].startswith("cuda")
+        assert reports["cuda"]["ppl"] == pytest.approx(reports["cpu"]["ppl"], rel=1e-3)
 
 
 def test_eval_with_base(tiny, run_cli):
@@ -122,6 +137,8 @@ def test_eval_stride_and_human_summary(tiny, run_cli):
         (["--ctx", "64", "--chunks", "0"], 2, "--chunks"),
         (["--ctx", "64", "--stride", "0"], 2, "--stride"),
         (["--ctx", "64", "--dtype", "f8"], 2, "--dtype"),
+        (["--ctx", "64", "--device", "tpu"], 2, "--device must be auto, cpu, cuda or cuda:N, got 'tpu'"),
+        (["--ctx", "64", "--device", "cuda:64"], 2, "--device cuda:64"),
         (["--ctx", "64", "--base", "OTHER_VOCAB"], 1, "vocabulary"),
         (["--ctx", "64", "--base", "/no/such/model"], 1, "model not found"),
     ],
