@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.kernels import layout
+from lowbit.kernels import layout, scratch
 from lowbit.native import lut_gemv
 from lowbit.kernels.prepared import PreparedWeight, placed
 from lowbit.quant.qtensor import QTensor
@@ -87,10 +87,10 @@ def _common_args(pw: PreparedWeight) -> list:
     ]
 
 
-def dequantize(pw: PreparedWeight) -> torch.Tensor:
-    """The float32 weight [N, K], decoded by the C kernel."""
+def dequantize(pw: PreparedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 weight [N, K], decoded by the C kernel (into `out` [N, K] when given)."""
     n, k = pw.shape
-    w = torch.empty(n, k, dtype=torch.float32)
+    w = torch.empty(n, k, dtype=torch.float32) if out is None else out
     lut_gemv.library().lowbit_lut_dequant(*_common_args(pw), w.data_ptr(), k, torch.get_num_threads())
     return w
 
@@ -100,7 +100,7 @@ def matmul(x: torch.Tensor, pw: PreparedWeight) -> torch.Tensor:
     n, k = pw.shape
     m = x.shape[0]
     if m > FUSED_MAX_ROWS:
-        return x.float() @ dequantize(pw).T
+        return x.float() @ dequantize(pw, scratch.buffer(n * k).view(n, k)).T
     lib = lut_gemv.library()
     width = pw.tensors["codes"].shape[1] * 2 if pw.params["bits"] == 4 else k
     width = -(-width // 16) * 16

@@ -75,6 +75,23 @@ def test_grouped_prefill_runs_the_exact_float32_weight():
 
 
 @needs_kernel
+@pytest.mark.parametrize("label", ["int8-g32", "int8-g64"])  # K = 200: g64 leaves a ragged last group
+def test_prefill_decodes_into_reused_scratch_without_stale_values(label):
+    # the prefill route decodes each weight into the thread's one scratch buffer: a second weight,
+    # smaller and then larger, must see none of the first one's values
+    from lowbit.kernels import scratch
+
+    x = torch.randn(cpu_int8.GROUPED_KERNEL_ROWS + 3, 200)
+    for n in (40, 12, 72):
+        qt = quantized(label, n, 200)
+        pw = prepare(qt, "cpu", "cpu-int8f")
+        expected = x @ qt.dequantize(torch.float32).T
+        assert torch.equal(qmatmul(x, pw), expected), (label, n)
+    first = scratch.buffer(10)
+    assert scratch.buffer(5).data_ptr() == first.data_ptr()  # the same memory, not a new tensor
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_inputs_are_widened_exactly(dtype):
     pw = prepare(quantized("int8-g32", 20, 200), "cpu", "cpu-int8f")
