@@ -22,18 +22,28 @@ INT4_ACTIVATIONS_HELP = (
     "float32 sums). Prefill (more rows) is the same either way. Default: $LOWBIT_INT4_ACTIVATIONS if set."
 )
 
-# The two options as each command declares them (`kernel: Optional[str] = KERNEL_OPTION`).
+DENSE_ACTIVATIONS_HELP = (
+    "What a float32 model's bf16-stored dense Linears (a bf16 checkpoint's layers, the tied embedding "
+    "as head) round their activations to on the CPU: f32 (the default: float32 x, exact products, float32 sums) "
+    "or bf16 (x rounded to bf16, bf16 x bf16 products in float32 through AVX512-BF16: llama.cpp's BF16 "
+    "arithmetic, 1.2-1.5x faster from 4 rows on, prefill included; KLD in docs/benchmarks.md). "
+    "Default: $LOWBIT_DENSE_ACTIVATIONS if set."
+)
+
+# The options as each command declares them (`kernel: Optional[str] = KERNEL_OPTION`).
 KERNEL_OPTION = typer.Option(None, "--kernel", metavar="PATH", help=KERNEL_HELP, show_default=False)
 INT4_ACTIVATIONS_OPTION = typer.Option(None, "--int4-activations", metavar="int8|bf16", help=INT4_ACTIVATIONS_HELP,
                                        show_default=False)
+DENSE_ACTIVATIONS_OPTION = typer.Option(None, "--dense-activations", metavar="f32|bf16", help=DENSE_ACTIVATIONS_HELP,
+                                        show_default=False)
 
 
-def kernel_settings(kernel: str | None, int4_activations: str | None):
-    """The KernelSettings for the --kernel / --int4-activations values (which validate themselves:
-    a bad value is a usage error, exit 2)."""
+def kernel_settings(kernel: str | None, int4_activations: str | None, dense_activations: str | None = None):
+    """The KernelSettings for the --kernel / --int4-activations / --dense-activations values (which
+    validate themselves: a bad value is a usage error, exit 2)."""
     from lowbit.kernels.dispatch import KernelSettings
 
-    return KernelSettings(kernel=kernel, int4_activations=int4_activations)
+    return KernelSettings(kernel=kernel, int4_activations=int4_activations, dense_activations=dense_activations)
 
 
 def kernel_summary(model) -> dict:
@@ -42,13 +52,24 @@ def kernel_summary(model) -> dict:
     from lowbit.kernels.dispatch import summarize
     from lowbit.runtime.quant_linear import QuantLinear
 
-    return summarize(m.prepared for m in model.modules() if isinstance(m, QuantLinear))
+    from lowbit.kernels.cpu_f32 import InvariantLinear
+
+    summary = summarize(m.prepared for m in model.modules() if isinstance(m, QuantLinear))
+    # bf16 dense Linears that round x to bf16 (--dense-activations bf16), joined ones counted once
+    dense = [m for m in model.modules() if isinstance(m, InvariantLinear) and m.weight.dtype.is_floating_point]
+    bf16 = sum(1 for m in dense if m.bf16_x)
+    summary["dense_activations"] = "bf16" if bf16 else "f32"
+    summary["dense_bf16_activation_linears"] = bf16
+    return summary
 
 
 def kernel_line(summary: dict) -> str | None:
-    """One human line for a kernel_summary, or None for a model without quantized layers."""
+    """One human line for a kernel_summary, or None for a model without quantized layers and no
+    bf16 dense activations."""
+    dense = summary.get("dense_bf16_activation_linears")
     if not summary["paths"]:
-        return None
+        return f"dense Linears: {dense} with bf16 activations" if dense else None
     paths = ", ".join(f"{name} x{count}" for name, count in summary["paths"].items())
     act = summary["int4_activations"]
-    return f"kernels: {paths}" + (f" ({act} activations in the int4 decode kernel)" if act else "")
+    return (f"kernels: {paths}" + (f" ({act} activations in the int4 decode kernel)" if act else "")
+            + (f"; {dense} dense Linears with bf16 activations" if dense else ""))

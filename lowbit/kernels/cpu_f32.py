@@ -64,14 +64,18 @@ def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return y
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, bf16_x: bool = False) -> torch.Tensor:
     """y [M, N] = x [M, K] · weight [N, K]ᵀ (+ bias): x, bias and y float32 on CPU, weight float32 or
-    bfloat16, rows of x and weight contiguous; any M."""
+    bfloat16, rows of x and weight contiguous; any M. bf16_x (a bf16 weight, AVX512-BF16): x is
+    rounded to bf16 first and the products are bf16 x bf16 (`--dense-activations bf16`)."""
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
     lib = _LIB or f32_dot.library()
-    kernel = lib.lowbit_bf16w_matmul if weight.dtype is torch.bfloat16 else lib.lowbit_f32_matmul
+    if weight.dtype is torch.bfloat16:
+        kernel = lib.lowbit_bf16xw_matmul if bf16_x else lib.lowbit_bf16w_matmul
+    else:
+        kernel = lib.lowbit_f32_matmul
     rc = kernel(
         weight.data_ptr(), n, k, weight.stride(0), None if bias is None else bias.data_ptr(),
         x.data_ptr(), x.stride(0), m, y.data_ptr(), n, torch.get_num_threads())
@@ -88,6 +92,8 @@ class InvariantLinear(torch.nn.Linear):
 
     A subclass, so the module keeps its parameters, its Hugging Face name and `isinstance(m,
     nn.Linear)` for everything that walks the model (draft quantization, weight swaps)."""
+
+    bf16_x = False  # round float32 rows of x to bf16 for a bf16 weight (use_invariant_linears sets it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -109,7 +115,7 @@ class InvariantLinear(torch.nn.Linear):
         bias = self.bias
         if bias is not None and (bias.dtype is not torch.float32 or not bias.is_contiguous()):
             return torch.nn.functional.linear(x, w, bias)
-        return matmul(x2, w, bias).view(*x.shape[:-1], w.shape[0])
+        return matmul(x2, w, bias, self.bf16_x and w.dtype is torch.bfloat16).view(*x.shape[:-1], w.shape[0])
 
 
 def use_invariant_linears(model: torch.nn.Module, bf16_weights: bool = False) -> int:
@@ -118,10 +124,15 @@ def use_invariant_linears(model: torch.nn.Module, bf16_weights: bool = False) ->
     weight whose values all are bfloat16 numbers (a tied embedding along with it: its rows are
     widened back on lookup, exactly). bf16_weights: the model computes in float32 and its bf16
     Linears are such weights already (runtime/loader.py bf16_linears), for this kernel on any CPU.
+    The dense activations in effect (`dispatch.dense_activations()`, `--dense-activations`) are
+    read here: "bf16" makes each bf16-stored weight round its float32 rows of x to bf16.
     Returns how many Linears were switched."""
     if not available():
         return 0
+    from lowbit.kernels.dispatch import dense_activations
+
     dtypes = (torch.float32, torch.bfloat16) if bf16_available() or bf16_weights else (torch.float32,)
+    bf16_x = dense_activations() == "bf16"
     count = 0
     for module in model.modules():
         if type(module) is torch.nn.Linear and module.weight.dtype in dtypes and module.weight.device.type == "cpu":
@@ -129,6 +140,7 @@ def use_invariant_linears(model: torch.nn.Module, bf16_weights: bool = False) ->
             module.__class__ = InvariantLinear
             if module.weight.dtype is torch.float32:
                 _compact(module)
+            module.bf16_x = bf16_x and module.weight.dtype is torch.bfloat16
             count += 1
     return count
 

@@ -108,14 +108,18 @@ def int4_linear(pw: PreparedWeight) -> Linear | None:
     return Linear(ChainLinear(_INT4, 0, _entry(lib, name), ctypes.addressof(pw.params["struct"]), None, n, k, 0), pw)
 
 
-def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear | None:
+def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None, bf16_x: bool = False) -> Linear | None:
     """A float32 or bf16-stored weight [N, K] (+ float32 bias) on f32_dot.c, as InvariantLinear runs
-    it for float32 rows; None where InvariantLinear would not call that kernel."""
+    it for float32 rows (bf16_x: a bf16 weight whose rows of x are rounded to bf16 first,
+    `--dense-activations bf16`); None where InvariantLinear would not call that kernel."""
     if not cpu_f32.available() or weight.device.type != "cpu" or weight.stride(-1) != 1 or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
     if bias is not None and (bias.dtype is not torch.float32 or not bias.is_contiguous()):
         return None
-    name = "lowbit_bf16w_matmul" if weight.dtype is torch.bfloat16 else "lowbit_f32_matmul"
+    if weight.dtype is torch.bfloat16:
+        name = "lowbit_bf16xw_matmul" if bf16_x else "lowbit_bf16w_matmul"
+    else:
+        name = "lowbit_f32_matmul"
     n, k = weight.shape
     struct = ChainLinear(_DENSE, 0, _entry(f32_dot.library(), name), weight.data_ptr(),
                          None if bias is None else bias.data_ptr(), n, k, weight.stride(0))

@@ -52,6 +52,7 @@ PATHS = ("reference", "cpu", "cpu-int4dot", "cpu-int4", "cpu-int8f", "cpu-int8",
 ENV = "LOWBIT_KERNEL"
 ACTIVATIONS_ENV = cpu_int4dot.ACTIVATIONS_ENV
 INT4_ACTIVATIONS = ("int8", "bf16")
+DENSE_ACTIVATIONS = ("f32", "bf16")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -64,10 +65,14 @@ class KernelSettings:
     kernel            a name of PATHS (LOWBIT_KERNEL; default: the best path for each weight)
     int4_activations  "int8" or "bf16" for the cpu-int4dot decode kernel (LOWBIT_INT4_ACTIVATIONS;
                       default: int8 where the CPU has AVX512-VNNI or AVX2, else bf16)
+    dense_activations "f32" or "bf16" for bf16-stored dense Linears of a float32 model on the CPU
+                      (LOWBIT_DENSE_ACTIVATIONS; default f32: x stays float32; bf16 rounds it to
+                      bf16 for bf16 x bf16 products, as llama.cpp's BF16 does)
     """
 
     kernel: str | None = None
     int4_activations: str | None = None
+    dense_activations: str | None = None
 
     def __post_init__(self):
         if self.kernel is not None and self.kernel not in PATHS:
@@ -75,6 +80,9 @@ class KernelSettings:
         if self.int4_activations is not None and self.int4_activations not in INT4_ACTIVATIONS:
             raise UsageError(f"unknown int4 activations '{self.int4_activations}' for --int4-activations "
                              f"(choose {' or '.join(INT4_ACTIVATIONS)})")
+        if self.dense_activations is not None and self.dense_activations not in DENSE_ACTIVATIONS:
+            raise UsageError(f"unknown dense activations '{self.dense_activations}' for --dense-activations "
+                             f"(choose {' or '.join(DENSE_ACTIVATIONS)})")
 
 
 _settings = KernelSettings()
@@ -600,6 +608,21 @@ def describe_paths(qt: QTensor | None = None, device: torch.device | str | None 
             reason = p.supports(qt)
         out.append(PathStatus(p.name, p.device, p.automatic, reason is None, reason, p.name == chosen))
     return out
+
+
+def dense_activations() -> str:
+    """"f32" or "bf16": what the settings in effect, else LOWBIT_DENSE_ACTIVATIONS, ask of bf16
+    dense weights; "bf16" only where the CPU has AVX512-BF16 (asked for elsewhere, a usage error)."""
+    choice = _settings.dense_activations or os.environ.get("LOWBIT_DENSE_ACTIVATIONS") or "f32"
+    if choice not in DENSE_ACTIVATIONS:
+        raise UsageError(f"LOWBIT_DENSE_ACTIVATIONS must be {' or '.join(DENSE_ACTIVATIONS)}, not '{choice}'")
+    if choice == "bf16":
+        from lowbit.kernels import cpu_f32
+
+        if not cpu_f32.bf16_available():
+            raise UsageError("--dense-activations bf16 needs a CPU with AVX512-BF16 (the bf16 x bf16 kernel); "
+                             "this one runs f32")
+    return choice
 
 
 def int4_activations() -> str | None:

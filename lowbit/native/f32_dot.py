@@ -13,6 +13,7 @@ SIGNATURES = {
     "lowbit_bf16w_matmul": [P, I64, I64, I64, P, P, I64, I64, P, I64, INT],
     "lowbit_bf16dot_available": [],
     "lowbit_bf16_matmul": [P, I64, I64, I64, P, P, I64, I64, P, INT, I64, INT],
+    "lowbit_bf16xw_matmul": [P, I64, I64, I64, P, P, I64, I64, P, I64, INT],
 }
 
 library = build.binding("f32_dot", SIGNATURES)

@@ -468,6 +468,7 @@ def prepare(
     started = time.perf_counter()
     tokenizer = load_tokenizer(model_path)
     lm = load_model(model_path, dtype=DTYPES[dtype], device=target)
+    _dense_activations(lm, DTYPES[dtype], target)
     # No fuse_projections here: eval windows have ctx rows, which take the int4 kernel's prefill
     # route part by part, so joined q/k/v and gate/up only add a concat (slower, with identical
     # logits).
@@ -504,6 +505,17 @@ def evaluate(
 ) -> EvalReport:
     """`lowbit eval` as a function: prepare() then run()."""
     return run(prepare(model, data, ctx, chunks, stride, base, dtype, device), on_window)
+
+
+def _dense_activations(lm, dtype: torch.dtype, device: torch.device) -> None:
+    """`--dense-activations bf16`: the model's bf16 dense Linears round x to bf16 as the engine's do
+    (kernels/cpu_f32.py), so eval prices what serve computes; --base stays exact, the reference."""
+    from lowbit.kernels.dispatch import dense_activations
+
+    if dense_activations() == "bf16" and device.type == "cpu" and dtype is torch.float32:
+        from lowbit.kernels.cpu_f32 import use_invariant_linears
+
+        use_invariant_linears(lm)
 
 
 def _check_same_tokenizer(tokenizer, base_tokenizer, text: str) -> None:

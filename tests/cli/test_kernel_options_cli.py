@@ -36,7 +36,8 @@ def quantized_model(tmp_path_factory):
     ["bench", "/no/such/model"],
     ["serve", "/no/such/model"],
 ])
-@pytest.mark.parametrize(("option", "value"), [("--kernel", "fast"), ("--int4-activations", "int7")])
+@pytest.mark.parametrize(("option", "value"), [("--kernel", "fast"), ("--int4-activations", "int7"),
+                                               ("--dense-activations", "fp8")])
 def test_bad_values_are_usage_errors_before_loading(run_cli, command, option, value):
     code, out, err = run_cli([*command, option, value])
     assert code == 2 and out == ""
@@ -47,7 +48,9 @@ def test_help_explains_the_defaults_numerics(run_cli):
     for command in ("eval", "generate", "bench", "serve"):
         code, _, _ = run_cli([command, "--help"])
         assert code == 0
-    from lowbit.cli.kernel_options import INT4_ACTIVATIONS_HELP, KERNEL_HELP
+    from lowbit.cli.kernel_options import DENSE_ACTIVATIONS_HELP, INT4_ACTIVATIONS_HELP, KERNEL_HELP
+
+    assert "AVX512-BF16" in DENSE_ACTIVATIONS_HELP and "llama.cpp" in DENSE_ACTIVATIONS_HELP
 
     assert "AVX512-VNNI" in INT4_ACTIVATIONS_HELP and "int8" in INT4_ACTIVATIONS_HELP
     assert "LOWBIT_NO_NATIVE" in KERNEL_HELP and "float32" in KERNEL_HELP and "bf16" in KERNEL_HELP
@@ -69,7 +72,8 @@ def test_kernel_option_changes_the_paths_eval_reports(run_cli, quantized_model, 
     if cpu_int4dot.available():
         assert default["paths"] == {"cpu-int4dot": LAYERS} and default["int4_activations"] in ("int8", "bf16")
     forced = eval_kernels(run_cli, quantized_model, "--kernel", "reference")
-    assert forced == {"requested": "reference", "paths": {"reference": LAYERS}, "int4_activations": None}
+    assert forced == {"requested": "reference", "paths": {"reference": LAYERS}, "int4_activations": None,
+                      "dense_activations": "f32", "dense_bf16_activation_linears": 0}
     # the option beats the environment variable, which is the fallback
     monkeypatch.setenv("LOWBIT_KERNEL", "reference")
     assert eval_kernels(run_cli, quantized_model)["paths"] == {"reference": LAYERS}
@@ -95,7 +99,8 @@ def test_bench_json_reports_kernels(run_cli, quantized_model):
     code, out, err = run_cli(["bench", str(quantized_model / "int4"), "--batches", "1", "--gen-tokens", "3",
                               "--prefill-tokens", "16", "--kv-memory", "2MiB", "--kernel", "reference", "--json"])
     assert code == 0, err
-    assert json.loads(out)["kernels"] == {"requested": "reference", "paths": {"reference": LAYERS}, "int4_activations": None}
+    assert json.loads(out)["kernels"] == {"requested": "reference", "paths": {"reference": LAYERS}, "int4_activations": None,
+                                          "dense_activations": "f32", "dense_bf16_activation_linears": 0}
 
 
 def test_generate_with_the_reference_kernel_matches_its_engine(run_cli, quantized_model):

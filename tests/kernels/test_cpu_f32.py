@@ -114,6 +114,50 @@ def test_bf16_kernel_is_the_float64_product_rounded_once_and_batch_invariant(n, 
 
 
 @pytest.mark.skipif(not cpu_f32.bf16_available(), reason="no AVX512-BF16 on this machine")
+@pytest.mark.parametrize("n, k", [(33, 200), (64, 576), (7, 15), (130, 1536)])
+def test_bf16_activations_round_x_as_torch_does_and_stay_batch_invariant(n, k):
+    # --dense-activations bf16: float32 x rounded to bf16 inside the call (nearest even, torch's
+    # rounding, NaN kept), then the bf16 x bf16 kernel's float32 sums; every row alone gives its bits
+    g = torch.Generator().manual_seed(n * 5 + k)
+    w, b = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g)
+    x = torch.randn(70, k, generator=g) * 3
+    x[0, :4] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-9), 2**-130])  # ties to even, a denormal
+    y = cpu_f32.matmul(x, w, b, bf16_x=True)
+    exact = x.bfloat16().double() @ w.double().T + b.double()
+    assert y.dtype is torch.float32
+    assert ((y.double() - exact).abs() <= 1e-5 * (exact.abs() + k**0.5)).all()
+    # the C rounding is torch's: the bf16 kernel fed torch's bf16 x gives the very same float32 y
+    same, xb = torch.empty(70, n), x.bfloat16()
+    rc = cpu_f32.f32_dot.library().lowbit_bf16_matmul(w.data_ptr(), n, k, k, b.data_ptr(), xb.data_ptr(), k, 70,
+                                                      same.data_ptr(), 0, n, torch.get_num_threads())
+    assert rc == 0 and torch.equal(y, same)
+    for m in (1, 2, 5, 17):
+        assert torch.equal(cpu_f32.matmul(x[:m], w, b, bf16_x=True), y[:m]), m
+    assert torch.equal(torch.cat([cpu_f32.matmul(x[i : i + 1], w, b, bf16_x=True) for i in range(70)]), y)
+
+
+@pytest.mark.skipif(not cpu_f32.bf16_available(), reason="no AVX512-BF16 on this machine")
+def test_dense_activations_setting_reaches_bf16_linears_only(tiny_float_model):
+    from lowbit.kernels.dispatch import use_settings
+    from lowbit.runtime.loader import load_model
+
+    path = tiny_float_model(dtype=torch.bfloat16, layers=2)
+    ids = torch.tensor([[1, 5, 9, 2, 7]])
+    logits = {}
+    for act in ("f32", "bf16"):
+        with use_settings(dense_activations=act):
+            model = load_model(path, torch.float32, bf16_linears=True)
+            assert cpu_f32.use_invariant_linears(model, bf16_weights=True) > 0
+        linears = [m for m in model.modules() if isinstance(m, cpu_f32.InvariantLinear)]
+        assert all(m.bf16_x == (act == "bf16") for m in linears)
+        with torch.no_grad():
+            logits[act] = model(ids)
+    # the rounding of x moves the logits a little, never a lot
+    diff = (logits["bf16"] - logits["f32"]).abs().max().item()
+    assert 0 < diff < 0.05 * logits["f32"].abs().max().item()
+
+
+@pytest.mark.skipif(not cpu_f32.bf16_available(), reason="no AVX512-BF16 on this machine")
 def test_a_bf16_model_takes_the_bf16_kernel_and_stays_close_to_torch(tiny_float_model):
     from lowbit.runtime.loader import load_model
 

@@ -228,3 +228,23 @@ def test_summarize_counts_paths_and_activations():
     if cpu_int4dot.available():
         pw = prepare(quantized("int4", 16, 64), "cpu")
         assert summarize([pw])["int4_activations"] == pw.params["act"]
+
+
+def test_dense_activations_precedence_and_bad_environment(monkeypatch):
+    from lowbit.errors import UsageError
+    from lowbit.kernels import cpu_f32
+    from lowbit.kernels.dispatch import dense_activations, use_settings
+
+    monkeypatch.delenv("LOWBIT_DENSE_ACTIVATIONS", raising=False)
+    assert dense_activations() == "f32"  # the default keeps float32 x
+    monkeypatch.setenv("LOWBIT_DENSE_ACTIVATIONS", "int4")
+    with pytest.raises(UsageError, match="LOWBIT_DENSE_ACTIVATIONS must be f32 or bf16, not 'int4'"):
+        dense_activations()
+    with use_settings(dense_activations="f32"):  # the setting beats the variable
+        assert dense_activations() == "f32"
+    if cpu_f32.bf16_available():
+        monkeypatch.setenv("LOWBIT_DENSE_ACTIVATIONS", "bf16")
+        assert dense_activations() == "bf16"
+    else:
+        with use_settings(dense_activations="bf16"), pytest.raises(UsageError, match="AVX512-BF16"):
+            dense_activations()

@@ -47,7 +47,7 @@ def _linear(module) -> decode_chain.Linear:
             raise Unsupported("a quantized projection with an outlier matrix or a bias")
         found = decode_chain.quantized_linear(module.prepared)
     elif type(module) is InvariantLinear:
-        found = decode_chain.dense_linear(module.weight, module.bias)
+        found = decode_chain.dense_linear(module.weight, module.bias, module.bf16_x)
     else:
         raise Unsupported(f"a {type(module).__name__} projection")
     if found is None:

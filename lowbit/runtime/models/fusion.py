@@ -57,7 +57,8 @@ def _join_dense(modules: list[nn.Module]) -> JoinedDense | None:
     first = modules[0]
     w0 = first.weight
     if any(m.weight.dtype is not w0.dtype or m.weight.device != w0.device or m.weight.requires_grad
-           or m.in_features != first.in_features or (m.bias is None) != (first.bias is None) for m in modules):
+           or m.in_features != first.in_features or (m.bias is None) != (first.bias is None)
+           or m.bf16_x != first.bf16_x for m in modules):
         return None
     with torch.no_grad():
         weight = hugepages.place(torch.cat([m.weight.data for m in modules]))
@@ -67,6 +68,7 @@ def _join_dense(modules: list[nn.Module]) -> JoinedDense | None:
     joined.in_features, joined.out_features = first.in_features, weight.shape[0]
     joined.weight = nn.Parameter(weight, requires_grad=False)
     joined.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+    joined.bf16_x = first.bf16_x
     start = 0
     for m in modules:  # the separate weights become views of the joined rows: one copy in memory
         rows = m.weight.shape[0]

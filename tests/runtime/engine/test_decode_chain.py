@@ -47,12 +47,13 @@ def _engine(path, quantize: str | None = None, **kw) -> Engine:
 
 
 QUANTIZED = {"int4": "int4-g32", "int8": "int8", "int8-g32": "int8-g32", "int8-w8a8": "int8-g32"}
-KINDS = {"int4": 1, "bf16-stored": 2, "float32": 2, "int8": 3, "int8-g32": 3, "int8-w8a8": 1}
+KINDS = {"int4": 1, "bf16-stored": 2, "float32": 2, "int8": 3, "int8-g32": 3, "int8-w8a8": 1, "bf16-a16": 2}
 
 
 @pytest.mark.parametrize("family, weights", [("llama", "bf16-stored"), ("llama", "float32"), ("llama", "int4"),
                                              ("llama", "int8"), ("llama", "int8-g32"), ("llama", "int8-w8a8"),
-                                             ("gemma3", "bf16-stored"), ("gemma3", "int4")])
+                                             ("llama", "bf16-a16"), ("gemma3", "bf16-stored"), ("gemma3", "int4"),
+                                             ("gemma3", "bf16-a16")])
 def test_chained_steps_equal_the_model_forward(tiny_float_model, family, weights, monkeypatch):
     # Gemma-3: (1 + w) norms, q/k norms, post-norms, GeGLU, embedding scale, sliding and global layers
     if weights == "int4" and not cpu_int4dot.available() or weights.startswith("int8") and not cpu_int8.available():
@@ -61,6 +62,10 @@ def test_chained_steps_equal_the_model_forward(tiny_float_model, family, weights
         if not cpu_int4dot.vnni_int8_available():
             pytest.skip("no AVX512-VNNI here: 8-bit codes have no int8-activation kernel")
         monkeypatch.setenv("LOWBIT_KERNEL", "cpu-int8dot")
+    if weights == "bf16-a16":  # --dense-activations bf16: x rounded to bf16 for every bf16 Linear, chain and path alike
+        if not cpu_f32.bf16_available():
+            pytest.skip("no AVX512-BF16 here")
+        monkeypatch.setenv("LOWBIT_DENSE_ACTIVATIONS", "bf16")
     path = tiny_float_model(family=family, dtype=torch.float32 if weights == "float32" else torch.bfloat16, layers=3)
     engine = _engine(path, QUANTIZED.get(weights))
     assert decode_chain.why_not(engine.model, engine.cache) is None
@@ -68,6 +73,8 @@ def test_chained_steps_equal_the_model_forward(tiny_float_model, family, weights
     outs = engine.generate(prompts(4), GREEDY)
     # (quantized: rebuilt after the in-place quantization)
     assert engine.runner.chained.chain._keep[0].qkv.struct.kind == KINDS[weights]
+    bf16_fn = kernel_chain._entry(kernel_chain.f32_dot.library(), "lowbit_bf16xw_matmul")
+    assert (engine.runner.chained.chain._keep[0].qkv.struct.fn == bf16_fn) == (weights == "bf16-a16")
     assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
     assert rows and max(rows) > 1  # batched decode rows went through the chain, each checked
     # and the tokens equal a run with the chain off
