@@ -17,6 +17,7 @@ from lowbit.errors import LowbitError
 ENV_SWITCHES = (
     ("LOWBIT_KERNEL", "forces one kernel path for every quantized layer (like --kernel)"),
     ("LOWBIT_INT4_ACTIVATIONS", "int8 or bf16 activations for the int4 decode kernel (like --int4-activations)"),
+    ("LOWBIT_DENSE_ACTIVATIONS", "f32 or bf16 activations for bf16 dense Linears (like --dense-activations)"),
     ("LOWBIT_NO_NATIVE", "any value: no C kernels (torch's int4/int8 ops or the reference path instead)"),
     ("LOWBIT_NO_CHAIN", "any value: engine decode steps go layer by layer through Python, not in one C call (same numbers, slower)"),
     ("LOWBIT_HUGEPAGES", "0: the engine leaves its weights on 4 KB pages instead of copying them onto 2 MB transparent huge pages"),

@@ -46,6 +46,11 @@ def test_the_float_case_runs_the_model_itself(vs, tmp_path):
     ckpt, gguf = vs.prepare("smollm2-135m", "bf16", tmp_path)
     assert ckpt == "smollm2-135m" and gguf == tmp_path / "bf16.gguf"
     assert [c[0] for c in vs.calls] == ["convert"]
+    # bf16-a16: the same model and GGUF (exported once), with bf16 activations
+    assert vs.prepare("smollm2-135m", "bf16-a16", tmp_path) == (ckpt, gguf)
+    vs.run_lowbit_bench("smollm2-135m", 2, vs.CASES["bf16-a16"].bench_args)
+    args = vs.calls[-1]
+    assert args[args.index("--dense-activations") + 1] == "bf16"
 
 
 def test_an_inexact_export_is_refused(vs, tmp_path, monkeypatch):
