@@ -25,5 +25,8 @@ def buffer(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         held = _local.buffers = {}
     buf = held.get(dtype)
     if buf is None or buf.numel() < numel:
-        buf = held[dtype] = torch.empty(numel, dtype=dtype)
+        # a normal tensor even when first asked for under torch.inference_mode (the engine's steps):
+        # an inference tensor could not be written in place by a later call outside that mode
+        with torch.inference_mode(False):
+            buf = held[dtype] = torch.empty(numel, dtype=dtype)
     return buf[:numel]

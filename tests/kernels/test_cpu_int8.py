@@ -89,6 +89,12 @@ def test_prefill_decodes_into_reused_scratch_without_stale_values(label):
         assert torch.equal(qmatmul(x, pw), expected), (label, n)
     first = scratch.buffer(10)
     assert scratch.buffer(5).data_ptr() == first.data_ptr()  # the same memory, not a new tensor
+    # a buffer first grown under inference mode (an engine step) still serves a call outside it
+    qt = quantized(label, 300, 200)
+    pw = prepare(qt, "cpu", "cpu-int8f")
+    with torch.inference_mode():
+        inside = qmatmul(x, pw)
+    assert torch.equal(qmatmul(x, pw), inside)
 
 
 @needs_kernel
