@@ -242,3 +242,29 @@ def test_randomized_operations_keep_invariants():
             bm.free(s)
         check_invariants(bm, live)
     assert hits > 50  # the shared prefixes were actually exercised
+
+
+def test_released_blocks_are_handed_out_again_first():
+    # the free list is a stack: memory already written (and faulted in) is reused before the pool's
+    # untouched blocks, and a cold cache (reset_prefix_cache) gives back the blocks it held
+    bm = BlockManager(num_blocks=64, block_size=4)
+    a = seq(list(range(10)), "a")  # 3 blocks: two full, one partial
+    bm.allocate(a)
+    first = list(a.block_table)
+    assert first == [0, 1, 2]
+    bm.free(a)  # nothing registered: all three go back to the free list
+    b = seq(list(range(100, 110)), "b")
+    bm.allocate(b)
+    assert sorted(b.block_table) == first
+    compute_all(bm, b)
+    bm.free(b)  # its two full blocks stay cached, the partial one is free again
+    assert len(bm.evictable) == 2
+    c = seq(list(range(200, 203)), "c")
+    bm.allocate(c)
+    assert c.block_table[0] in first  # the partial block, not block 3
+    bm.free(c)
+    bm.reset_prefix_cache()
+    d = seq(list(range(300, 312)), "d")
+    bm.allocate(d)
+    assert sorted(d.block_table) == first
+    check_invariants(bm, [d])
