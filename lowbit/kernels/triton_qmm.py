@@ -42,6 +42,28 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DECODE_MAX_ROWS = 16
 
 
+@triton.jit
+def _tile(M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """This program's output rows and columns (with their bounds masks) and its share of the K steps."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_steps = tl.cdiv(K, BLOCK_K)
+    steps_per_split = tl.cdiv(k_steps, SPLIT_K)
+    first = tl.program_id(2) * steps_per_split
+    return rm, rn, rm < M, rn < N, first, tl.minimum(first + steps_per_split, k_steps)
+
+
+@triton.jit
+def _store(y_ptr, acc, rm, rn, m_ok, n_ok, N, SPLIT_K: tl.constexpr):
+    """The tile into y: stored, or added when K is split across programs."""
+    out = y_ptr + rm[:, None] * N + rn[None, :]
+    omask = m_ok[:, None] & n_ok[None, :]
+    if SPLIT_K == 1:
+        tl.store(out, acc, mask=omask)
+    else:
+        tl.atomic_add(out, acc, mask=omask)
+
+
 # M is the batch's row count, different nearly every call: compiled once for all M (Triton would
 # otherwise specialise on M == 1 and on M % 16 and compile again mid-serving)
 @triton.jit(do_not_specialize=["M"])
@@ -51,17 +73,9 @@ def _qmm_kernel(
     BITS: tl.constexpr, SCALE_CODES: tl.constexpr, HAS_ZERO: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = rm < M
-    n_ok = rn < N
+    rm, rn, m_ok, n_ok, first_step, end_step = _tile(M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_steps = tl.cdiv(K, BLOCK_K)
-    steps_per_split = tl.cdiv(k_steps, SPLIT_K)
-    for step in range(pid_k * steps_per_split, tl.minimum((pid_k + 1) * steps_per_split, k_steps)):
+    for step in range(first_step, end_step):
         rk = step * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = rk < K
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
@@ -93,12 +107,7 @@ def _qmm_kernel(
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
         else:
             acc += tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
-    out = y_ptr + rm[:, None] * N + rn[None, :]
-    omask = m_ok[:, None] & n_ok[None, :]
-    if SPLIT_K == 1:
-        tl.store(out, acc, mask=omask)
-    else:
-        tl.atomic_add(out, acc, mask=omask)
+    _store(y_ptr, acc, rm, rn, m_ok, n_ok, N, SPLIT_K)
 
 
 # How the packed kernel turns an element code into its value at scale 1 (prepare picks the first
@@ -170,17 +179,9 @@ def _qmm_packed_kernel(
     DECODE: tl.constexpr, STEP_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = rm < M
-    n_ok = rn < N
+    rm, rn, m_ok, n_ok, first_step, end_step = _tile(M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_steps = tl.cdiv(K, BLOCK_K)
-    steps_per_split = tl.cdiv(k_steps, SPLIT_K)
-    for step in range(pid_k * steps_per_split, tl.minimum((pid_k + 1) * steps_per_split, k_steps)):
+    for step in range(first_step, end_step):
         k0 = step * BLOCK_K
         part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if BITS == 4:
@@ -219,12 +220,7 @@ def _qmm_packed_kernel(
             acc += part * s[None, :]
         else:
             acc += part
-    out = y_ptr + rm[:, None] * N + rn[None, :]
-    omask = m_ok[:, None] & n_ok[None, :]
-    if SPLIT_K == 1:
-        tl.store(out, acc, mask=omask)
-    else:
-        tl.atomic_add(out, acc, mask=omask)
+    _store(y_ptr, acc, rm, rn, m_ok, n_ok, N, SPLIT_K)
 
 
 def prepare(qt: QTensor, device: torch.device) -> PreparedWeight:
