@@ -145,7 +145,9 @@ INLINE void f32_pass(const int WB, const int NB, int mb, const void *w, int64_t 
 /* One 16-lane sum in a fixed tree: lanes j + (j + 8), then + 4, + 2, + 1 apart. hsum16_many gives
    every output the same tree, sixteen at a time. */
 INLINE float hsum16(__m512 a) {
-    const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+    /* the upper 256 bits through the AVX512F extract (the float32 one needs AVX512DQ) */
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+    const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a), hi);
     const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
     const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
