@@ -56,8 +56,7 @@ def kernel_summary(model) -> dict:
 
     summary = summarize(m.prepared for m in model.modules() if isinstance(m, QuantLinear))
     # bf16 dense Linears that round x to bf16 (--dense-activations bf16), joined ones counted once
-    dense = [m for m in model.modules() if isinstance(m, InvariantLinear) and m.weight.dtype.is_floating_point]
-    bf16 = sum(1 for m in dense if m.bf16_x)
+    bf16 = sum(1 for m in model.modules() if isinstance(m, InvariantLinear) and m.bf16_x)
     summary["dense_activations"] = "bf16" if bf16 else "f32"
     summary["dense_bf16_activation_linears"] = bf16
     return summary

@@ -64,6 +64,14 @@ def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return y
 
 
+def kernel_name(weight_dtype: torch.dtype, bf16_x: bool = False) -> str:
+    """The f32_dot.c entry for float32 rows of x against a float32 or bf16 weight (bf16_x: the rows
+    rounded to bf16 first, a bf16 weight only); matmul and the decode chain call the same one."""
+    if weight_dtype is torch.bfloat16:
+        return "lowbit_bf16xw_matmul" if bf16_x else "lowbit_bf16w_matmul"
+    return "lowbit_f32_matmul"
+
+
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, bf16_x: bool = False) -> torch.Tensor:
     """y [M, N] = x [M, K] · weight [N, K]ᵀ (+ bias): x, bias and y float32 on CPU, weight float32 or
     bfloat16, rows of x and weight contiguous; any M. bf16_x (a bf16 weight, AVX512-BF16): x is
@@ -71,11 +79,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
-    lib = _LIB or f32_dot.library()
-    if weight.dtype is torch.bfloat16:
-        kernel = lib.lowbit_bf16xw_matmul if bf16_x else lib.lowbit_bf16w_matmul
-    else:
-        kernel = lib.lowbit_f32_matmul
+    kernel = getattr(_LIB or f32_dot.library(), kernel_name(weight.dtype, bf16_x))
     rc = kernel(
         weight.data_ptr(), n, k, weight.stride(0), None if bias is None else bias.data_ptr(),
         x.data_ptr(), x.stride(0), m, y.data_ptr(), n, torch.get_num_threads())

@@ -116,12 +116,8 @@ def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None, bf16_x: bool =
         return None
     if bias is not None and (bias.dtype is not torch.float32 or not bias.is_contiguous()):
         return None
-    if weight.dtype is torch.bfloat16:
-        name = "lowbit_bf16xw_matmul" if bf16_x else "lowbit_bf16w_matmul"
-    else:
-        name = "lowbit_f32_matmul"
     n, k = weight.shape
-    struct = ChainLinear(_DENSE, 0, _entry(f32_dot.library(), name), weight.data_ptr(),
+    struct = ChainLinear(_DENSE, 0, _entry(f32_dot.library(), cpu_f32.kernel_name(weight.dtype, bf16_x)), weight.data_ptr(),
                          None if bias is None else bias.data_ptr(), n, k, weight.stride(0))
     return Linear(struct, (weight, bias))
 

@@ -142,15 +142,12 @@ INLINE void f32_pass(const int WB, const int NB, int mb, const void *w, int64_t 
 }
 
 #if HAVE_BF16DOT
-/* One 16-lane sum in a fixed tree: lanes j + (j + 8), then + 4, + 2, + 1 apart. hsum16_many gives
-   every output the same tree, sixteen at a time. */
+/* One 16-lane sum in a fixed tree: lanes j + (j + 8), then lowbit_hsum8's + 4, + 2, + 1 apart.
+   hsum16_many gives every output the same tree, sixteen at a time. The upper 256 bits come
+   through the AVX512F extract (the float32 one needs AVX512DQ). */
 INLINE float hsum16(__m512 a) {
-    /* the upper 256 bits through the AVX512F extract (the float32 one needs AVX512DQ) */
     const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
-    const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a), hi);
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+    return lowbit_hsum8(_mm256_add_ps(_mm512_castps512_ps256(a), hi));
 }
 
 /* The sums of acc[0..15] (each by hsum16's tree: the same pairs added in the same order, so the
@@ -482,14 +479,7 @@ int lowbit_bf16xw_matmul(const uint16_t *w, int64_t N, int64_t K, int64_t ldw, c
     }
     uint16_t *xb = xbuf;
 #pragma omp parallel for num_threads(threads) if (need >= 65536)
-    for (int64_t m = 0; m < M; m++) {
-        const float *src = x + m * ldx;
-        uint16_t *dst = xb + m * K;
-        for (int64_t k = 0; k < K; k += 16) {
-            const __mmask16 mask = lowbit_lanes(K - k);
-            _mm256_mask_storeu_epi16(dst + k, mask, _mm512_cvtepi32_epi16(lowbit_bf16_bits16(_mm512_maskz_loadu_ps(mask, src + k))));
-        }
-    }
+    for (int64_t m = 0; m < M; m++) lowbit_bf16_row(x + m * ldx, xb + m * K, K);
     dense_matmul(1, w, N, K, ldw, bias, xb, K, M, y, 0, ldy, threads);
     return 0;
 #endif

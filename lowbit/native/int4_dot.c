@@ -140,11 +140,7 @@ static void convert_row(const I4Weight *w, const void *x, int x_bf16, int64_t ld
     if (x_bf16) {
         memcpy(row, (const uint16_t *)x + m * ldx_in, (size_t)K * 2);
     } else {
-        const float *src = (const float *)x + m * ldx_in;
-        for (int64_t k = 0; k < K; k += 16) {
-            const __mmask16 mask = lowbit_lanes(K - k); /* float32 -> bf16 16 at a time, the tail masked */
-            _mm256_mask_storeu_epi16(row + k, mask, _mm512_cvtepi32_epi16(lowbit_bf16_bits16(_mm512_maskz_loadu_ps(mask, src + k))));
-        }
+        lowbit_bf16_row((const float *)x + m * ldx_in, row, K);
     }
     memset(row + K, 0, (size_t)(kp - K) * 2);
     if (!w->szs) return;

@@ -76,6 +76,14 @@ static inline __m512i lowbit_bf16_bits16(__m512 x) {
     return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
 }
 
+/* K float32 -> bf16 (lowbit_bf16_bits16's rounding), 16 at a time, the tail masked. */
+static inline void lowbit_bf16_row(const float *src, uint16_t *dst, int64_t K) {
+    for (int64_t k = 0; k < K; k += 16) {
+        const __mmask16 mask = lowbit_lanes(K - k);
+        _mm256_mask_storeu_epi16(dst + k, mask, _mm512_cvtepi32_epi16(lowbit_bf16_bits16(_mm512_maskz_loadu_ps(mask, src + k))));
+    }
+}
+
 /* 16 bf16 values -> float32 (exact: a 16-bit shift). */
 static inline __m512 lowbit_bf16_widen16(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
