@@ -61,12 +61,13 @@ class Case:
 # int4 kernel (int4_vnni.c: AVX512-VNNI, or AVX2), which takes any group of whole 32s. int8 runs
 # lowbit's default int8 kernel (float32 activations); int8-w8a8 the same checkpoint through
 # cpu-int8dot (activations rounded to int8 per 32, Q8_0's own arithmetic; AVX512-VNNI only). bf16
-# runs the model with float32 activations (the default); bf16-a16 the same files with
-# --dense-activations bf16 (x rounded to bf16, bf16 x bf16 products: llama.cpp BF16's arithmetic;
-# AVX512-BF16 only).
+# runs the model with the default activations (bf16 where the CPU has AVX512-BF16: llama.cpp BF16's
+# arithmetic; float32 elsewhere); bf16-a16 the same files with --dense-activations bf16 named (AVX512-BF16
+# only), bf16-a32 with --dense-activations f32 (float32 x, exact products).
 CASES = {"int4": Case("int4-g32", "Q4_0"), "int4-g64": Case("int4-g64", "Q4_0"), "int8": Case("int8-g32", "Q8_0"),
          "int8-w8a8": Case("int8-g32", "Q8_0", ckpt="int8", bench_args=("--kernel", "cpu-int8dot")),
-         "bf16": Case(None, "BF16"), "bf16-a16": Case(None, "BF16", ckpt="bf16", bench_args=("--dense-activations", "bf16"))}
+         "bf16": Case(None, "BF16"), "bf16-a16": Case(None, "BF16", ckpt="bf16", bench_args=("--dense-activations", "bf16")),
+         "bf16-a32": Case(None, "BF16", ckpt="bf16", bench_args=("--dense-activations", "f32"))}
 TOOLS = ("llama-bench", "llama-perplexity", "llama-server")
 
 

@@ -56,6 +56,19 @@ def _int4_activations() -> dict:
     return {"mode": mode, "note": source}
 
 
+def _dense_activations() -> dict:
+    from lowbit.kernels import cpu_f32
+    from lowbit.kernels.dispatch import dense_activations
+
+    try:
+        mode = dense_activations()
+    except LowbitError as exc:
+        return {"mode": None, "note": str(exc)}
+    source = ("$LOWBIT_DENSE_ACTIVATIONS" if os.environ.get("LOWBIT_DENSE_ACTIVATIONS")
+              else "default: " + ("the CPU has AVX512-BF16" if cpu_f32.bf16_available() else "no AVX512-BF16"))
+    return {"mode": mode, "note": source}
+
+
 def doctor_report() -> dict:
     import torch
 
@@ -75,6 +88,7 @@ def doctor_report() -> dict:
         "cpu": {"machine": platform.machine(), "flags": cpu_features()},
         "kernel_paths": [s.to_dict() for s in describe_paths(device=None)],
         "int4_activations": _int4_activations(),
+        "dense_activations": _dense_activations(),
         "native": _native_report(),
         "env": [{"name": name, "value": os.environ.get(name), "meaning": meaning} for name, meaning in ENV_SWITCHES],
     }
@@ -94,6 +108,8 @@ def _print(report: dict) -> None:
         console.print(f"  {p['name']:<12} {p['device']:<4} {state}{when}", markup=True, highlight=False)
     act = report["int4_activations"]
     console.print(f"[bold]int4 decode activations[/bold] {act['mode'] or '-'} ({act['note']})")
+    dense = report["dense_activations"]
+    console.print(f"[bold]bf16 dense activations[/bold] {dense['mode'] or '-'} ({dense['note']})")
     native = report["native"]
     console.print("[bold]C kernels[/bold]")
     if native["sources"] is None:

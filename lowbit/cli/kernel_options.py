@@ -24,9 +24,10 @@ INT4_ACTIVATIONS_HELP = (
 
 DENSE_ACTIVATIONS_HELP = (
     "What a float32 model's bf16-stored dense Linears (a bf16 checkpoint's layers, the tied embedding "
-    "as head) round their activations to on the CPU: f32 (the default: float32 x, exact products, float32 sums) "
-    "or bf16 (x rounded to bf16, bf16 x bf16 products in float32 through AVX512-BF16: llama.cpp's BF16 "
-    "arithmetic, 1.2-1.5x faster from 4 rows on, prefill included; KLD in docs/benchmarks.md). "
+    "as head) round their activations to on the CPU: bf16 (the default where the CPU has AVX512-BF16: x rounded "
+    "to bf16, bf16 x bf16 products summed in float32, llama.cpp's BF16 arithmetic, 1.2-1.5x faster from 4 rows "
+    "on, prefill included; KLD ~1e-4, docs/benchmarks.md) or f32 (the default elsewhere: float32 x, exact "
+    "products, float32 sums). `eval --base` computes its reference in f32 either way. "
     "Default: $LOWBIT_DENSE_ACTIVATIONS if set."
 )
 

@@ -51,6 +51,11 @@ def test_the_float_case_runs_the_model_itself(vs, tmp_path):
     vs.run_lowbit_bench("smollm2-135m", 2, vs.CASES["bf16-a16"].bench_args)
     args = vs.calls[-1]
     assert args[args.index("--dense-activations") + 1] == "bf16"
+    # bf16-a32: float32 activations named (the default on CPUs without AVX512-BF16)
+    assert vs.prepare("smollm2-135m", "bf16-a32", tmp_path) == (ckpt, gguf)
+    vs.run_lowbit_bench("smollm2-135m", 2, vs.CASES["bf16-a32"].bench_args)
+    args = vs.calls[-1]
+    assert args[args.index("--dense-activations") + 1] == "f32"
 
 
 def test_an_inexact_export_is_refused(vs, tmp_path, monkeypatch):

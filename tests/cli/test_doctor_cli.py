@@ -34,7 +34,7 @@ def test_doctor_json_shape(run_cli, monkeypatch):
     monkeypatch.setenv("LOWBIT_KERNEL", "reference")
     monkeypatch.delenv("LOWBIT_NO_NATIVE", raising=False)
     r = doctor_json(run_cli)
-    assert set(r) == {"torch", "cuda", "cpu", "kernel_paths", "int4_activations", "native", "env"}
+    assert set(r) == {"torch", "cuda", "cpu", "kernel_paths", "int4_activations", "dense_activations", "native", "env"}
     assert set(r["torch"]) == {"version", "threads", "triton"} and r["torch"]["threads"] >= 1
     assert isinstance(r["cuda"]["available"], bool)
     assert r["cpu"]["flags"] is None or set(r["cpu"]["flags"]) == set(CPU_FLAGS)
@@ -44,6 +44,7 @@ def test_doctor_json_shape(run_cli, monkeypatch):
         assert isinstance(p["usable"], bool) and (p["reason"] is None) == p["usable"], p
     assert paths[-1]["name"] == "reference" and paths[-1]["usable"]
     assert set(r["int4_activations"]) == {"mode", "note"} and r["int4_activations"]["mode"] in ("int8", "bf16", None)
+    assert r["dense_activations"] == {"mode": "f32", "note": "$LOWBIT_DENSE_ACTIVATIONS"}  # conftest's f32
     assert r["native"] == {"note": None, "sources": [
         {"source": "lut_gemv.c", "built": True, "reason": None, "library": "/k/liblut.so"},
         {"source": "int4_vnni.c", "built": False, "reason": "no C compiler", "library": None}]}
@@ -85,3 +86,14 @@ def test_doctor_reports_an_invalid_activation_switch(run_cli, monkeypatch):
     monkeypatch.setenv("LOWBIT_INT4_ACTIVATIONS", "int7")
     r = doctor_json(run_cli)
     assert r["int4_activations"]["mode"] is None and "int8 or bf16" in r["int4_activations"]["note"]
+
+
+def test_doctor_reports_the_default_dense_activations_and_a_bad_switch(run_cli, monkeypatch):
+    from lowbit.kernels import cpu_f32
+
+    monkeypatch.delenv("LOWBIT_DENSE_ACTIVATIONS")
+    expected = ("bf16", "default: the CPU has AVX512-BF16") if cpu_f32.bf16_available() else ("f32", "default: no AVX512-BF16")
+    assert tuple(doctor_json(run_cli)["dense_activations"].values()) == expected
+    monkeypatch.setenv("LOWBIT_DENSE_ACTIVATIONS", "fp8")
+    r = doctor_json(run_cli)["dense_activations"]
+    assert r["mode"] is None and "f32 or bf16, not 'fp8'" in r["note"]

@@ -236,7 +236,11 @@ def test_dense_activations_precedence_and_bad_environment(monkeypatch):
     from lowbit.kernels.dispatch import dense_activations, use_settings
 
     monkeypatch.delenv("LOWBIT_DENSE_ACTIVATIONS", raising=False)
-    assert dense_activations() == "f32"  # the default keeps float32 x
+    # the default: bf16 x where the CPU has the bf16 x bf16 kernel (llama.cpp's BF16 arithmetic), else float32
+    assert dense_activations() == ("bf16" if cpu_f32.bf16_available() else "f32")
+    with monkeypatch.context() as without_bf16:
+        without_bf16.setattr(cpu_f32, "bf16_available", lambda: False)
+        assert dense_activations() == "f32"
     monkeypatch.setenv("LOWBIT_DENSE_ACTIVATIONS", "int4")
     with pytest.raises(UsageError, match="LOWBIT_DENSE_ACTIVATIONS must be f32 or bf16, not 'int4'"):
         dense_activations()
