@@ -188,6 +188,19 @@ def bench_report(pairs: list[str]) -> int:
     return 0 if ok else 1
 
 
+def distill_report(path: str) -> int:
+    """`lowbit distill --json` of the int4 student on the GPU: held-out KLD before and after, time."""
+    r = _load(path)
+    if r is None or "heldout_kld_after" not in r:
+        print("no distill result")
+        return 1
+    print("| device | bf16 | block steps | steps | held-out KLD before | after | seconds |\n"
+          "| --- | --- | --- | --- | --- | --- | --- |\n"
+          f"| {r.get('device')} | {r.get('bf16')} | {r['block_steps']} | {r['steps']} | {r['heldout_kld_before']:.4f} | "
+          f"{r['heldout_kld_after']:.4f} | {r['seconds']:.1f} |")
+    return 0 if r["heldout_kld_after"] < r["heldout_kld_before"] else 1
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -203,6 +216,7 @@ def main(argv=None) -> int:
     ev.add_argument("--gpu")
     ev.add_argument("--skip")
     sub.add_parser("bench").add_argument("pairs", nargs="+")
+    sub.add_parser("distill").add_argument("json")
     args = ap.parse_args(argv)
     if args.cmd == "tiny-model":
         tiny_model(args.dir)
@@ -219,6 +233,8 @@ def main(argv=None) -> int:
         return pytest_summary(args.logs)
     if args.cmd == "eval":
         return eval_report(args.cpu_json, args.gpu, args.skip)
+    if args.cmd == "distill":
+        return distill_report(args.json)
     return bench_report(args.pairs)
 
 

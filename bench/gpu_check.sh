@@ -9,6 +9,8 @@
 #   (b)    bench/kernel_speed.py, every format at 1-16 rows beside torch's bf16 matmul, as a share of HBM bandwidth
 #   (c)    `lowbit eval` of an RTN int4 SmolLM2 checkpoint, on the GPU against the CPU's PPL
 #   (d)    `lowbit bench` decode at batch 1-64, int4 checkpoint and bf16 model
+#   (e)    `lowbit distill --device cuda --bf16` of the int4 checkpoint (accelerate's placement and bf16
+#          mixed precision on the GPU): a few block and end-to-end steps, held-out KLD before and after
 # Every table goes to ONE file: $OUT/gpu_check.md when $OUT is set, else bench/results/gpu_check.md.
 # Each step prints a progress line, runs under its own timeout and the check goes on when it fails;
 # the exit status is non-zero when any step failed.
@@ -41,9 +43,13 @@ if [[ -z $PY ]]; then
 fi
 export PY
 
-# A machine with no package index: lowbit from this checkout, its missing dependencies from .whl/.
+# A machine with no package index: lowbit from this checkout, its missing dependencies from .whl/, made
+# here before the device call (the H200 image lacked these four; add accelerate if an image lacks it):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#     --platform any -d .whl gguf==0.19.0 starlette==1.10.0 uvicorn==0.55.0 llguidance==1.9.1
 # (Checked from / : the repository root itself is on sys.path for `python -c`, not for scripts.)
-if ! (cd / && "$PY" -c 'import lowbit, gguf, starlette, uvicorn, llguidance' 2>/dev/null); then
+if ! (cd / && "$PY" -c 'import lowbit, gguf, starlette, uvicorn, llguidance, accelerate' 2>/dev/null); then
     if [[ -d .whl ]] && compgen -G '.whl/*.whl' > /dev/null; then
         echo "gpu_check: installing .whl/*.whl into $WORK/site (no index)"
         "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" .whl/*.whl \
@@ -60,11 +66,11 @@ fi
 
 if (( DRY )); then
     BUDGET=100                          # seconds for everything; the steps take ~30 s on 2 cores
-    LIMIT_SETUP=20 LIMIT_A=40 LIMIT_B=30 LIMIT_C=40 LIMIT_D=30
+    LIMIT_SETUP=20 LIMIT_A=40 LIMIT_B=30 LIMIT_C=40 LIMIT_D=30 LIMIT_E=30
     export TRITON_INTERPRET=1 LOWBIT_TRITON_DEVICE=cpu LOWBIT_TRITON_QUICK=1
 else
     BUDGET=470                          # under 8 minutes, whatever the steps do
-    LIMIT_SETUP=170 LIMIT_A=150 LIMIT_B=120 LIMIT_C=120 LIMIT_D=90
+    LIMIT_SETUP=170 LIMIT_A=150 LIMIT_B=120 LIMIT_C=120 LIMIT_D=90 LIMIT_E=60
     unset TRITON_INTERPRET
     export LOWBIT_TRITON_DEVICE=cuda
 fi
@@ -214,7 +220,17 @@ do_bench() {
     lowbit bench "$MODEL" "${args[@]}" --dtype bfloat16 --json > "$WORK/bench_bf16.json" || true
     "$PY" bench/gpu_check.py bench "int4 (RTN g128)=$WORK/bench_int4.json" "bf16=$WORK/bench_bf16.json"
 }
-export -f do_setup do_triton do_kernels model_and_data do_eval do_bench
+do_distill() {
+    set -euo pipefail
+    model_and_data
+    [[ -d "$WORK/int4" ]] || lowbit quantize "$MODEL" --format int4 -o "$WORK/int4" --overwrite --json > /dev/null
+    local device=cuda args=(--samples 8 --seqlen 512 --block-steps 2 --steps 10 --eval-chunks 2)
+    (( DRY )) && device=cpu args=(--samples 4 --seqlen 64 --block-steps 1 --steps 3 --eval-chunks 2)
+    lowbit distill "$MODEL" --data "$DATA" --student "$WORK/int4" -o "$WORK/distilled" --overwrite --device "$device" \
+        --bf16 "${args[@]}" --json > "$WORK/distill.json"
+    "$PY" bench/gpu_check.py distill "$WORK/distill.json"
+}
+export -f do_setup do_triton do_kernels model_and_data do_eval do_bench do_distill
 
 # --- the report ---
 
@@ -237,6 +253,8 @@ section "(c) lowbit eval of an int4 checkpoint: GPU against CPU"
 step "(c) eval" "$LIMIT_C" do_eval
 section "(d) lowbit bench decode, batch 1-64"
 step "(d) bench" "$LIMIT_D" do_bench
+section "(e) lowbit distill on the GPU (accelerate placement, bf16 mixed precision)"
+step "(e) distill" "$LIMIT_E" do_distill
 
 section "Summary"
 {

@@ -47,6 +47,9 @@ def distill_command(
     eval_chunks: int = typer.Option(4, "--eval-chunks", metavar="N", help="Held-out windows of --seqlen tokens (second half scored, as `lowbit eval`)."),
     bf16: bool = typer.Option(False, "--bf16", help="bf16 autocast of the student's matmuls (losses stay float32): about 1.8x "
                               "faster a step on a CPU with AVX512-BF16; a different, still deterministic, result."),
+    device: str = typer.Option("auto", "--device", metavar="auto|cpu|cuda[:N]", help="Where to train, through accelerate: auto "
+                               "takes the first CUDA device torch sees, else the CPU. With --bf16, accelerate's bf16 mixed "
+                               "precision on that device."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it already exists."),
     threads: Optional[int] = THREADS_OPTION,
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object on stdout."),
@@ -64,7 +67,7 @@ def distill_command(
             raise UsageError("--exit-layers trains adapters on TEACHER itself: it does not combine with --student, "
                              "--student-layers, --drop-layers, --block-steps, --block-lr or --bf16")
         summary = _exits(teacher, data, exit_layers, exit_rank, output, steps, lr, samples, seqlen, batch, seed, save_every,
-                         eval_chunks, eval_data, overwrite)
+                         eval_chunks, eval_data, overwrite, device=device)
         if as_json:
             print_json(summary)
         else:
@@ -79,14 +82,14 @@ def distill_command(
     quantized = student is not None and student_layers is None and drop_layers is None and _is_quantized(student)
     if quantized:
         summary = _recover(teacher, data, student, output, steps, block_steps, lr, block_lr, samples, seqlen, batch, seed,
-                           save_every, eval_chunks, eval_data, overwrite, bf16)
+                           save_every, eval_chunks, eval_data, overwrite, bf16, device=device)
     else:
         if block_steps is not None or block_lr is not None:
             from lowbit.errors import UsageError
 
             raise UsageError("--block-steps and --block-lr apply to a quantized --student only")
         summary = _dense(teacher, data, student, student_layers, drop_layers, output, steps, lr, samples, seqlen, batch,
-                         seed, save_every, eval_chunks, eval_data, overwrite, bf16)
+                         seed, save_every, eval_chunks, eval_data, overwrite, bf16, device=device)
     if "importance" in summary:
         ranking = ", ".join(f"{r['layer']} {r['importance']:.4f}" for r in summary["importance"])
         console.print(f"layer importance (1 - cos(input, output)), least first: {ranking}")
@@ -125,12 +128,13 @@ def _bar_callback(bar):
 
 
 def _recover(teacher, data, student, output, steps, block_steps, lr, block_lr, samples, seqlen, batch, seed, save_every,
-             eval_chunks, eval_data, overwrite, bf16) -> dict:
+             eval_chunks, eval_data, overwrite, bf16, device="auto") -> dict:
     from lowbit.compress.distill.recover import RecoverOptions, prepare_recover, run_recover
 
     options = RecoverOptions(steps=100 if steps is None else steps, block_steps=20 if block_steps is None else block_steps,
                              lr=2e-4 if lr is None else lr, block_lr=block_lr, samples=samples, seqlen=seqlen, batch=batch,
-                             seed=seed, save_every=save_every, eval_chunks=eval_chunks, eval_data=eval_data, bf16=bf16)
+                             seed=seed, save_every=save_every, eval_chunks=eval_chunks, eval_data=eval_data, bf16=bf16,
+                             device=device)
     with console.status("loading teacher, student and text"):
         job = prepare_recover(teacher, data, student, output, options, overwrite=overwrite)
     with progress() as bar:
@@ -138,12 +142,12 @@ def _recover(teacher, data, student, output, steps, block_steps, lr, block_lr, s
 
 
 def _exits(teacher, data, layers, rank, output, steps, lr, samples, seqlen, batch, seed, save_every, eval_chunks, eval_data,
-           overwrite) -> dict:
+           overwrite, device="auto") -> dict:
     from lowbit.compress.distill.exits import ExitOptions, prepare_exits, run_exits
 
     options = ExitOptions(layers=layers, rank=rank, steps=200 if steps is None else steps, lr=1e-3 if lr is None else lr,
                           samples=samples, seqlen=seqlen, batch=batch, seed=seed, save_every=save_every,
-                          eval_chunks=eval_chunks, eval_data=eval_data)
+                          eval_chunks=eval_chunks, eval_data=eval_data, device=device)
     with console.status("loading teacher and text"):
         job = prepare_exits(teacher, data, output, options, overwrite=overwrite)
     with progress() as bar:
@@ -151,7 +155,7 @@ def _exits(teacher, data, layers, rank, output, steps, lr, samples, seqlen, batc
 
 
 def _dense(teacher, data, student, student_layers, drop_layers, output, steps, lr, samples, seqlen, batch, seed, save_every,
-           eval_chunks, eval_data, overwrite, bf16) -> dict:
+           eval_chunks, eval_data, overwrite, bf16, device="auto") -> dict:
     from lowbit.compress.distill.dense import DenseOptions, prepare_dense, run_dense
 
     if student is not None and (student_layers is not None or drop_layers is not None):
@@ -160,7 +164,8 @@ def _dense(teacher, data, student, student_layers, drop_layers, output, steps, l
         raise UsageError("--student-layers / --drop-layers cut the teacher; they do not combine with --student")
     options = DenseOptions(steps=200 if steps is None else steps, lr=1e-4 if lr is None else lr, samples=samples,
                            seqlen=seqlen, batch=batch, seed=seed, save_every=save_every, eval_chunks=eval_chunks,
-                           eval_data=eval_data, student_layers=student_layers, drop_layers=drop_layers, bf16=bf16)
+                           eval_data=eval_data, student_layers=student_layers, drop_layers=drop_layers, bf16=bf16,
+                           device=device)
     with console.status("loading teacher and text"):
         job = prepare_dense(teacher, data, output, options, student=student, overwrite=overwrite)
     with progress() as bar:

@@ -14,7 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.sh"
 SECTIONS = ["Setup", "(a) Triton kernel tests", "(b) Quantized matmul against bf16, share of HBM bandwidth",
-            "(c) lowbit eval of an int4 checkpoint: GPU against CPU", "(d) lowbit bench decode, batch 1-64", "Summary"]
+            "(c) lowbit eval of an int4 checkpoint: GPU against CPU", "(d) lowbit bench decode, batch 1-64",
+            "(e) lowbit distill on the GPU (accelerate placement, bf16 mixed precision)", "Summary"]
 FORMATS = ["int4", "int4-asym", "int8", "nf4", "fp8", "fp8-block128", "mxfp4", "nvfp4"]
 NUM = r"\d+(?:\.\d+)?"
 
@@ -40,7 +41,7 @@ def test_dry_run_writes_every_section_with_numbers(tmp_path):
     done, text = _run(tmp_path)
     assert done.returncode == 0, done.stdout[-4000:]
     assert "gpu_check: all steps ok" in done.stdout
-    for step in ("setup", "(a) triton tests", "(b) kernels", "(c) eval", "(d) bench"):
+    for step in ("setup", "(a) triton tests", "(b) kernels", "(c) eval", "(d) bench", "(e) distill"):
         assert f"gpu_check: {step} ok in" in done.stdout  # one plain progress line per step
     assert "DRY RUN" in text.splitlines()[2]  # nobody mistakes it for a GPU measurement
     sections = _sections(text)
@@ -63,8 +64,12 @@ def test_dry_run_writes_every_section_with_numbers(tmp_path):
     for label in ("int4 (RTN g128)", "bf16"):
         for batch in (1, 2, 4):
             assert re.search(rf"^\| {re.escape(label)} \| cpu \| bfloat16 \| {batch} \| {NUM} \| {NUM} \| {NUM} \|$", bench, re.M), (label, batch)
+    # the dry run distills on the CPU: the held-out KLD falls (the step fails otherwise)
+    distilled = sections["(e) lowbit distill on the GPU (accelerate placement, bf16 mixed precision)"]
+    before, after = map(float, re.search(rf"^\| cpu \| True \| 1 \| 3 \| ({NUM}) \| ({NUM}) \| {NUM} \|$", distilled, re.M).groups())
+    assert after < before
     summary = sections["Summary"]
-    assert summary.count("| ok |") == 5
+    assert summary.count("| ok |") == 6
     assert re.search(rf"total: {NUM} s", summary)
 
 

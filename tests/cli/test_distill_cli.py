@@ -214,6 +214,12 @@ def test_bad_inputs_are_one_line_and_write_nothing(run_cli, pair, tmp_path):
     assert "too little text" in _one_line_error(code, err, out) or "fewer than" in err
     code, _, err = _distill(run_cli, pair, out, "--lr", "-1")
     assert "--lr" in _one_line_error(code, err, out)
+    # a device torch cannot place on
+    code, _, err = _distill(run_cli, pair, out, "--device", "tpu")
+    assert "--device must be auto, cpu, cuda or cuda:N, got 'tpu'" in _one_line_error(code, err, out)
+    if not torch.cuda.is_available():
+        code, _, err = _distill(run_cli, pair, out, "--device", "cuda")
+        assert "torch sees no CUDA device" in _one_line_error(code, err, out)
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_state(run_cli, pair, tmp_path):
@@ -330,11 +336,14 @@ def test_any_float_student_with_the_teachers_tokenizer(run_cli, deep_teacher, tm
 
 
 def test_bf16_autocast_trains_too_and_stays_deterministic(run_cli, pair, tmp_path):
-    digests = []
-    for name in ("a", "b"):
-        code, stdout, err = _distill(run_cli, pair, tmp_path / name, "--bf16", "--json")
+    # accelerate's bf16 mixed precision, then none, then bf16 again in one process (accelerate keeps
+    # one state per process; placement.py starts each run from a fresh one)
+    digests = {}
+    for name, extra in (("a", ["--bf16"]), ("plain", []), ("b", ["--bf16"])):
+        code, stdout, err = _distill(run_cli, pair, tmp_path / name, *extra, "--device", "cpu", "--json")
         assert code == 0, err
         summary = json.loads(stdout)
-        assert summary["bf16"] and summary["heldout_kld_after"] < 0.85 * summary["heldout_kld_before"]
-        digests.append(_digest(tmp_path / name))
-    assert digests[0] == digests[1]
+        assert summary["bf16"] == bool(extra) and summary["device"] == "cpu"
+        assert summary["heldout_kld_after"] < 0.85 * summary["heldout_kld_before"]
+        digests[name] = _digest(tmp_path / name)
+    assert digests["a"] == digests["b"] != digests["plain"]

@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from lowbit.compress.distill import train
+from lowbit.compress.distill.placement import make_placement
 from lowbit.compress.distill.shrink import cut_teacher, layers_to_drop, parse_layer_list
 from lowbit.compress.distill.state import load_state, restore
 from lowbit.compress.distill.windows import Windows, make_windows
@@ -35,6 +36,7 @@ from lowbit.formats.checkpoint import copy_side_files
 from lowbit.formats.foreign import detect_checkpoint_kind
 from lowbit.formats.hf_files import model_dir, read_config, weight_files
 from lowbit.formats.resolve import resolve_model
+from lowbit.runtime.device import resolve_device
 from lowbit.runtime.loader import load_model
 from lowbit.runtime.tokenizer import load_tokenizer
 
@@ -52,7 +54,8 @@ class DenseOptions:
     eval_data: str | None = None
     student_layers: int | None = None
     drop_layers: str | None = None
-    bf16: bool = False  # bf16 autocast of the student's matmuls
+    bf16: bool = False  # bf16 mixed precision of the student's matmuls (placement.py)
+    device: str = "auto"  # where it trains (placement.py)
 
     def __post_init__(self) -> None:
         train.check_options(self)
@@ -74,8 +77,9 @@ class DenseJob:
 
 def prepare_dense(teacher: str, data: str, output: str | Path, options: DenseOptions, student: str | None = None,
                   overwrite: bool = False) -> DenseJob:
-    """Every input check before any training (output, tokenizer and vocabulary, text, layer choice)."""
+    """Every input check before any training (output, device, tokenizer and vocabulary, text, layer choice)."""
     output = Path(output)
+    resolve_device(options.device)
     check_output_path(output, overwrite)
     teacher_dir = model_dir(resolve_model(teacher))
     teacher_config = read_config(teacher_dir)
@@ -103,7 +107,7 @@ def prepare_dense(teacher: str, data: str, output: str | Path, options: DenseOpt
         "student_layers": options.student_layers, "drop_layers": options.drop_layers,
         "data_sha256": hashlib.sha256(text.encode()).hexdigest()[:16], "samples": options.samples,
         "seqlen": options.seqlen, "seed": options.seed, "batch": options.batch, "threads": torch.get_num_threads(),
-        "bf16": options.bf16,
+        "bf16": options.bf16, **train.device_fingerprint(options.device),
     }
     work = WorkDir(work_dir_for(output), fingerprint)
     model = load_model(teacher_dir, dtype=torch.float32)
@@ -148,7 +152,9 @@ def _stored_dtype(directory: Path) -> torch.dtype:
 def run_dense(job: DenseJob, on_progress: train.ProgressFn | None = None) -> dict:
     began = time.perf_counter()
     opts = job.options
-    ids = job.windows.train
+    placement = make_placement(opts.device, opts.bf16)
+    job.teacher = placement.to(job.teacher)
+    ids = placement.to(job.windows.train)
     teacher_final, importance = train.teacher_pass(
         job.teacher, ids, None if on_progress is None else lambda d, t: on_progress("teacher", d, t, None))
     dropped: list[int] = []
@@ -160,7 +166,7 @@ def run_dense(job: DenseJob, on_progress: train.ProgressFn | None = None) -> dic
         source = job.work.path / "initial"
         if not (source / "config.json").is_file():
             cut_teacher(job.teacher_dir, dropped, source)
-    student = load_model(source, dtype=torch.float32)
+    student = placement.to(load_model(source, dtype=torch.float32))
     student.requires_grad_(True)
     student.train()
     before = train.heldout_kld(student, job.teacher, job.windows, opts.seqlen, opts.eval_chunks)
@@ -170,10 +176,10 @@ def run_dense(job: DenseJob, on_progress: train.ProgressFn | None = None) -> dic
         restore(train.trainable(student), saved[0])
         done, losses, opt_state = int(saved[2]["done"]), list(saved[2]["losses"]), saved[1]
         print(f"lowbit: resuming from {job.work.path}: end-to-end step {done} of {opts.steps}", file=sys.stderr, flush=True)
-    steps = train.end_to_end(train.trainable(student), train.logits_kl(student, job.teacher, teacher_final, ids, opts.bf16),
+    steps = train.end_to_end(train.trainable(student), train.logits_kl(student, job.teacher, teacher_final, ids, placement),
                              windows=ids.shape[0], steps=opts.steps, lr=opts.lr, batch=opts.batch, seed=opts.seed,
                              save_every=opts.save_every, work_path=job.work.path, done=done, losses=losses,
-                             opt_state=opt_state, on_progress=on_progress)
+                             opt_state=opt_state, on_progress=on_progress, placement=placement)
     after = train.heldout_kld(student, job.teacher, job.windows, opts.seqlen, opts.eval_chunks)
     write_hf(student, source, job.output, job.overwrite)
     job.work.remove()
@@ -182,7 +188,8 @@ def run_dense(job: DenseJob, on_progress: train.ProgressFn | None = None) -> dic
         "teacher": str(job.teacher_dir), "student": str(job.student_dir) if job.student_dir else None,
         "output": str(job.output), "layers": student.config.num_hidden_layers, "dropped_layers": dropped,
         "importance": [{"layer": i, "importance": importance[i]} for i in ranking],
-        "steps": steps, "batch": opts.batch, "lr": opts.lr, "bf16": opts.bf16, "samples": opts.samples, "seqlen": opts.seqlen,
+        "steps": steps, "batch": opts.batch, "lr": opts.lr, "bf16": opts.bf16, "device": str(placement.device),
+        "samples": opts.samples, "seqlen": opts.seqlen,
         "seed": opts.seed, "train_tokens": int(ids.numel()), "tokens_seen": steps * opts.batch * opts.seqlen,
         "train_kld": train.train_kld(losses), "loss_curve": [round(v, 6) for v in losses],
         "heldout_kld_before": before, "heldout_kld_after": after,
@@ -202,7 +209,7 @@ def write_hf(model, source: Path, output: Path, overwrite: bool) -> None:
             continue
         if not torch.isfinite(tensor).all():
             raise LowbitError(f"trained weight {name} holds NaN/inf; nothing written")
-        state[name] = tensor.detach().to(dtype).contiguous()
+        state[name] = tensor.detach().to("cpu", dtype).contiguous()
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     with atomic_dir(output, overwrite=overwrite) as tmp:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})

@@ -31,6 +31,7 @@ from torch import nn
 from lowbit.compress.distill import train
 from lowbit.compress.distill.layers import embed, head_logits, head_only, propagate
 from lowbit.compress.distill.losses import kl_divergence
+from lowbit.compress.distill.placement import make_placement
 from lowbit.compress.distill.state import load_state, restore
 from lowbit.compress.distill.windows import Windows, make_windows
 from lowbit.compress.stats import config_hash
@@ -42,6 +43,7 @@ from lowbit.formats.hf_files import model_dir, read_config
 from lowbit.formats.resolve import resolve_model
 from lowbit.runtime.early_exit import parse_exit_layers
 from lowbit.runtime.exit_adapters import ADAPTERS_FILE, ExitAdapter, new_adapters, save_adapters
+from lowbit.runtime.device import resolve_device
 from lowbit.runtime.loader import load_model
 from lowbit.runtime.tokenizer import load_tokenizer
 
@@ -59,6 +61,7 @@ class ExitOptions:
     save_every: int = 25
     eval_chunks: int = 4
     eval_data: str | None = None
+    device: str = "auto"  # where the adapters train (placement.py)
 
     def __post_init__(self) -> None:
         if self.rank < 1:
@@ -82,6 +85,7 @@ def prepare_exits(teacher: str, data: str, output: str | Path, options: ExitOpti
     """Every input check before any training: output, teacher, exit layers, text."""
     output = Path(output)
     check_output_path(output, overwrite)
+    resolve_device(options.device)
     teacher_dir = model_dir(resolve_model(teacher))
     config = read_config(teacher_dir)
     if "quantization_config" in config:
@@ -100,6 +104,7 @@ def prepare_exits(teacher: str, data: str, output: str | Path, options: ExitOpti
         "job": "distill-exits", "teacher": config_hash(config), "layers": list(layers), "rank": options.rank,
         "data_sha256": hashlib.sha256(text.encode()).hexdigest()[:16], "samples": options.samples,
         "seqlen": options.seqlen, "seed": options.seed, "batch": options.batch, "threads": torch.get_num_threads(),
+        **train.device_fingerprint(options.device),
     }
     work = WorkDir(work_dir_for(output), fingerprint)
     model = load_model(teacher_dir, dtype=torch.float32).requires_grad_(False).eval()
@@ -148,7 +153,7 @@ def heldout_scores(model, adapters: dict[int, ExitAdapter | None], windows: Wind
     ids = torch.tensor([held[i * seqlen:(i + 1) * seqlen] for i in range(count)])
     if windows.bos_id is not None:
         ids[:, 0] = windows.bos_id
-    taps, final = exit_pass(model, ids, tuple(adapters))
+    taps, final = exit_pass(model, ids.to(model.lm_head.weight.device), tuple(adapters))
     scored = slice(seqlen // 2, seqlen - 1)  # positions that predict a token inside the window
     full = head_logits(model, final[:, scored])
     out = {}
@@ -161,11 +166,14 @@ def heldout_scores(model, adapters: dict[int, ExitAdapter | None], windows: Wind
 
 def run_exits(job: ExitJob, on_progress: train.ProgressFn | None = None) -> dict:
     began = time.perf_counter()
-    opts, model = job.options, job.teacher
-    ids = job.windows.train
+    opts = job.options
+    placement = make_placement(opts.device)
+    model = job.teacher = placement.to(job.teacher)
+    ids = placement.to(job.windows.train)
     taps, final = exit_pass(model, ids, job.layers,
                             None if on_progress is None else lambda d, t: on_progress("teacher", d, t, None))
-    adapters = new_adapters(job.layers, model.config.hidden_size, opts.rank, opts.seed)
+    adapters = {layer: placement.to(a) for layer, a in new_adapters(job.layers, model.config.hidden_size, opts.rank,
+                                                                      opts.seed).items()}
     table = nn.ModuleDict({str(layer): a for layer, a in adapters.items()})
     params = train.trainable(table)
     before = heldout_scores(model, dict.fromkeys(job.layers), job.windows, opts.seqlen, opts.eval_chunks)
@@ -178,8 +186,9 @@ def run_exits(job: ExitJob, on_progress: train.ProgressFn | None = None) -> dict
     steps = train.end_to_end(params, exits_kl(model, adapters, taps, final), windows=ids.shape[0], steps=opts.steps,
                              lr=opts.lr, batch=opts.batch, seed=opts.seed, save_every=opts.save_every,
                              work_path=job.work.path, done=done, losses=losses, opt_state=opt_state,
-                             on_progress=on_progress)
+                             on_progress=on_progress, placement=placement)
     after = heldout_scores(model, adapters, job.windows, opts.seqlen, opts.eval_chunks)
+    adapters = {layer: a.cpu() for layer, a in adapters.items()}  # written from the CPU
     write_with_adapters(job.teacher_dir, adapters, model.config, job.output, job.overwrite)
     job.work.remove()
     return {

@@ -38,6 +38,7 @@ import torch
 from lowbit.compress.distill import train
 from lowbit.compress.distill.layers import embed, propagate, run_layer
 from lowbit.compress.distill.losses import normalized_mse
+from lowbit.compress.distill.placement import Placement, make_placement
 from lowbit.compress.distill.state import load_state, restore, save_state
 from lowbit.compress.distill.train import NanLoss, make_optimizer, trainable
 from lowbit.compress.distill.student import QuantStudent, open_student, write_student
@@ -49,6 +50,7 @@ from lowbit.errors import LowbitError, UsageError
 from lowbit.formats.atomic import check_output_path
 from lowbit.formats.hf_files import model_dir, read_config
 from lowbit.formats.resolve import resolve_model
+from lowbit.runtime.device import resolve_device
 from lowbit.runtime.loader import load_model
 from lowbit.runtime.tokenizer import load_tokenizer
 
@@ -69,7 +71,8 @@ class RecoverOptions:
     save_every: int = 25
     eval_chunks: int = 4
     eval_data: str | None = None
-    bf16: bool = False  # bf16 autocast of the student's matmuls
+    bf16: bool = False  # bf16 mixed precision of the student's matmuls (placement.py)
+    device: str = "auto"  # where it trains (placement.py)
 
     def __post_init__(self) -> None:
         if self.block_steps < 0:
@@ -96,6 +99,7 @@ def prepare_recover(teacher: str, data: str, student: str, output: str | Path, o
     """Every input check, before any training: output path, teacher/student identity, tokenizers, text."""
     output = Path(output)
     check_output_path(output, overwrite, directory=not str(output).endswith(".gguf"))
+    resolve_device(options.device)
     teacher_dir = model_dir(resolve_model(teacher))
     teacher_config = read_config(teacher_dir)
     if "quantization_config" in teacher_config:
@@ -116,6 +120,7 @@ def prepare_recover(teacher: str, data: str, student: str, output: str | Path, o
         "data_sha256": hashlib.sha256(text.encode()).hexdigest()[:16], "samples": options.samples,
         "seqlen": options.seqlen, "seed": options.seed, "batch": options.batch, "block_steps": options.block_steps,
         "block_lr": options.block_lr or options.lr, "threads": torch.get_num_threads(), "bf16": options.bf16,
+        **train.device_fingerprint(options.device),
     }
     work = WorkDir(work_dir_for(output), fingerprint)
     model = load_model(teacher_dir, dtype=torch.float32)
@@ -143,6 +148,13 @@ def _check_tokenizers(tokenizer, student: QuantStudent, text: str) -> None:
                           "distillation needs the same tokens")
 
 
+@dataclass(slots=True)
+class _Placed:
+    """A run's placement and its training windows on that device."""
+    placement: Placement
+    ids: torch.Tensor
+
+
 def heldout_kld(job: RecoverJob) -> float:
     return train.heldout_kld(job.student.model, job.teacher, job.windows, job.options.seqlen, job.options.eval_chunks)
 
@@ -150,8 +162,11 @@ def heldout_kld(job: RecoverJob) -> float:
 def run_recover(job: RecoverJob, on_progress: ProgressFn | None = None) -> dict:
     began = time.perf_counter()
     opts = job.options
-    model = job.student.model
-    ids = job.windows.train
+    placement = make_placement(opts.device, opts.bf16)
+    job.teacher = placement.to(job.teacher)
+    model = placement.to(job.student.model)
+    ids = placement.to(job.windows.train)
+    placed = _Placed(placement, ids)
     num_layers = model.config.num_hidden_layers
     params = trainable(model)
     before = heldout_kld(job)
@@ -165,17 +180,18 @@ def run_recover(job: RecoverJob, on_progress: ProgressFn | None = None) -> dict:
         where = f"{done} of {num_layers} layers trained" if stage == "block" else f"end-to-end step {done} of {opts.steps}"
         # said at the start, as compress/workdir.py does, so a log shows why this run is quicker
         print(f"lowbit: resuming from {job.work.path}: {where}", file=sys.stderr, flush=True)
-    block_losses = _block_stage(job, ids, stage, done, on_progress)
+    block_losses = _block_stage(job, placed, stage, done, on_progress)
     final = job.work.load_hidden("teacher")
-    teacher_final = final[0].clone()
+    teacher_final = placement.to(final[0].clone())
     if stage == "block":
         done, losses = 0, []
     steps_done = train.end_to_end(
-        train.trainable(model), train.logits_kl(model, job.teacher, teacher_final, ids, opts.bf16),
+        train.trainable(model), train.logits_kl(model, job.teacher, teacher_final, ids, placement),
         windows=ids.shape[0], steps=opts.steps, lr=opts.lr, batch=opts.batch, seed=opts.seed,
         save_every=opts.save_every, work_path=job.work.path, done=done, losses=losses, opt_state=opt_state,
-        on_progress=on_progress)
+        on_progress=on_progress, placement=placement)
     after = heldout_kld(job)
+    model.cpu()  # the writers read the trained tensors on the CPU
     write_student(job.student, job.output, overwrite=job.overwrite)
     job.work.remove()
     n_layers_trained = num_layers if opts.block_steps else 0
@@ -184,6 +200,7 @@ def run_recover(job: RecoverJob, on_progress: ProgressFn | None = None) -> dict:
         "format": sorted({lin.spec.label for lin in job.student.linears.values()}),
         "trained": sorted({p for lin in job.student.linears.values() for p in lin.trained_parts} | {"norms", "biases"}),
         "block_steps": opts.block_steps, "steps": steps_done, "batch": opts.batch, "lr": opts.lr, "bf16": opts.bf16,
+        "device": str(placement.device),
         "samples": opts.samples, "seqlen": opts.seqlen, "seed": opts.seed,
         "train_tokens": int(ids.numel()),
         "tokens_seen": (opts.block_steps * n_layers_trained + steps_done) * opts.batch * opts.seqlen,
@@ -199,10 +216,10 @@ def _bytes(path: Path) -> int:
     return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def _block_stage(job: RecoverJob, ids: torch.Tensor, stage: str, done: int, on_progress) -> list[float]:
+def _block_stage(job: RecoverJob, placed: _Placed, stage: str, done: int, on_progress) -> list[float]:
     """Both streams up the layers; trains layers >= `done` (stage "block"), replays the others.
     Leaves the teacher's last hidden states in the work folder (stream "teacher")."""
-    opts, student, teacher = job.options, job.student.model, job.teacher
+    opts, student, teacher, ids = job.options, job.student.model, job.teacher, placed.ids
     if stage == "e2e" and job.work.load_hidden("teacher") is not None:
         return []
     num_layers = student.config.num_hidden_layers
@@ -215,19 +232,19 @@ def _block_stage(job: RecoverJob, ids: torch.Tensor, stage: str, done: int, on_p
     for i in range(num_layers):
         y_t = propagate(teacher, i, h_t)
         if i < last and i >= done:
-            losses.append(_train_layer(job, i, h_s, y_t, lr, on_progress))
+            losses.append(_train_layer(job, i, h_s, y_t, lr, placed.placement))
             save_state(job.work.path, trainable(student), None, {"stage": "block", "done": i + 1})
         if i + 1 < last:
             h_s = propagate(student, i, h_s)
         h_t = y_t
         if on_progress is not None:
             on_progress("block", i + 1, num_layers, losses[-1] if losses else None)
-    job.work.save_hidden(h_t, num_layers, stream="teacher")
+    job.work.save_hidden(h_t.cpu(), num_layers, stream="teacher")
     save_state(job.work.path, trainable(student), None, {"stage": "e2e", "done": 0, "losses": []})
     return losses
 
 
-def _train_layer(job: RecoverJob, index: int, h_s: torch.Tensor, y_t: torch.Tensor, lr: float, on_progress) -> float:
+def _train_layer(job: RecoverJob, index: int, h_s: torch.Tensor, y_t: torch.Tensor, lr: float, placement: Placement) -> float:
     opts = job.options
     layer = job.student.model.model.layers[index]
     params = trainable(layer)
@@ -237,7 +254,7 @@ def _train_layer(job: RecoverJob, index: int, h_s: torch.Tensor, y_t: torch.Tens
     loss_value = float("nan")
     for step in range(opts.block_steps):
         batch = step_indices(step, opts.batch, h_s.shape[0], opts.seed, stream=1 + index)
-        with train.autocast(opts.bf16):
+        with placement.autocast():
             out = run_layer(job.student.model, index, h_s[batch])
         loss = normalized_mse(out.float(), y_t[batch])
         loss_value = float(loss.detach())
@@ -246,7 +263,7 @@ def _train_layer(job: RecoverJob, index: int, h_s: torch.Tensor, y_t: torch.Tens
                           f"stopped; the last good state (layers below {index} trained) is kept in {job.work.path} and a "
                           "rerun resumes from it; nothing was written to the output")
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        placement.backward(loss)
         optimizer.step()
     with torch.no_grad():  # the layer's loss after its last step, on the last batch
         loss_value = float(normalized_mse(run_layer(job.student.model, index, h_s[batch]), y_t[batch]))

@@ -27,11 +27,12 @@ STATE_NAME = "state.safetensors"
 
 def save_state(directory: Path, params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer | None,
                meta: dict) -> None:
-    tensors = {f"param/{name}": p.detach().contiguous().clone() for name, p in params.items()}
+    # copies on the CPU (a run on a GPU saves the same file)
+    tensors = {f"param/{name}": p.detach().to("cpu", copy=True).contiguous() for name, p in params.items()}
     if optimizer is not None:
         for index, state in optimizer.state_dict()["state"].items():
             for key, value in state.items():
-                tensors[f"opt/{index}/{key}"] = torch.as_tensor(value).detach().contiguous().clone()
+                tensors[f"opt/{index}/{key}"] = torch.as_tensor(value).detach().to("cpu", copy=True).contiguous()
     path = directory / STATE_NAME
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata={"meta": json.dumps(meta, sort_keys=True)})

@@ -10,6 +10,7 @@ import torch
 
 from lowbit.compress.distill.layers import embed, head_logits, propagate
 from lowbit.compress.distill.losses import kl_divergence
+from lowbit.compress.distill.placement import Placement
 from lowbit.compress.distill.state import restore_optimizer, save_state
 from lowbit.compress.distill.windows import Windows, step_indices
 from lowbit.errors import LowbitError, UsageError
@@ -41,6 +42,15 @@ def check_options(opts) -> None:
         raise UsageError(f"--lr must be a positive number, got {opts.lr}")
     if opts.batch > opts.samples:
         raise UsageError(f"--batch {opts.batch} is more than --samples {opts.samples}")
+
+
+def device_fingerprint(device: str) -> dict:
+    """What a work folder's fingerprint adds for `--device`: nothing on the CPU (its runs resume
+    as before), the device's type elsewhere (another device's arithmetic, another run)."""
+    from lowbit.runtime.device import resolve_device
+
+    kind = resolve_device(device).type
+    return {} if kind == "cpu" else {"device": kind}
 
 
 def trainable(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
@@ -91,23 +101,18 @@ def heldout_kld(student, teacher, windows: Windows, seqlen: int, chunks: int) ->
     return float(result.kld.mean)
 
 
-def autocast(enabled: bool):
-    """bf16 autocast of the student's matmuls on the CPU (`--bf16`); losses stay float32."""
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
-
-
 # loss_of(rows): the loss of one step on those training windows, a float32 scalar with a graph
 LossFn = Callable[[list[int]], torch.Tensor]
 
 
-def logits_kl(student, teacher, teacher_final: torch.Tensor, ids: torch.Tensor, bf16: bool = False) -> LossFn:
+def logits_kl(student, teacher, teacher_final: torch.Tensor, ids: torch.Tensor, placement: Placement) -> LossFn:
     """KL(teacher || student) on the windows' next-token distributions, the teacher's logits made
-    from its cached last hidden states by its head."""
+    from its cached last hidden states by its head (the student under placement's precision)."""
 
     def loss_of(rows: list[int]) -> torch.Tensor:
         with torch.no_grad():
             target = head_logits(teacher, teacher_final[rows])
-        with autocast(bf16):
+        with placement.autocast():
             logits = student(ids[rows])
         return kl_divergence(logits, target)
 
@@ -116,7 +121,7 @@ def logits_kl(student, teacher, teacher_final: torch.Tensor, ids: torch.Tensor, 
 
 def end_to_end(params: dict[str, torch.nn.Parameter], loss_of: LossFn, *, windows: int, steps: int, lr: float,
                batch: int, seed: int, save_every: int, work_path, done: int, losses: list[float], opt_state,
-               on_progress: ProgressFn | None) -> int:
+               on_progress: ProgressFn | None, placement: Placement) -> int:
     """Steps done..steps of Adam on loss_of over `windows` training windows (step_indices picks each
     step's), the state saved every `save_every` steps and at the end."""
     if steps == 0 or done >= steps:
@@ -133,7 +138,7 @@ def end_to_end(params: dict[str, torch.nn.Parameter], loss_of: LossFn, *, window
                           f"good state (step {last_good}) is kept in {work_path} and a rerun resumes from it "
                           "(with a lower --lr if you like); nothing was written to the output")
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        placement.backward(loss)
         optimizer.step()
         losses.append(value)
         if ((step + 1) % save_every == 0 or step + 1 == steps) and finite(params):
