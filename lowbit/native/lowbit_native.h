@@ -160,20 +160,38 @@ typedef struct {
 /* run(call, tt, mb, t, m0): tiles t..t+tt-1 against x rows m0..m0+mb-1, computed and stored. */
 typedef void (*lowbit_tile_run_fn)(LowbitTileCall *call, int tt, int mb, int64_t t, int64_t m0);
 
+/* x rows whose passes run one group of four tiles at a time: the group's codes are read from memory
+   once for all of them (then from L1/L2), where pass after pass over all the thread's tiles read
+   them once per pass - at 16 rows twice, at 64 rows eight times. 64 rows of x (K bytes each as
+   int8) stay in L2. */
+#ifndef LOWBIT_ROW_BLOCK
+#define LOWBIT_ROW_BLOCK 64
+#endif
+
 /* A thread's tiles ta..tb-1 against x rows 0..M-1: passes of up to pass_rows rows (at most
    LOWBIT_PASS_ROWS), each over runs of up to tt_max tiles side by side (enough independent
    accumulators to cover the dot product's latency, at most 16 in all), a run staying within its
-   group of four interleaved tiles. */
+   group of four interleaved tiles. Blocks of LOWBIT_ROW_BLOCK rows run group by group, every pass
+   of the block on a group before the next group. The passes are the same rows as pass after pass
+   over everything (block starts are multiples of pass_rows), and each (tile, pass) is computed
+   alone, so the order changes no output. */
 static inline void lowbit_tile_runs(int64_t ta, int64_t tb, lowbit_tile_run_fn run, LowbitTileCall *call, int pass_rows) {
     const int64_t M = call->M;
-    for (int64_t m0 = 0; m0 < M; m0 += pass_rows) {
-        const int mb = M - m0 >= pass_rows ? pass_rows : (int)(M - m0);
-        const int tt_max = mb <= 4 ? 4 : mb <= 8 ? 2 : 1;
-        for (int64_t t = ta; t < tb;) {
-            int tt = tb - t < tt_max ? (int)(tb - t) : tt_max;
-            if (t % 4 + tt > 4) tt = 4 - (int)(t % 4);
-            run(call, tt, mb, t, m0);
-            t += tt;
+    const int64_t block = LOWBIT_ROW_BLOCK > pass_rows ? LOWBIT_ROW_BLOCK / pass_rows * pass_rows : pass_rows;
+    for (int64_t b0 = 0; b0 < M; b0 += block) {
+        const int64_t be = b0 + block < M ? b0 + block : M;
+        for (int64_t g = ta; g < tb;) {
+            const int64_t ge = (g / 4 + 1) * 4 < tb ? (g / 4 + 1) * 4 : tb; /* the rest of g's group of four */
+            for (int64_t m0 = b0; m0 < be; m0 += pass_rows) {
+                const int mb = be - m0 >= pass_rows ? pass_rows : (int)(be - m0);
+                const int tt_max = mb <= 4 ? 4 : mb <= 8 ? 2 : 1;
+                for (int64_t t = g; t < ge;) {
+                    const int tt = ge - t < tt_max ? (int)(ge - t) : tt_max;
+                    run(call, tt, mb, t, m0);
+                    t += tt;
+                }
+            }
+            g = ge;
         }
     }
 }
