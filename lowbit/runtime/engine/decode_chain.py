@@ -10,8 +10,9 @@ attention. Anything else returns None and the model's own forward runs (bf16 com
 quantized KV, outlier side matrices, biases on quantized layers, other kernels).
 `why_not(model, cache)` says which.
 
-The runner calls it for steps of short items only (decodes and speculative verifies, the steps
-whose metadata carries a `decode` index); prefill chunks keep the model's forward.
+The runner calls it for the steps whose metadata carries a `decode` index: on the CPU with the
+fused attention every step, prefill chunks included (paged_attention.build_metadata); elsewhere
+none (the index is built for the fused CPU kernel only).
 """
 
 from __future__ import annotations

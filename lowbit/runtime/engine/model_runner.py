@@ -76,13 +76,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, works: list[Work]) -> RunOutput:
-        """One step's forward. A step that mixes short items (decodes, verifies) with prefill
-        chunks runs as two: the short items on the one-call step, the chunks layer by layer.
-        Every item reads and writes only its own sequence's KV and each path gives a row the
-        numbers it would get alone, so the outputs are those of one forward; under many streams
-        most steps are mixed, and their decode rows took the slow path (SmolLM2 int4, 64 streams
-        of 94-token prompts: 60 mixed steps of median 299 ms against 35 chained ones of 42 ms)."""
+        """One step's forward. Where the cache runs every item through the fused CPU attention
+        (paged_attention.build_metadata), the whole step is one forward, prefill chunks included.
+        Elsewhere a step that mixes short items (decodes, verifies) with prefill chunks runs as
+        two: the short items on the one-call step, the chunks layer by layer. Every item reads and
+        writes only its own sequence's KV and each path gives a row the numbers it would get
+        alone, so the outputs are those of one forward; under many streams most steps are mixed,
+        and their decode rows took the slow path (SmolLM2 int4, 64 streams of 94-token prompts:
+        60 mixed steps of median 299 ms against 35 chained ones of 42 ms)."""
         self.num_forwards += 1
+        if self.cache.fused_decode and self.device.type == "cpu":
+            return self._forward(works)
         short = [i for i, w in enumerate(works) if len(w.token_ids) <= SHORT_QUERY]
         if self.chained is None or not short or len(short) == len(works):
             return self._forward(works)

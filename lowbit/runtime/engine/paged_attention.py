@@ -93,8 +93,12 @@ def build_metadata(items: list[tuple[list[int], int, int]], block_size: int, dev
                    with_block_tables: bool = False, fused_decode: bool = False) -> StepMetadata:
     """items: (block_table, start, num_tokens) per scheduled sequence, in flattened order.
     fused_decode: the cache can run kernels/cpu_attention.py (its `short` is then built lazily)."""
-    if fused_decode and device.type == "cpu" and items and all(n <= SHORT_QUERY for _, _, n in items):
-        # All short: the fused CPU kernel needs only per-row positions, slots and block tables
+    if fused_decode and device.type == "cpu" and items:
+        # The fused CPU kernel takes every item, prefill chunks too: each row attends alone, with
+        # a decode's very arithmetic, and the step stays one call per layer (and on the one-call
+        # step where the model has one). SmolLM2 on 2 Zen 4 cores, against prefill chunks through
+        # torch's SDPA layer by layer: 94-token prompts 12-20 % faster, 512 tokens 10-20 %, 2000
+        # tokens (four chunks) the same. It needs only per-row positions, slots and block tables
         # (the padded SDPA batch is built lazily if a layer falls back to it).
         slots = [s for bt, start, n in items for s in _slots(bt, start, start + n, block_size)]
         meta = StepMetadata(torch.tensor(slots, dtype=torch.long), decode=decode_index(items, block_size))

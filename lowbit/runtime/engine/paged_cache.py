@@ -8,7 +8,9 @@ A step runs all scheduled sequences as ONE flattened batch [1, T] (model forward
 `AttentionCache` interface, runtime/attention.py), which writes
 k, v into the pool at the step's slot mapping and attends per sequence:
 
-- short items (decodes, speculative verifies, draft catch-ups: <= SHORT_QUERY tokens) in one
+- on the CPU with a bf16/float32 pool (`fused_decode`), every item, prefill chunks included, in
+  one C call per layer that rotates, writes and attends row by row (`rotate_and_attend`);
+- otherwise short items (decodes, speculative verifies, draft catch-ups: <= SHORT_QUERY tokens) in one
   padded batch: gather each sequence's context slots, one SDPA call with a [B, q, ctx] mask
   (causal by position, context length, sliding window). On CUDA a pure-decode batch uses the
   Triton kernel (triton_paged.py), which reads the blocks in place;
@@ -119,7 +121,7 @@ class PagedKVCache(AttentionCache):
 
     def rotate_and_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                           sin: torch.Tensor, layer: int, scale: float, window: int | None) -> torch.Tensor | None:
-        """The fused CPU path for steps of short items: q [T, H*D], k/v [T, kvh*D] before RoPE,
+        """The fused CPU path (every step, where `fused_decode`): q [T, H*D], k/v [T, kvh*D] before RoPE,
         cos/sin [.., T, D/2] -> out [T, H*D]; None when this step or cache cannot use it."""
         meta = self.meta
         if meta is None or meta.decode is None or self.kv_dtype is not None or not self.fused_decode:

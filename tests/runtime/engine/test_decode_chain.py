@@ -173,9 +173,11 @@ def test_moe_layers_take_the_chain_and_route_alike(tmp_path, case, weights):
     assert [o.token_ids for o in plain.generate(prompts(4), GREEDY)] == [o.token_ids for o in outs]
 
 
-def test_a_step_mixing_decodes_and_prefill_chunks_runs_the_decodes_on_the_chain(tiny_float_model):
-    # decodes already running when longer prompts arrive: those steps split into a chained forward
-    # of the short items and a layer-by-layer one of the chunks, with the outputs of one forward
+def test_a_step_mixing_decodes_and_prefill_chunks_runs_whole_on_the_chain(tiny_float_model):
+    # decodes already running when longer prompts arrive: with the fused CPU attention every item
+    # of those steps (prefill chunks included) goes through the chain in one forward, with the
+    # outputs of the layer-by-layer forward; without it (torch's SDPA for the chunks) the step
+    # splits into a chained forward of the short items and a layer-by-layer one of the chunks
     if not cpu_int4dot.available():
         pytest.skip("no int4 kernel on this machine")
     path = tiny_float_model(family="llama", dtype=torch.bfloat16, layers=3)
@@ -197,15 +199,28 @@ def test_a_step_mixing_decodes_and_prefill_chunks_runs_the_decodes_on_the_chain(
                     got["prompt"] = [None if e is None else (e.token_id, e.logprob, e.rank, e.top) for e in o.prompt_logprobs]
         return outs
 
+    def traced(engine):
+        runner, calls = engine.runner, []
+        real = runner._forward
+        runner._forward = lambda works: calls.append([len(w.token_ids) for w in works]) or real(works)
+        return calls, _checked(runner)
+
     engine = _engine(path, "int4-g32")
-    runner = engine.runner
-    calls = []
-    real = runner._forward
-    runner._forward = lambda works: calls.append([len(w.token_ids) for w in works]) or real(works)
-    rows = _checked(runner)
-    split = run(engine)
-    mixed = [(a, b) for a, b in zip(calls, calls[1:]) if max(a) <= 8 < min(b)]
-    assert mixed and rows  # some steps were split, and their short halves went through the chain
+    assert engine.cache.fused_decode
+    calls, rows = traced(engine)
+    whole = run(engine)
+    assert any(min(c) <= 8 < max(c) for c in calls)  # mixed steps, each one forward
+    assert max(rows) > 8  # ... through the chain, prefill rows and all
     plain = _engine(path, "int4-g32")
     plain.runner.chained = None  # one forward a step, layer by layer
-    assert run(plain) == split  # the same tokens and prompt log-probs, bit for bit
+    assert run(plain) == whole  # the same tokens and prompt log-probs, bit for bit
+    unfused = _engine(path, "int4-g32")
+    unfused.cache.fused_decode = False  # torch's SDPA, layer by layer: split steps (no chain without the kernel)
+    calls, _ = traced(unfused)
+    split = run(unfused)
+    assert [(a, b) for a, b in zip(calls, calls[1:]) if max(a) <= 8 < min(b)]
+    assert {k: v["tokens"] for k, v in split.items()} == {k: v["tokens"] for k, v in whole.items()}
+    for k, v in split.items():  # another attention's arithmetic for the chunks: close, not equal
+        if v["prompt"] is not None:
+            for a, b in zip(v["prompt"], whole[k]["prompt"]):
+                assert (a is None) == (b is None) and (a is None or abs(a[1] - b[1]) < 1e-3), (k, a, b)
