@@ -222,8 +222,10 @@ def main() -> None:
                 f"prefill {ours['prefill_tok_s']:.0f} vs {theirs['prefill_tok_s']:.0f} tok/s")
         med = lambda key, side: statistics.median(p[side][key] for p in pairs)  # noqa: E731
         ratio = lambda key: statistics.median(p[0][key] / p[1][key] for p in pairs)  # noqa: E731
-        ours0 = pairs[0][0]
-        roofline = ours0["decode_weight_bytes"] / (ours0["stream_bandwidth_gbs"] * 1e9)  # s per token at bandwidth
+        # s per token at the streaming bandwidth: the median of the pairs' own measurements (one
+        # measurement swung 34-55 GB/s within a run on a VM)
+        bandwidth = med("stream_bandwidth_gbs", 0)
+        roofline = pairs[0][0]["decode_weight_bytes"] / (bandwidth * 1e9)
         rows.append({
             "case": case, "gguf_type": CASES[case].gguf_type, "lowbit_args": list(CASES[case].bench_args), "gguf_bytes": gguf.stat().st_size,
             "decode_tok_s": {"lowbit": med("decode_tok_s", 0), "llama.cpp": med("decode_tok_s", 1),
