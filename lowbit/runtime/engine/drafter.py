@@ -30,7 +30,7 @@ import torch
 from lowbit.errors import UsageError
 from lowbit.runtime.engine.model_runner import ModelRunner, Work
 from lowbit.runtime.engine.paged_cache import PagedKVCache
-from lowbit.runtime.engine.sampler import Sampler, process_logits
+from lowbit.runtime.engine.sampler import Sampler, draw, process_logits
 from lowbit.runtime.engine.speculative import ngram_propose
 
 
@@ -64,8 +64,7 @@ def choose(logits: torch.Tensor, seqs) -> tuple[list[int], list[torch.Tensor | N
             probs.append(None)
             continue
         p = x.softmax(dim=-1)[0]
-        q = torch.empty_like(p).exponential_(generator=Sampler.generator(seq, p.device))
-        tokens.append(int((p / q.clamp_(min=torch.finfo(q.dtype).tiny)).argmax()))
+        tokens.append(int(draw(p[None], [Sampler.generator(seq, p.device)])[0]))
         probs.append(p)
     return tokens, probs
 

@@ -20,10 +20,13 @@ logit-changing knobs (SamplingParams.changes_logits) takes the plain argmax (the
 Each feature is one batched tensor op over the rows that use it (index lists built from the
 rows' token ids, never a loop over the vocabulary).
 
-The draw is an exponential race: argmax(p / q) with q ~ Exp(1) is a sample from p. A seeded row
-draws its q from its own torch.Generator (on the Sequence), so a seed gives the same tokens
-whatever else is in the batch; unseeded rows share torch's global generator. Generators live on
-the logits' device, so CPU and GPU runs of one seed differ.
+The draw inverts the row's CDF: one uniform u per row, the first token whose cumulative
+probability exceeds u times the total (a token of probability 0 is never picked). One random number
+a row where an exponential race (argmax p / q, q ~ Exp(1) per token) drew one per vocabulary entry:
+64 rows of SmolLM2's 49152 tokens took 65 ms a step that way on 2 Zen 4 cores, 2.6 ms this way. A
+seeded row draws its u from its own torch.Generator (on the Sequence), so a seed gives the same
+tokens whatever else is in the batch; unseeded rows share torch's global generator. Generators live
+on the logits' device, so CPU and GPU runs of one seed differ.
 
 Logprobs are from the RAW model distribution (log-softmax of the logits before any penalty,
 bias, mask, temperature or filter), as vLLM does by default and OpenAI's API reports: they
@@ -176,6 +179,22 @@ def nonfinite(logits: torch.Tensor) -> bool:
     return not bool(torch.isfinite(logits.sum()))
 
 
+def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of `probs` [B, V] by inverting the row's CDF (module docstring); row j's
+    uniform from generators[j] when it has one, else from torch's global generator."""
+    cdf = probs.cumsum(dim=-1)
+    u = torch.rand(len(generators), dtype=cdf.dtype, device=cdf.device)
+    for j, g in enumerate(generators):
+        if g is not None:
+            u[j] = torch.rand((), dtype=cdf.dtype, device=cdf.device, generator=g)
+    # the first index whose cumulative sum exceeds u * total: it has probability > 0 (u < 1 keeps u *
+    # total below the total; should it ever reach it, the first index that reaches the total).
+    total = cdf[:, -1:].contiguous()
+    picked = torch.searchsorted(cdf, (u[:, None] * total).contiguous(), right=True)[:, 0]
+    last = torch.searchsorted(cdf, total)[:, 0]
+    return torch.where(picked < probs.shape[-1], picked, last)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
            generators: list[torch.Generator | None] | None = None, outputs: list[list[int]] | None = None, *,
            eos_ids=frozenset(), allowed: AllowedTokens | None = None) -> SamplerOutput:
@@ -192,13 +211,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], histories: list[l
         chosen = x.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
-            probs = x[random_rows].softmax(dim=-1)
-            q = torch.empty_like(probs).exponential_()
-            for j, row in enumerate(random_rows):
-                if generators[row] is not None:
-                    q[j].exponential_(generator=generators[row])
-            q.clamp_(min=torch.finfo(q.dtype).tiny)  # a 0 would make 0/0 = NaN, which argmax picks
-            chosen[random_rows] = (probs / q).argmax(dim=-1)
+            chosen[random_rows] = draw(x[random_rows].softmax(dim=-1), [generators[r] for r in random_rows])
     token_ids = chosen.tolist()
     return SamplerOutput(token_ids, _logprobs(logits, params, token_ids))
 

@@ -155,3 +155,23 @@ def test_logprobs_are_raw_model_logprobs():
 def test_bad_params_raise_usage_error(bad, message):
     with pytest.raises(UsageError, match=message):
         SamplingParams(**bad)
+
+
+def test_draw_follows_the_distribution_and_never_picks_a_zero(monkeypatch):
+    from lowbit.runtime.engine import sampler as sampler_module
+
+    torch.manual_seed(0)
+    p = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.2, 0.0])
+    n = 40000
+    counts = torch.bincount(sampler_module.draw(p.repeat(n, 1), [None] * n), minlength=6).double() / n
+    assert counts[[0, 2, 5]].sum() == 0
+    assert torch.allclose(counts, p.double(), atol=0.01), counts
+    # a seeded row draws from its own generator: the same token whatever the other rows
+    g = lambda: torch.Generator().manual_seed(7)  # noqa: E731
+    alone = sampler_module.draw(p[None], [g()])
+    assert sampler_module.draw(p.repeat(5, 1), [None, None, g(), None, None])[2] == alone[0]
+    # u at its largest, and u * total equal to the total (the guard): the last token of probability > 0
+    real_rand = torch.rand
+    for u in (1.0 - 2.0**-24, 1.0):
+        monkeypatch.setattr(torch, "rand", lambda *a, _u=u, **k: real_rand(*a, **k).fill_(_u))
+        assert sampler_module.draw(torch.tensor([[0.25, 0.75, 0.0, 0.0]]), [None]).tolist() == [1]
