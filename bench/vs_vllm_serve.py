@@ -217,12 +217,15 @@ def main() -> None:
               f"| {a['errors']}/{b['errors']} |")
     for f in failed:
         print(f"| {f['model']} | — | failed: {f['failure']} |")
-    # one latest file: this run's models replace theirs, the other models' rows stay (each row dated)
+    # one latest file: this run's (model, concurrency) rows replace theirs (a failed model all of its
+    # rows), the other rows stay, each dated
     kept = []
     if RESULT.exists():
         old = json.loads(RESULT.read_text())
-        ran = {r["model"] for r in measured + failed}
-        kept = [{"date": old.get("date"), **r} for r in old.get("results", []) if r["model"] not in ran]
+        ran = {(r["model"], r["concurrency"]) for r in measured}
+        failed_models = {f["model"] for f in failed}
+        kept = [{"date": old.get("date"), **r} for r in old.get("results", [])
+                if (r["model"], r.get("concurrency")) not in ran and r["model"] not in failed_models]
     RESULT.parent.mkdir(exist_ok=True)
     RESULT.write_text(json.dumps({
         "date": stamp, "machine": describe(),
