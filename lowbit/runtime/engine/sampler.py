@@ -192,7 +192,13 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch
     total = cdf[:, -1:].contiguous()
     picked = torch.searchsorted(cdf, (u[:, None] * total).contiguous(), right=True)[:, 0]
     last = torch.searchsorted(cdf, total)[:, 0]
-    return torch.where(picked < probs.shape[-1], picked, last)
+    picked = torch.where(picked < probs.shape[-1], picked, last)
+    # a row with no distribution (NaN from logits that are all -inf, say) picks its argmax, a token
+    # id inside the vocabulary, as the exponential race did, never an id past it
+    broken = ~(torch.isfinite(total[:, 0]) & (total[:, 0] > 0))
+    if bool(broken.any()):
+        picked = torch.where(broken, probs.argmax(dim=-1), picked)
+    return picked.clamp_(0, probs.shape[-1] - 1)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],

@@ -170,6 +170,9 @@ def test_draw_follows_the_distribution_and_never_picks_a_zero(monkeypatch):
     g = lambda: torch.Generator().manual_seed(7)  # noqa: E731
     alone = sampler_module.draw(p[None], [g()])
     assert sampler_module.draw(p.repeat(5, 1), [None, None, g(), None, None])[2] == alone[0]
+    # rows without a distribution (NaN, all zero) still give a token id inside the vocabulary
+    for row in (torch.full((1, 5), float("nan")), torch.zeros(1, 5)):
+        assert 0 <= int(sampler_module.draw(row, [None])[0]) < 5
     # u at its largest, and u * total equal to the total (the guard): the last token of probability > 0
     real_rand = torch.rand
     for u in (1.0 - 2.0**-24, 1.0):
