@@ -2,7 +2,9 @@
 
 lowbit's CPU kernels differ between AVX-512 and AVX2-only machines, so a script keeps one latest
 results file per CPU class: `<stem>.json` for AVX-512, `<stem>-avx2.json` for AVX2-only; each is
-its own table in docs/benchmarks.md.
+its own table in docs/benchmarks.md. LOWBIT_RESULTS_TAG=zen4 (say) files a run as `<stem>-zen4.json`
+instead, for a machine of the same class whose figures must not replace another's (Zen 4 and Zen 5
+are both AVX-512).
 """
 
 from __future__ import annotations
@@ -17,6 +19,11 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 def results_file(stem: str) -> Path:
     from lowbit.native.build import _cpu_flags
 
+    tag = os.environ.get("LOWBIT_RESULTS_TAG", "").strip()
+    if tag:
+        if not tag.replace("-", "").replace("_", "").isalnum():
+            raise SystemExit(f"LOWBIT_RESULTS_TAG must be letters, digits, - or _, not '{tag}'")
+        return RESULTS_DIR / f"{stem}-{tag}.json"
     flags = _cpu_flags().split()
     return RESULTS_DIR / (f"{stem}-avx2.json" if flags and "avx512f" not in flags else f"{stem}.json")
 
