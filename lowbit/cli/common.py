@@ -24,8 +24,7 @@ if not console.is_terminal:
 THREADS_OPTION = typer.Option(None, "--threads", metavar="N", help="CPU threads for torch (default: torch's, one per core).")
 # the default is runtime/cascade.DEFAULT_RUN (not imported here: it loads torch; a test keeps them equal)
 CASCADE_RUN_OPTION = typer.Option(7, "--cascade-run", metavar="N", help="Token cascade: most cheap tokens in a row; "
-                                  "the model takes at least every (N+1)-th token (above 7 its pass leaves the fast "
-                                  "decode path).")
+                                  "the model takes at least every (N+1)-th token, in one pass over the run.")
 
 
 def apply_threads(threads: int | None) -> None:

@@ -29,8 +29,9 @@ from lowbit.runtime.early_exit import check_confidence, check_threshold, confide
 
 
 # The longest run of cheap tokens the engine's cascade emits before the model's pass, which then
-# covers run + 1 rows: at most SHORT_QUERY rows keep that pass on the one-call decode path
-# (SmolLM2, AVX2: a pass over 8 rows 27 ms, over 9 rows 60 ms through the per-layer path).
+# covers run + 1 rows. Chosen when only up to SHORT_QUERY rows took the one-call decode step
+# (SmolLM2, AVX2: a pass over 8 rows 27 ms, over 9 rows 60 ms through the per-layer path); on the
+# CPU every pass takes it now, and longer runs have not been measured since.
 DEFAULT_RUN = SHORT_QUERY - 1
 
 

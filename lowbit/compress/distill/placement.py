@@ -30,10 +30,9 @@ class Placement:
     def backward(self, loss: torch.Tensor) -> None:
         self.accelerator.backward(loss)
 
-    def to(self, *items):
-        """Modules and tensors on the training device (one item: itself, else a tuple)."""
-        moved = tuple(item.to(self.device) for item in items)
-        return moved[0] if len(moved) == 1 else moved
+    def to(self, item):
+        """A module or tensor on the training device."""
+        return item.to(self.device)
 
 
 def make_placement(device: str = "auto", bf16: bool = False) -> Placement:

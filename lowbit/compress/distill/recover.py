@@ -148,13 +148,6 @@ def _check_tokenizers(tokenizer, student: QuantStudent, text: str) -> None:
                           "distillation needs the same tokens")
 
 
-@dataclass(slots=True)
-class _Placed:
-    """A run's placement and its training windows on that device."""
-    placement: Placement
-    ids: torch.Tensor
-
-
 def heldout_kld(job: RecoverJob) -> float:
     return train.heldout_kld(job.student.model, job.teacher, job.windows, job.options.seqlen, job.options.eval_chunks)
 
@@ -166,7 +159,6 @@ def run_recover(job: RecoverJob, on_progress: ProgressFn | None = None) -> dict:
     job.teacher = placement.to(job.teacher)
     model = placement.to(job.student.model)
     ids = placement.to(job.windows.train)
-    placed = _Placed(placement, ids)
     num_layers = model.config.num_hidden_layers
     params = trainable(model)
     before = heldout_kld(job)
@@ -180,7 +172,7 @@ def run_recover(job: RecoverJob, on_progress: ProgressFn | None = None) -> dict:
         where = f"{done} of {num_layers} layers trained" if stage == "block" else f"end-to-end step {done} of {opts.steps}"
         # said at the start, as compress/workdir.py does, so a log shows why this run is quicker
         print(f"lowbit: resuming from {job.work.path}: {where}", file=sys.stderr, flush=True)
-    block_losses = _block_stage(job, placed, stage, done, on_progress)
+    block_losses = _block_stage(job, ids, placement, stage, done, on_progress)
     final = job.work.load_hidden("teacher")
     teacher_final = placement.to(final[0].clone())
     if stage == "block":
@@ -216,10 +208,11 @@ def _bytes(path: Path) -> int:
     return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def _block_stage(job: RecoverJob, placed: _Placed, stage: str, done: int, on_progress) -> list[float]:
+def _block_stage(job: RecoverJob, ids: torch.Tensor, placement: Placement, stage: str, done: int,
+                 on_progress) -> list[float]:
     """Both streams up the layers; trains layers >= `done` (stage "block"), replays the others.
     Leaves the teacher's last hidden states in the work folder (stream "teacher")."""
-    opts, student, teacher, ids = job.options, job.student.model, job.teacher, placed.ids
+    opts, student, teacher = job.options, job.student.model, job.teacher
     if stage == "e2e" and job.work.load_hidden("teacher") is not None:
         return []
     num_layers = student.config.num_hidden_layers
@@ -232,7 +225,7 @@ def _block_stage(job: RecoverJob, placed: _Placed, stage: str, done: int, on_pro
     for i in range(num_layers):
         y_t = propagate(teacher, i, h_t)
         if i < last and i >= done:
-            losses.append(_train_layer(job, i, h_s, y_t, lr, placed.placement))
+            losses.append(_train_layer(job, i, h_s, y_t, lr, placement))
             save_state(job.work.path, trainable(student), None, {"stage": "block", "done": i + 1})
         if i + 1 < last:
             h_s = propagate(student, i, h_s)

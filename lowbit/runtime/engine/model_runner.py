@@ -23,7 +23,7 @@ import torch
 
 from lowbit.errors import LowbitError
 from lowbit.runtime.engine import decode_chain
-from lowbit.runtime.engine.paged_attention import SHORT_QUERY, build_metadata
+from lowbit.runtime.engine.paged_attention import build_metadata
 from lowbit.runtime.engine.paged_cache import PagedKVCache
 
 PROMPT_ROWS = 64  # rows of [rows, V] logits alive at once while scoring a prompt
@@ -76,35 +76,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, works: list[Work]) -> RunOutput:
-        """One step's forward. Where the cache runs every item through the fused CPU attention
-        (paged_attention.build_metadata), the whole step is one forward, prefill chunks included.
-        Elsewhere a step that mixes short items (decodes, verifies) with prefill chunks runs as
-        two: the short items on the one-call step, the chunks layer by layer. Every item reads and
-        writes only its own sequence's KV and each path gives a row the numbers it would get
-        alone, so the outputs are those of one forward; under many streams most steps are mixed,
-        and their decode rows took the slow path (SmolLM2 int4, 64 streams of 94-token prompts:
-        60 mixed steps of median 299 ms against 35 chained ones of 42 ms)."""
+        """One step's forward: every item of the step in one flattened batch. On the CPU (bf16 or
+        float32 KV) every item, prefill chunks included, attends through the fused kernel and the
+        step takes the one-call chain where the model has one (paged_attention.build_metadata);
+        each item reads and writes only its own sequence's KV, and each row gets the numbers it
+        would get alone. (Mixed steps used to run as two forwards, short items chained and prefill
+        chunks layer by layer; the chain exists only with the fused attention, which now takes the
+        chunks too, so one forward serves.)"""
         self.num_forwards += 1
-        if self.cache.fused_decode and self.device.type == "cpu":
-            return self._forward(works)
-        short = [i for i, w in enumerate(works) if len(w.token_ids) <= SHORT_QUERY]
-        if self.chained is None or not short or len(short) == len(works):
-            return self._forward(works)
-        long = [i for i, w in enumerate(works) if len(w.token_ids) > SHORT_QUERY]
-        parts = [(short, self._forward([works[i] for i in short])), (long, self._forward([works[i] for i in long]))]
-        logits: list[torch.Tensor | None] = [None] * len(works)
-        prompt: list = [None] * len(works)
-        for order, out in parts:
-            row = 0
-            for i in order:
-                n = works[i].num_logits
-                if n:
-                    logits[i] = out.logits[row : row + n]
-                    row += n
-            for i, p in zip(order, out.prompt_logprobs):
-                prompt[i] = p
-        rows = [t for t in logits if t is not None]
-        return RunOutput(torch.cat(rows) if rows else None, prompt)
+        return self._forward(works)
 
     def _forward(self, works: list[Work]) -> RunOutput:
         ids: list[int] = []

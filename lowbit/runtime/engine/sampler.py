@@ -198,7 +198,7 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch
     broken = ~(torch.isfinite(total[:, 0]) & (total[:, 0] > 0))
     if bool(broken.any()):
         picked = torch.where(broken, probs.argmax(dim=-1), picked)
-    return picked.clamp_(0, probs.shape[-1] - 1)
+    return picked
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
