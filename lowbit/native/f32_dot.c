@@ -105,7 +105,9 @@ INLINE void f32_tile(const int WB, const int NB, const int MB, const void *w, in
    7.8-8.3 / 7.5 / 7.2 ms at 1 / 2 / 4 rows against 5.8-6.3 / 5.8 / 6.4 ms row by row, and its
    49152 x 576 head at one row 1.67 against 1.30 ms (2 Zen 5 cores, alternated C calls).
    Prefetching 2, 8 or 16 rows ahead was slower than 4. */
+#ifndef ROW_PREFETCH
 #define ROW_PREFETCH 4
+#endif
 INLINE void f32_rows(const int WB, const int NB, const int MB, const void *w, int64_t ldw, int64_t K, const float *x,
                      int64_t ldx, float *out) {
     for (int nb = 0; nb < NB; nb++) {
@@ -115,7 +117,7 @@ INLINE void f32_rows(const int WB, const int NB, const int MB, const void *w, in
         for (int m = 0; m < MB; m++) acc[m] = _mm512_setzero_ps();
         int64_t k = 0;
         for (; k + 16 <= K; k += 16) {
-            if (((k * WB) & 63) == 0) _mm_prefetch(ahead + k * WB, _MM_HINT_T0);
+            if (ROW_PREFETCH && ((k * WB) & 63) == 0) _mm_prefetch(ahead + k * WB, _MM_HINT_T0);
             const __m512 wv = wload(WB, row, k);
             for (int m = 0; m < MB; m++) acc[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * ldx + k), acc[m]);
         }
@@ -221,13 +223,13 @@ INLINE void bf16_rows(const int NB, const int MB, const uint16_t *w, int64_t ldw
         for (int m = 0; m < MB; m++) acc[m] = _mm512_setzero_ps();
         int64_t k = 0;
         for (; k < k32; k += 32) {
-            _mm_prefetch(ahead + k * 2, _MM_HINT_T0);
+            if (ROW_PREFETCH) _mm_prefetch(ahead + k * 2, _MM_HINT_T0);
             const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(row + k));
             for (int m = 0; m < MB; m++)
                 acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_loadu_si512((const void *)(x + m * ldx + k)));
         }
         if (k < K) {
-            _mm_prefetch(ahead + k * 2, _MM_HINT_T0);
+            if (ROW_PREFETCH) _mm_prefetch(ahead + k * 2, _MM_HINT_T0);
             const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(tail, row + k);
             for (int m = 0; m < MB; m++)
                 acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_maskz_loadu_epi16(tail, x + m * ldx + k));

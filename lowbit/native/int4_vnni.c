@@ -73,12 +73,19 @@ int lowbit_i4v_available(void) { return HAVE_I4VNNI ? 1 : HAVE_I4AVX2 ? 2 : 0; }
 #define MAXMB 8
 #define TILE_CHUNK(BITS) ((BITS) * 16)    /* bytes of one tile's chunk of 8 k */
 #define STRIDE(BITS) (4 * TILE_CHUNK(BITS)) /* from one chunk of a tile to its next: four tiles interleaved */
-/* How far ahead of a pass's stream to prefetch into L1. On 2 Zen 5 cores, SmolLM2's 30 layers of
-   int4 at one row (60-66 MB from memory, alternated C-call sweeps): 4096 took 0.90-0.97 of
-   1024's time at groups of 32 and 64 over five runs, 2048 about 0.93, 8192 the same as 4096; at
-   16 rows no difference. */
+/* How far ahead of a pass's stream to prefetch (PREFETCH_HINT: into L1), 0 for none: the hardware
+   prefetchers alone, which follow the one contiguous stream of a group of four tiles across the
+   2 MB pages the engine places weights on (kernels/hugepages.py). On 2 Zen 4 cores, one row, 48
+   matrices of the synthetic MoE's expert shapes (117 MB, int4 g32, huge pages, C calls): none
+   30 GB/s on one core against 20-21 at 4096 and 22-23 at 16384 into L2 (streaming read 34), 41.5
+   against 34-38 GB/s on two; g64 3-10 % faster; at 16 rows (compute-bound) within 4 %. In the
+   engine the MoE's layers took 4.2-4.3 against 5.7-5.8 ms a token, SmolLM2's 2.31 against 2.65.
+   (On 2 Zen 5 cores 4096 had beaten 1024 by 3-10 %; none was not tried there.) */
 #ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 4096
+#define PREFETCH_BYTES 0
+#endif
+#ifndef PREFETCH_HINT
+#define PREFETCH_HINT _MM_HINT_T0
 #endif
 
 /* Tiles t0..t0+TT-1 (within one group of four) against x rows m0..m0+MB-1 into
@@ -108,13 +115,13 @@ INLINE void vtiles(const int BITS, const int TT, const int MB, const I4VWeight *
             __m512i wl[4], wh[4];
             for (int t = 0; t < TT; t++) {
                 const uint8_t *p = base + c * STRIDE(BITS) + t * TILE_CHUNK(BITS);
-                if (PREFETCH_BYTES) _mm_prefetch((const char *)(p + PREFETCH_BYTES), _MM_HINT_T0);
+                if (PREFETCH_BYTES) _mm_prefetch((const char *)(p + PREFETCH_BYTES), PREFETCH_HINT);
                 if (BITS == 4) {
                     const __m512i raw = _mm512_loadu_si512((const void *)p);
                     wl[t] = _mm512_and_si512(raw, low);
                     wh[t] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
                 } else {
-                    if (PREFETCH_BYTES) _mm_prefetch((const char *)(p + PREFETCH_BYTES + 64), _MM_HINT_T0);
+                    if (PREFETCH_BYTES) _mm_prefetch((const char *)(p + PREFETCH_BYTES + 64), PREFETCH_HINT);
                     wl[t] = _mm512_loadu_si512((const void *)p);
                     wh[t] = _mm512_loadu_si512((const void *)(p + 64));
                 }
