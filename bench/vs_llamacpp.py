@@ -3,8 +3,9 @@
 For each case the model is quantized by lowbit (or kept bf16), exported to GGUF *exactly*
 (`lowbit convert --to gguf` must report exact: int4 g32 → Q4_0, int8 g32 → Q8_0, bf16 → BF16; the
 int8-w8a8 case runs the int8 checkpoint with `--kernel cpu-int8dot`, Q8_0's arithmetic), and
-then `llama-bench -p 512 -n 128` and `lowbit bench` (prefill 512, decode 128 at batch 1, plus 16
-concurrent) run alternately `--pairs` times with the same thread count. Reported: the medians
+then `llama-bench -p 512 -n 128` with `llama-batched-bench -npp 8 -ntg 128 -npl 16` (16 sequences
+decoding at once: its S_TG) and `lowbit bench` (prefill 512, decode 128 at batch 1 and of 16
+sequences, 8-token prompts) run alternately `--pairs` times with the same thread count. Reported: the medians
 and the median of the paired ratios (this VM drifts 10-20 % between runs, so pairs are compared
 minutes apart, not hours).
 
@@ -68,13 +69,20 @@ CASES = {"int4": Case("int4-g32", "Q4_0"), "int4-g64": Case("int4-g64", "Q4_0"),
          "int8-w8a8": Case("int8-g32", "Q8_0", ckpt="int8", bench_args=("--kernel", "cpu-int8dot")),
          "bf16": Case(None, "BF16"), "bf16-a16": Case(None, "BF16", ckpt="bf16", bench_args=("--dense-activations", "bf16")),
          "bf16-a32": Case(None, "BF16", ckpt="bf16", bench_args=("--dense-activations", "f32"))}
-TOOLS = ("llama-bench", "llama-perplexity", "llama-server")
+TOOLS = ("llama-bench", "llama-batched-bench", "llama-perplexity", "llama-server")
 
 
 def build_llama_cpp(home: Path) -> Path:
     """The directory holding llama-bench (built here on first use)."""
     bin_dir = home / "build" / "bin"
-    if (bin_dir / "llama-bench").is_file():
+    build = home / "build"
+    missing = [t for t in TOOLS if not (bin_dir / t).is_file()]
+    if not missing:
+        return bin_dir
+    if (build / "CMakeCache.txt").is_file():  # an earlier build: only what it lacks (a tool added since)
+        log(f"building {', '.join(missing)}")
+        subprocess.run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", *missing],
+                       check=True, capture_output=True)
         return bin_dir
     home.mkdir(parents=True, exist_ok=True)
     sdists = sorted(home.glob("llama_cpp_python-*.tar.gz"))
@@ -88,7 +96,6 @@ def build_llama_cpp(home: Path) -> Path:
         with tarfile.open(sdists[-1]) as tar:
             tar.extractall(home, filter="data")
     src = source / "vendor" / "llama.cpp"
-    build = home / "build"
     log(f"building {', '.join(TOOLS)} from {src} (several minutes)")
     subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF",
                     "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON"], check=True, capture_output=True)
@@ -133,6 +140,16 @@ def run_llama_bench(binary: Path, gguf: Path, threads: int) -> dict:
     prefill = next(r for r in rows if r["n_prompt"] > 0 and r["n_gen"] == 0)
     decode = next(r for r in rows if r["n_gen"] > 0 and r["n_prompt"] == 0)
     return {"prefill_tok_s": prefill["avg_ts"], "decode_tok_s": decode["avg_ts"]}
+
+
+def run_llama_batched(binary: Path, gguf: Path, threads: int, sequences: int = 16) -> float:
+    """llama.cpp's decode tok/s with `sequences` sequences at once, as `lowbit bench --batches 16` runs
+    them (8-token prompts, 128 tokens each): llama-batched-bench's S_TG."""
+    done = subprocess.run([str(binary), "-m", str(gguf), "-c", "4096", "-b", "2048", "-ub", "512", "-npp", "8",
+                           "-ntg", "128", "-npl", str(sequences), "-t", str(threads), "--output-format", "jsonl"],
+                          capture_output=True, text=True, check=True)
+    rows = [json.loads(line) for line in (done.stdout + done.stderr).splitlines() if line.startswith('{"n_kv_max"')]
+    return rows[-1]["speed_tg"]
 
 
 def run_lowbit_bench(ckpt: str, threads: int, extra: tuple[str, ...] = ()) -> dict:
@@ -216,10 +233,12 @@ def main() -> None:
         pairs = []
         for i in range(args.pairs):
             theirs = run_llama_bench(binary, gguf, args.threads)
+            theirs["decode16_tok_s"] = run_llama_batched(binary.parent / "llama-batched-bench", gguf, args.threads)
             ours = run_lowbit_bench(ckpt, args.threads, CASES[case].bench_args)
             pairs.append((ours, theirs))
             log(f"{case} pair {i + 1}: decode {ours['decode_tok_s']:.1f} vs {theirs['decode_tok_s']:.1f} tok/s, "
-                f"prefill {ours['prefill_tok_s']:.0f} vs {theirs['prefill_tok_s']:.0f} tok/s")
+                f"prefill {ours['prefill_tok_s']:.0f} vs {theirs['prefill_tok_s']:.0f} tok/s, "
+                f"16 sequences {ours['decode16_tok_s']:.0f} vs {theirs['decode16_tok_s']:.0f} tok/s")
         med = lambda key, side: statistics.median(p[side][key] for p in pairs)  # noqa: E731
         ratio = lambda key: statistics.median(p[0][key] / p[1][key] for p in pairs)  # noqa: E731
         # s per token at the streaming bandwidth: the median of the pairs' own measurements (one
@@ -233,6 +252,8 @@ def main() -> None:
             "prefill_tok_s": {"lowbit": med("prefill_tok_s", 0), "llama.cpp": med("prefill_tok_s", 1),
                               "ratio": ratio("prefill_tok_s")},
             "decode16_tok_s": med("decode16_tok_s", 0),
+            "decode16": {"lowbit": med("decode16_tok_s", 0), "llama.cpp": med("decode16_tok_s", 1),
+                         "ratio": ratio("decode16_tok_s")},
             "decode_vs_roofline": (1 / med("decode_tok_s", 0)) / roofline,
             "pairs": [{"lowbit": o, "llama.cpp": t} for o, t in pairs],
         })
@@ -252,13 +273,13 @@ def main() -> None:
         return
     print(f"{args.model}, {args.threads} threads, {args.pairs} alternated pairs, {result['machine']}")
     print("| case | GGUF | decode b1 lowbit | llama.cpp | ratio | prefill 512 lowbit | llama.cpp | ratio | "
-          "16 concurrent | decode ÷ roofline |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "16 sequences lowbit | llama.cpp | ratio | decode ÷ roofline |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        d, p = r["decode_tok_s"], r["prefill_tok_s"]
+        d, p, b = r["decode_tok_s"], r["prefill_tok_s"], r["decode16"]
         print(f"| {r['case']} | {r['gguf_type']} | {d['lowbit']:.1f} | {d['llama.cpp']:.1f} | {d['ratio']:.2f}× | "
-              f"{p['lowbit']:.0f} | {p['llama.cpp']:.0f} | {p['ratio']:.2f}× | {r['decode16_tok_s']:.0f} | "
-              f"{r['decode_vs_roofline']:.2f} |")
+              f"{p['lowbit']:.0f} | {p['llama.cpp']:.0f} | {p['ratio']:.2f}× | {b['lowbit']:.0f} | {b['llama.cpp']:.0f} | "
+              f"{b['ratio']:.2f}× | {r['decode_vs_roofline']:.2f} |")
 
 
 def _results_file(model: str, stem: str = "vs_llamacpp") -> Path:
