@@ -2,7 +2,8 @@
 
 For each case the model is quantized by lowbit (or kept bf16), exported to GGUF *exactly*
 (`lowbit convert --to gguf` must report exact: int4 g32 → Q4_0, int8 g32 → Q8_0, bf16 → BF16; the
-int8-w8a8 case runs the int8 checkpoint with `--kernel cpu-int8dot`, Q8_0's arithmetic), and
+int8 case runs lowbit's default int8 activations, Q8_0's arithmetic, and int8-a32 the same checkpoint
+with `--int8-activations f32`), and
 then `llama-bench -p 512 -n 128` with `llama-batched-bench -npp 8 -ntg 128 -npl 16` (16 sequences
 decoding at once: its S_TG) and `lowbit bench` (prefill 512, decode 128 at batch 1 and of 16
 sequences, 8-token prompts) run alternately `--pairs` times with the same thread count. Reported: the medians
@@ -13,7 +14,7 @@ llama.cpp is built once from the llama-cpp-python sdist on PyPI (its vendor/llam
 $LOWBIT_HOME/llamacpp, with cmake and a C++ compiler (Debian's). Not part of CI: the download and
 build take several minutes.
 
-    python bench/vs_llamacpp.py [--model smollm2-135m] [--cases int4,int4-g64,int8,int8-w8a8,bf16] [--pairs 3] [--threads 2]
+    python bench/vs_llamacpp.py [--model smollm2-135m] [--cases int4,int4-g64,int8,int8-a32,bf16] [--pairs 3] [--threads 2]
         [--llama-bench PATH] [--json]
 
 --model takes any model lowbit quantizes, e.g. bench/moe_synthetic.py's mixture-of-experts model; its
@@ -60,13 +61,13 @@ class Case:
 
 # int4-g64 → Q4_0 is exact too (each 32-block repeats its group's scale); both int4 cases run lowbit's
 # int4 kernel (int4_vnni.c: AVX512-VNNI, or AVX2), which takes any group of whole 32s. int8 runs
-# lowbit's default int8 kernel (float32 activations); int8-w8a8 the same checkpoint through
-# cpu-int8dot (activations rounded to int8 per 32, Q8_0's own arithmetic; AVX512-VNNI only). bf16
+# lowbit's default int8 kernel (cpu-int8dot where the CPU has AVX512-VNNI: activations rounded to
+# int8 per 32, Q8_0's own arithmetic); int8-a32 the same checkpoint with float32 activations. bf16
 # runs the model with the default activations (bf16 where the CPU has AVX512-BF16: llama.cpp BF16's
 # arithmetic; float32 elsewhere); bf16-a16 the same files with --dense-activations bf16 named (AVX512-BF16
 # only), bf16-a32 with --dense-activations f32 (float32 x, exact products).
 CASES = {"int4": Case("int4-g32", "Q4_0"), "int4-g64": Case("int4-g64", "Q4_0"), "int8": Case("int8-g32", "Q8_0"),
-         "int8-w8a8": Case("int8-g32", "Q8_0", ckpt="int8", bench_args=("--kernel", "cpu-int8dot")),
+         "int8-a32": Case("int8-g32", "Q8_0", ckpt="int8", bench_args=("--int8-activations", "f32")),
          "bf16": Case(None, "BF16"), "bf16-a16": Case(None, "BF16", ckpt="bf16", bench_args=("--dense-activations", "bf16")),
          "bf16-a32": Case(None, "BF16", ckpt="bf16", bench_args=("--dense-activations", "f32"))}
 TOOLS = ("llama-bench", "llama-batched-bench", "llama-perplexity", "llama-server")
@@ -207,7 +208,7 @@ def depth_runs(args, binary: Path, work: Path, cases: list[str], depths: list[in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--cases", default="int4,int4-g64,int8,int8-w8a8,bf16",
+    parser.add_argument("--cases", default="int4,int4-g64,int8,int8-a32,bf16",
                         help=f"comma-separated, of {', '.join(CASES)}")
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)

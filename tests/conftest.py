@@ -28,6 +28,16 @@ def _float32_dense_activations(monkeypatch):
         monkeypatch.setenv("LOWBIT_DENSE_ACTIVATIONS", "f32")
 
 
+@pytest.fixture(autouse=True)
+def _float32_int8_activations(monkeypatch):
+    """8-bit integer weights keep float32 x in tests unless a test asks otherwise, for the same
+    reason (their references are float64/float32 dequantize-then-matmul at tight tolerances); the
+    int8-activation path (cpu-int8dot) has its own tests, and the default is tested with the
+    variable removed (tests/kernels/test_dispatch.py)."""
+    if "LOWBIT_INT8_ACTIVATIONS" not in os.environ:
+        monkeypatch.setenv("LOWBIT_INT8_ACTIVATIONS", "f32")
+
+
 def _require(path):
     if not path.exists():
         # In CI the assets are installed first, so a missing one is a failure, not a skip.

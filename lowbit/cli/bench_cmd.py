@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 
 from lowbit.cli.common import CASCADE_RUN_OPTION, THREADS_OPTION, apply_threads, console, print_json
-from lowbit.cli.kernel_options import DENSE_ACTIVATIONS_OPTION, INT4_ACTIVATIONS_OPTION, KERNEL_OPTION, kernel_line, kernel_settings, kernel_summary
+from lowbit.cli.kernel_options import DENSE_ACTIVATIONS_OPTION, INT4_ACTIVATIONS_OPTION, INT8_ACTIVATIONS_OPTION, KERNEL_OPTION, kernel_line, kernel_settings, kernel_summary
 from lowbit.cli.main import app
 from lowbit.errors import UsageError
 
@@ -40,6 +40,7 @@ def bench(
     kernel: Optional[str] = KERNEL_OPTION,
     int4_activations: Optional[str] = INT4_ACTIVATIONS_OPTION,
     dense_activations: Optional[str] = DENSE_ACTIVATIONS_OPTION,
+    int8_activations: Optional[str] = INT8_ACTIVATIONS_OPTION,
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Measure prefill tok/s, decode tok/s per batch size, TTFT, inter-token latency, weight
@@ -51,7 +52,7 @@ def bench(
     from lowbit.runtime.engine.benchmark import run_bench
     from lowbit.runtime.engine.engine import Engine
 
-    settings = kernel_settings(kernel, int4_activations, dense_activations)
+    settings = kernel_settings(kernel, int4_activations, dense_activations, int8_activations)
     cascade_settings = None
     if cascade is not None:
         from lowbit.runtime.cascade import CascadeSettings

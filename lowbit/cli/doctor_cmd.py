@@ -18,6 +18,7 @@ ENV_SWITCHES = (
     ("LOWBIT_KERNEL", "forces one kernel path for every quantized layer (like --kernel)"),
     ("LOWBIT_INT4_ACTIVATIONS", "int8 or bf16 activations for the int4 decode kernel (like --int4-activations)"),
     ("LOWBIT_DENSE_ACTIVATIONS", "f32 or bf16 activations for bf16 dense Linears (like --dense-activations)"),
+    ("LOWBIT_INT8_ACTIVATIONS", "int8 or f32 activations for 8-bit integer weights (like --int8-activations)"),
     ("LOWBIT_NO_NATIVE", "any value: no C kernels (torch's int4/int8 ops or the reference path instead)"),
     ("LOWBIT_NO_CHAIN", "any value: engine decode steps go layer by layer through Python, not in one C call (same numbers, slower)"),
     ("LOWBIT_HUGEPAGES", "0: the engine leaves its weights on 4 KB pages instead of copying them onto 2 MB transparent huge pages"),
@@ -69,6 +70,19 @@ def _dense_activations() -> dict:
     return {"mode": mode, "note": source}
 
 
+def _int8_activations() -> dict:
+    from lowbit.kernels import cpu_int4dot
+    from lowbit.kernels.dispatch import INT8_ACTIVATIONS_ENV, int8_activations
+
+    try:
+        mode = int8_activations()
+    except LowbitError as exc:
+        return {"mode": None, "note": str(exc)}
+    source = (f"${INT8_ACTIVATIONS_ENV}" if os.environ.get(INT8_ACTIVATIONS_ENV, "").strip()
+              else "default: " + ("the CPU has AVX512-VNNI" if cpu_int4dot.vnni_int8_available() else "no AVX512-VNNI"))
+    return {"mode": mode, "note": source}
+
+
 def doctor_report() -> dict:
     import torch
 
@@ -89,6 +103,7 @@ def doctor_report() -> dict:
         "kernel_paths": [s.to_dict() for s in describe_paths(device=None)],
         "int4_activations": _int4_activations(),
         "dense_activations": _dense_activations(),
+        "int8_activations": _int8_activations(),
         "native": _native_report(),
         "env": [{"name": name, "value": os.environ.get(name), "meaning": meaning} for name, meaning in ENV_SWITCHES],
     }
@@ -110,6 +125,8 @@ def _print(report: dict) -> None:
     console.print(f"[bold]int4 decode activations[/bold] {act['mode'] or '-'} ({act['note']})")
     dense = report["dense_activations"]
     console.print(f"[bold]bf16 dense activations[/bold] {dense['mode'] or '-'} ({dense['note']})")
+    int8 = report["int8_activations"]
+    console.print(f"[bold]int8 weight activations[/bold] {int8['mode'] or '-'} ({int8['note']})")
     native = report["native"]
     console.print("[bold]C kernels[/bold]")
     if native["sources"] is None:

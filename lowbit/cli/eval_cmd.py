@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 
 from lowbit.cli.common import THREADS_OPTION, apply_threads, console, print_json, progress
-from lowbit.cli.kernel_options import DENSE_ACTIVATIONS_OPTION, INT4_ACTIVATIONS_OPTION, KERNEL_OPTION, kernel_line, kernel_settings, kernel_summary
+from lowbit.cli.kernel_options import DENSE_ACTIVATIONS_OPTION, INT4_ACTIVATIONS_OPTION, INT8_ACTIVATIONS_OPTION, KERNEL_OPTION, kernel_line, kernel_settings, kernel_summary
 from lowbit.cli.main import app
 
 
@@ -43,6 +43,7 @@ def eval_command(
     kernel: Optional[str] = KERNEL_OPTION,
     int4_activations: Optional[str] = INT4_ACTIVATIONS_OPTION,
     dense_activations: Optional[str] = DENSE_ACTIVATIONS_OPTION,
+    int8_activations: Optional[str] = INT8_ACTIVATIONS_OPTION,
     threads: Optional[int] = THREADS_OPTION,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
@@ -54,7 +55,7 @@ def eval_command(
     from lowbit.runtime.early_exit import check_confidence, check_threshold, wrap_eval_job
 
     apply_threads(threads)
-    settings = kernel_settings(kernel, int4_activations, dense_activations)
+    settings = kernel_settings(kernel, int4_activations, dense_activations, int8_activations)
     if early_exit is not None and cascade is not None:
         from lowbit.errors import UsageError
 

@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from lowbit.cli.common import CASCADE_RUN_OPTION, THREADS_OPTION, apply_threads, console, print_json
-from lowbit.cli.kernel_options import DENSE_ACTIVATIONS_OPTION, INT4_ACTIVATIONS_OPTION, KERNEL_OPTION, kernel_settings
+from lowbit.cli.kernel_options import DENSE_ACTIVATIONS_OPTION, INT4_ACTIVATIONS_OPTION, INT8_ACTIVATIONS_OPTION, KERNEL_OPTION, kernel_settings
 from lowbit.cli.main import app
 from lowbit.errors import UsageError
 
@@ -61,6 +61,7 @@ def generate(
     kernel: Optional[str] = KERNEL_OPTION,
     int4_activations: Optional[str] = INT4_ACTIVATIONS_OPTION,
     dense_activations: Optional[str] = DENSE_ACTIVATIONS_OPTION,
+    int8_activations: Optional[str] = INT8_ACTIVATIONS_OPTION,
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
     """Generate a completion, streaming the text to stdout as it is produced."""
@@ -69,7 +70,7 @@ def generate(
     from lowbit.runtime.engine.engine import Engine
     from lowbit.runtime.engine.sequence import SamplingParams
 
-    settings = kernel_settings(kernel, int4_activations, dense_activations)
+    settings = kernel_settings(kernel, int4_activations, dense_activations, int8_activations)
     apply_threads(threads)
     text = read_prompt(prompt)
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,

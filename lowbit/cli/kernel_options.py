@@ -1,4 +1,5 @@
-"""The kernel options `eval`, `generate`, `bench` and `serve` share (`--kernel`, `--int4-activations`):
+"""The kernel options `eval`, `generate`, `bench` and `serve` share (`--kernel`, `--int4-activations`,
+`--dense-activations`, `--int8-activations`):
 their help text, their check (`kernel_settings`, a usage error, exit 2) and what a loaded model's
 quantized layers run on (`kernel_summary`, for --json)."""
 
@@ -9,9 +10,10 @@ import typer
 KERNEL_HELP = (
     "Kernel path for every quantized layer, instead of the best one per layer (default; $LOWBIT_KERNEL if set): "
     "reference (dequantize to float32, then matmul: float32 numerics, slow), cpu (the best CPU path), cpu-int4dot, "
-    "cpu-int4, cpu-int8f, cpu-int8, cpu-bf16, cpu-lut, cpu-int8dot (8-bit codes with int8 activations, only when named), "
+    "cpu-int8dot (8-bit codes with int8 activations), cpu-int4, cpu-int8f, cpu-int8, cpu-bf16, cpu-lut, "
     "triton (CUDA). The automatic CPU paths round activations to bf16 (cpu-int4, cpu-int8, cpu-bf16, and cpu-int4dot's "
-    "bf16 route) or to int8 (cpu-int4dot, see --int4-activations); cpu-int8f, cpu-lut and reference compute in float32. "
+    "bf16 route) or to int8 (cpu-int4dot and cpu-int8dot, see --int4-activations and --int8-activations); cpu-int8f, "
+    "cpu-lut and reference compute in float32. "
     "LOWBIT_NO_NATIVE=1 turns the C kernels off (cpu-int4dot, cpu-int8f, cpu-bf16, cpu-lut): torch's int4/int8 ops or the "
     "reference run instead. A path that cannot run a layer is an error. `lowbit doctor` lists what runs here."
 )
@@ -31,20 +33,32 @@ DENSE_ACTIVATIONS_HELP = (
     "Default: $LOWBIT_DENSE_ACTIVATIONS if set."
 )
 
+INT8_ACTIVATIONS_HELP = (
+    "What 8-bit integer weights (int8 checkpoints, an int8 head) round their activations to on the CPU: int8 (the "
+    "default where the CPU has AVX512-VNNI: each row quantized per weight group to int8, max|x|/127, then exact "
+    "integer sums on cpu-int8dot, llama.cpp's Q8_0 arithmetic; faster at prefill and with many sequences, about "
+    "+0.002 KLD, docs/benchmarks.md) or f32 (the default elsewhere: float32 x on cpu-int8f, float32 sums). "
+    "Default: $LOWBIT_INT8_ACTIVATIONS if set."
+)
+
 # The options as each command declares them (`kernel: Optional[str] = KERNEL_OPTION`).
 KERNEL_OPTION = typer.Option(None, "--kernel", metavar="PATH", help=KERNEL_HELP, show_default=False)
 INT4_ACTIVATIONS_OPTION = typer.Option(None, "--int4-activations", metavar="int8|bf16", help=INT4_ACTIVATIONS_HELP,
                                        show_default=False)
 DENSE_ACTIVATIONS_OPTION = typer.Option(None, "--dense-activations", metavar="f32|bf16", help=DENSE_ACTIVATIONS_HELP,
                                         show_default=False)
+INT8_ACTIVATIONS_OPTION = typer.Option(None, "--int8-activations", metavar="int8|f32", help=INT8_ACTIVATIONS_HELP,
+                                       show_default=False)
 
 
-def kernel_settings(kernel: str | None, int4_activations: str | None, dense_activations: str | None = None):
-    """The KernelSettings for the --kernel / --int4-activations / --dense-activations values (which
-    validate themselves: a bad value is a usage error, exit 2)."""
+def kernel_settings(kernel: str | None, int4_activations: str | None, dense_activations: str | None = None,
+                    int8_activations: str | None = None):
+    """The KernelSettings for the --kernel / --int4-activations / --dense-activations /
+    --int8-activations values (which validate themselves: a bad value is a usage error, exit 2)."""
     from lowbit.kernels.dispatch import KernelSettings
 
-    return KernelSettings(kernel=kernel, int4_activations=int4_activations, dense_activations=dense_activations)
+    return KernelSettings(kernel=kernel, int4_activations=int4_activations, dense_activations=dense_activations,
+                          int8_activations=int8_activations)
 
 
 def kernel_summary(model) -> dict:

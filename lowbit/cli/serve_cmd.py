@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from lowbit.cli.common import console
-from lowbit.cli.kernel_options import DENSE_ACTIVATIONS_OPTION, INT4_ACTIVATIONS_OPTION, KERNEL_OPTION, kernel_settings
+from lowbit.cli.kernel_options import DENSE_ACTIVATIONS_OPTION, INT4_ACTIVATIONS_OPTION, INT8_ACTIVATIONS_OPTION, KERNEL_OPTION, kernel_settings
 from lowbit.cli.main import app
 from lowbit.errors import UsageError
 
@@ -53,6 +53,7 @@ def serve_command(
     kernel: Optional[str] = KERNEL_OPTION,
     int4_activations: Optional[str] = INT4_ACTIVATIONS_OPTION,
     dense_activations: Optional[str] = DENSE_ACTIVATIONS_OPTION,
+    int8_activations: Optional[str] = INT8_ACTIVATIONS_OPTION,
     max_body_size: str = typer.Option("4MiB", "--max-body-bytes", help="Largest request body accepted, e.g. 4MiB "
                                       "or 65536 (no unit: bytes); 413 above."),
     shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout", help="Seconds in-flight requests get to "
@@ -77,7 +78,7 @@ def serve_command(
     if max_model_len is not None and max_model_len < 2:
         raise UsageError(f"--max-model-len must be >= 2, got {max_model_len}")
     check_threshold(cascade_threshold, "--cascade-threshold")
-    settings = kernel_settings(kernel, int4_activations, dense_activations)
+    settings = kernel_settings(kernel, int4_activations, dense_activations, int8_activations)
     key = api_key if api_key is not None else os.environ.get("LOWBIT_API_KEY") or None
     # the shared size syntax (lowbit/cli/sizes.py); 1MiB at least, so a bare 512 meant as MiB is an error
     kv_bytes = parse_size(kv_memory, "--kv-memory", minimum=MIB) if kv_memory else None

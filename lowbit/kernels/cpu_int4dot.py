@@ -139,11 +139,11 @@ def supports(qt: QTensor) -> bool:
 
 
 def supports_int8(qt: QTensor) -> bool:
-    """8-bit integer codes through the int8-activation kernel (path INT8_PATH: W8A8 decode). Never
-    chosen on its own (dispatch lists it after torch's int8 op and cpu-lut), only by name
-    (`LOWBIT_KERNEL=cpu-int8dot` or `prepare(..., path=)`): it rounds activations to int8. Tried
-    on draft lm_heads: faster than torch's int8 op, but the rounded activations moved the draft's
-    argmax and cut its acceptance (hence draft_models.RescoredHead)."""
+    """8-bit integer codes through the int8-activation kernel (path INT8_PATH: W8A8). Chosen for
+    8-bit weights unless the int8 activations are turned off (kernels/dispatch.py's
+    `int8_activations`, `--int8-activations f32`). Draft lm_heads take it too, with their top
+    candidates rescored in float32 (draft_models.RescoredHead): the rounded activations alone moved
+    the draft's argmax and cut its acceptance."""
     spec = qt.spec
     if spec.bits != 8 or spec.element != "int" or not vnni_int8_available():
         return False

@@ -6,18 +6,18 @@ weight (`supports(qt) -> reason | None`), repacks it (`prepare`) and multiplies 
   triton       CUDA device, every format                          (kernels/triton_qmm.py)
   cpu-int4dot  CPU with AVX512-BF16, -VNNI or AVX2, integer 4-bit
                codes, groups of 32k or one per row                (kernels/cpu_int4dot.py, batch-invariant)
+  cpu-int8dot  CPU with AVX512-VNNI, 8-bit integer codes, int8
+               activations (W8A8; unless int8_activations="f32")  (kernels/cpu_int4dot.py, batch-invariant)
   cpu-int4     CPU, int4 with a group torch's op accepts          (kernels/cpu.py, torch's int4 op)
   cpu-int8f    CPU with AVX-512 or AVX2, symmetric int8 (per channel, or
                groups of 16k), float32 activations                (kernels/cpu_int8.py, batch-invariant)
   cpu-int8     CPU, per-channel int8, K % 32 == 0                 (kernels/cpu.py, torch's int8 op)
   cpu-bf16     CPU with AVX512-BF16, other 4-bit formats          (kernels/cpu_bf16.py, bf16 dot products)
   cpu-lut      CPU, any 4-bit or 8-bit format                     (kernels/cpu_lut.py, compiled C kernel)
-  cpu-int8dot  only when named: 8-bit integer codes, int8
-               activations (AVX512-VNNI, W8A8)                    (kernels/cpu_int4dot.py)
   reference    anything (int2/3/5/6 on CPU, no compiler)          (kernels/reference.py)
 
-On a CUDA device the choice is triton; on a CPU the first automatic CPU path whose `supports`
-has no objection, else reference. A path can be forced by name, in this order of precedence:
+On a CUDA device the choice is triton; on a CPU the first CPU path that `picks` the weight (it
+runs it and no activation setting turns it away), else reference. A path can be forced by name, in this order of precedence:
 `prepare(..., path=)`, the `KernelSettings` in effect (`use_settings`, which the CLI's `--kernel`
 sets), then `LOWBIT_KERNEL`: reference | cpu | cpu-int4dot | cpu-int4 | cpu-int8f | cpu-int8 | cpu-bf16 |
 cpu-lut | cpu-int8dot | triton ("cpu" means the best CPU path). A forced path that cannot run the
@@ -25,8 +25,11 @@ weight raises a one-line LowbitError with the reason instead of silently running
 
 The int4 decode kernel's activations (`int8` where the CPU has AVX512-VNNI or AVX2, else `bf16`; see
 kernels/cpu_int4dot.py) follow the same precedence: `KernelSettings.int4_activations`
-(`--int4-activations`), then `LOWBIT_INT4_ACTIVATIONS`. Both are read when a weight is
-prepared, so settings must be in effect while the model loads.
+(`--int4-activations`), then `LOWBIT_INT4_ACTIVATIONS`. So do 8-bit weights' activations
+(`int8_activations`, `--int8-activations`, `LOWBIT_INT8_ACTIVATIONS`): `int8` (the default where
+the CPU has AVX512-VNNI) picks cpu-int8dot, llama.cpp's Q8_0 arithmetic; `f32` keeps them on the
+float32-activation paths (cpu-int8f, cpu-int8, cpu-lut). All are read when a weight is prepared,
+so settings must be in effect while the model loads.
 
 `describe_paths()` lists every path with whether it can run here (for a weight, or on this
 machine at all) and why not; `lowbit doctor` prints it.
@@ -52,6 +55,8 @@ PATHS = ("reference", "cpu", "cpu-int4dot", "cpu-int4", "cpu-int8f", "cpu-int8",
 ENV = "LOWBIT_KERNEL"
 ACTIVATIONS_ENV = cpu_int4dot.ACTIVATIONS_ENV
 INT4_ACTIVATIONS = ("int8", "bf16")
+INT8_ACTIVATIONS = ("int8", "f32")
+INT8_ACTIVATIONS_ENV = "LOWBIT_INT8_ACTIVATIONS"
 DENSE_ACTIVATIONS = ("f32", "bf16")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -69,11 +74,16 @@ class KernelSettings:
                       (LOWBIT_DENSE_ACTIVATIONS; default: bf16 where the CPU has AVX512-BF16, else
                       f32): bf16 rounds x to bf16 for bf16 x bf16 products, as llama.cpp's BF16
                       does; f32 keeps x float32 (exact products)
+    int8_activations  "int8" or "f32" for 8-bit integer weights on the CPU (LOWBIT_INT8_ACTIVATIONS;
+                      default: int8 where the CPU has AVX512-VNNI, else f32): int8 quantizes each
+                      row of x per weight group to int8 for exact integer sums (cpu-int8dot, as
+                      llama.cpp's Q8_0 does); f32 keeps x float32 (cpu-int8f)
     """
 
     kernel: str | None = None
     int4_activations: str | None = None
     dense_activations: str | None = None
+    int8_activations: str | None = None
 
     def __post_init__(self):
         if self.kernel is not None and self.kernel not in PATHS:
@@ -84,6 +94,9 @@ class KernelSettings:
         if self.dense_activations is not None and self.dense_activations not in DENSE_ACTIVATIONS:
             raise UsageError(f"unknown dense activations '{self.dense_activations}' for --dense-activations "
                              f"(choose {' or '.join(DENSE_ACTIVATIONS)})")
+        if self.int8_activations is not None and self.int8_activations not in INT8_ACTIVATIONS:
+            raise UsageError(f"unknown int8 activations '{self.int8_activations}' for --int8-activations "
+                             f"(choose {' or '.join(INT8_ACTIVATIONS)})")
 
 
 _settings = KernelSettings()
@@ -190,7 +203,7 @@ class KernelPath:
 
     name       the name `prepare(path=)`, --kernel and LOWBIT_KERNEL use
     device     "cpu" or "cuda": where it runs
-    automatic  chosen without being named (cpu-int8dot is not: it rounds activations to int8)
+    automatic  chosen without being named (when `picks` agrees)
     """
 
     name: str
@@ -208,6 +221,11 @@ class KernelPath:
     def runs(self, qt: QTensor) -> bool:
         """`supports(qt) is None`, computed the cheap way (the kernel module's own check)."""
         return self.supports(qt) is None
+
+    def picks(self, qt: QTensor) -> bool:
+        """Whether `choose_path` takes this path for `qt` unasked: it runs it, and no setting
+        turns it away (cpu-int8dot's int8 activations can be)."""
+        return self.runs(qt)
 
     def prepare(self, qt: QTensor, device: torch.device) -> PreparedWeight:
         raise NotImplementedError
@@ -276,6 +294,11 @@ class Int4DotPath(KernelPath):
 
     def runs(self, qt):
         return cpu_int4dot.supports(qt) if self.bits == 4 else cpu_int4dot.supports_int8(qt)
+
+    def picks(self, qt):
+        if self.bits == 8 and (qt.spec.bits != 8 or int8_activations() != "int8"):
+            return False
+        return self.runs(qt)
 
     def supports(self, qt):
         if self.runs(qt):
@@ -490,16 +513,16 @@ class LutPath(KernelPath):
         return _finish(cpu_lut.matmul(x2, pw), bias, x2.dtype)
 
 
-# Best first. `choose_path` takes the first automatic CPU path that runs the weight.
+# Best first. `choose_path` takes the first automatic CPU path that picks the weight.
 TABLE: tuple[KernelPath, ...] = (
     TritonPath("triton", "cuda"),
     Int4DotPath("cpu-int4dot", "cpu"),
+    Int4DotPath("cpu-int8dot", "cpu", bits=8),  # 8-bit codes unless int8_activations() is "f32"
     TorchInt4Path("cpu-int4", "cpu"),
     Int8FloatPath("cpu-int8f", "cpu"),
     TorchInt8Path("cpu-int8", "cpu"),
     Bf16Path("cpu-bf16", "cpu"),
     LutPath("cpu-lut", "cpu"),
-    Int4DotPath("cpu-int8dot", "cpu", automatic=False, bits=8),  # only when named: it rounds activations to int8
     ReferencePath("reference", "any"),
 )
 BY_NAME: dict[str, KernelPath] = {p.name: p for p in TABLE}
@@ -523,8 +546,8 @@ def choose_path(qt: QTensor, device: torch.device | str, path: str | None = None
             raise LowbitError("kernel path 'triton' needs a CUDA device (or TRITON_INTERPRET=1 for tests)")
         return "triton"
     if want in (None, "cpu"):
-        for p in _AUTO_CPU:  # the checks decode scales, so stop at the first that runs
-            if p.runs(qt):
+        for p in _AUTO_CPU:  # the checks decode scales, so stop at the first that picks it
+            if p.picks(qt):
                 return p.name
         return "reference"
     reason = BY_NAME[want].supports(qt)
@@ -627,6 +650,25 @@ def dense_activations() -> str:
         if not cpu_f32.bf16_available():
             raise UsageError("--dense-activations bf16 needs a CPU with AVX512-BF16 (the bf16 x bf16 kernel); "
                              "this one runs f32")
+    return choice
+
+
+def int8_activations() -> str:
+    """"int8" or "f32": what the settings in effect, else LOWBIT_INT8_ACTIVATIONS, ask of 8-bit
+    integer weights; without either, "int8" where the CPU has AVX512-VNNI (cpu-int8dot: measured
+    1.4-2x faster than float32 activations at prefill and 16 rows on SmolLM2 int8, +0.002 KLD;
+    docs/benchmarks.md) and "f32" elsewhere. "int8" asked for without VNNI is a usage error."""
+    choice = _settings.int8_activations
+    source = "--int8-activations"
+    if choice is None:
+        choice, source = os.environ.get(INT8_ACTIVATIONS_ENV, "").strip().lower() or None, INT8_ACTIVATIONS_ENV
+    vnni = cpu_int4dot.vnni_int8_available()
+    if choice is None:
+        return "int8" if vnni else "f32"
+    if choice not in INT8_ACTIVATIONS:
+        raise UsageError(f"{INT8_ACTIVATIONS_ENV} must be {' or '.join(INT8_ACTIVATIONS)}, not '{choice}'")
+    if choice == "int8" and not vnni:
+        raise UsageError(f"{source} int8 needs a CPU with AVX512-VNNI (the int8 x int8 kernel); this one runs f32")
     return choice
 
 

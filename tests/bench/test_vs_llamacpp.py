@@ -33,13 +33,13 @@ def vs(monkeypatch):
     return module
 
 
-def test_the_w8a8_case_runs_the_int8_files_through_the_int8_activation_kernel(vs, tmp_path):
-    assert vs.prepare("m", "int8", tmp_path) == vs.prepare("m", "int8-w8a8", tmp_path) == (str(tmp_path / "int8"), tmp_path / "int8.gguf")
+def test_the_a32_case_runs_the_int8_files_with_float32_activations(vs, tmp_path):
+    assert vs.prepare("m", "int8", tmp_path) == vs.prepare("m", "int8-a32", tmp_path) == (str(tmp_path / "int8"), tmp_path / "int8.gguf")
     assert [c[0] for c in vs.calls] == ["quantize", "convert"]  # quantized and exported once for both
-    vs.run_lowbit_bench("ckpt", 2, vs.CASES["int8-w8a8"].bench_args)
+    vs.run_lowbit_bench("ckpt", 2, vs.CASES["int8-a32"].bench_args)
     vs.run_lowbit_bench("ckpt", 2, vs.CASES["int8"].bench_args)
-    w8a8, default = vs.calls[-2:]
-    assert w8a8[w8a8.index("--kernel") + 1] == "cpu-int8dot" and "--kernel" not in default
+    a32, default = vs.calls[-2:]
+    assert a32[a32.index("--int8-activations") + 1] == "f32" and "--int8-activations" not in default
 
 
 def test_the_float_case_runs_the_model_itself(vs, tmp_path):

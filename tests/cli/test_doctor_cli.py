@@ -34,7 +34,8 @@ def test_doctor_json_shape(run_cli, monkeypatch):
     monkeypatch.setenv("LOWBIT_KERNEL", "reference")
     monkeypatch.delenv("LOWBIT_NO_NATIVE", raising=False)
     r = doctor_json(run_cli)
-    assert set(r) == {"torch", "cuda", "cpu", "kernel_paths", "int4_activations", "dense_activations", "native", "env"}
+    assert set(r) == {"torch", "cuda", "cpu", "kernel_paths", "int4_activations", "dense_activations", "int8_activations",
+                      "native", "env"}
     assert set(r["torch"]) == {"version", "threads", "triton"} and r["torch"]["threads"] >= 1
     assert isinstance(r["cuda"]["available"], bool)
     assert r["cpu"]["flags"] is None or set(r["cpu"]["flags"]) == set(CPU_FLAGS)
@@ -45,11 +46,12 @@ def test_doctor_json_shape(run_cli, monkeypatch):
     assert paths[-1]["name"] == "reference" and paths[-1]["usable"]
     assert set(r["int4_activations"]) == {"mode", "note"} and r["int4_activations"]["mode"] in ("int8", "bf16", None)
     assert r["dense_activations"] == {"mode": "f32", "note": "$LOWBIT_DENSE_ACTIVATIONS"}  # conftest's f32
+    assert r["int8_activations"] == {"mode": "f32", "note": "$LOWBIT_INT8_ACTIVATIONS"}  # conftest's f32
     assert r["native"] == {"note": None, "sources": [
         {"source": "lut_gemv.c", "built": True, "reason": None, "library": "/k/liblut.so"},
         {"source": "int4_vnni.c", "built": False, "reason": "no C compiler", "library": None}]}
     env = {e["name"]: e for e in r["env"]}
-    assert {"LOWBIT_KERNEL", "LOWBIT_INT4_ACTIVATIONS", "LOWBIT_NO_NATIVE", "TRITON_INTERPRET"} <= set(env)
+    assert {"LOWBIT_KERNEL", "LOWBIT_INT4_ACTIVATIONS", "LOWBIT_INT8_ACTIVATIONS", "LOWBIT_NO_NATIVE", "TRITON_INTERPRET"} <= set(env)
     assert env["LOWBIT_KERNEL"]["value"] == "reference" and env["LOWBIT_NO_NATIVE"]["value"] is None
     assert all(e["meaning"] for e in r["env"])
 

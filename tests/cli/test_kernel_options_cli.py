@@ -26,6 +26,7 @@ def quantized_model(tmp_path_factory):
     root = tmp_path_factory.mktemp("kernel_options")
     save_with_tokenizer(build_hf(_llama_config()), root / "float")
     main(["quantize", str(root / "float"), "--format", "int4", "-o", str(root / "int4")])  # returns on success
+    main(["quantize", str(root / "float"), "--format", "int8-g32", "-o", str(root / "int8")])
     (root / "text.txt").write_text(TEXT, encoding="utf-8")
     return root
 
@@ -37,7 +38,7 @@ def quantized_model(tmp_path_factory):
     ["serve", "/no/such/model"],
 ])
 @pytest.mark.parametrize(("option", "value"), [("--kernel", "fast"), ("--int4-activations", "int7"),
-                                               ("--dense-activations", "fp8")])
+                                               ("--dense-activations", "fp8"), ("--int8-activations", "int16")])
 def test_bad_values_are_usage_errors_before_loading(run_cli, command, option, value):
     code, out, err = run_cli([*command, option, value])
     assert code == 2 and out == ""
@@ -56,8 +57,8 @@ def test_help_explains_the_defaults_numerics(run_cli):
     assert "LOWBIT_NO_NATIVE" in KERNEL_HELP and "float32" in KERNEL_HELP and "bf16" in KERNEL_HELP
 
 
-def eval_kernels(run_cli, root, *extra):
-    code, out, err = run_cli(["eval", str(root / "int4"), "--data", str(root / "text.txt"), "--ctx", "64",
+def eval_kernels(run_cli, root, *extra, model="int4"):
+    code, out, err = run_cli(["eval", str(root / model), "--data", str(root / "text.txt"), "--ctx", "64",
                               "--chunks", "1", "--json", *extra])
     assert code == 0, err
     assert current_settings() == KernelSettings()  # nothing stays set after the command
@@ -93,6 +94,15 @@ def test_int4_activations_option(run_cli, quantized_model, monkeypatch):
     monkeypatch.setenv(cpu_int4dot.ACTIVATIONS_ENV, "int8")
     assert eval_kernels(run_cli, quantized_model)["int4_activations"] == "int8"
     assert eval_kernels(run_cli, quantized_model, "--int4-activations", "bf16")["int4_activations"] == "bf16"
+
+
+@pytest.mark.skipif(not cpu_int4dot.vnni_int8_available(), reason="needs AVX512-VNNI")
+def test_int8_activations_option(run_cli, quantized_model, monkeypatch):
+    # int8 weights: int8 activations (cpu-int8dot) by default on a VNNI CPU, float32 with the option
+    monkeypatch.delenv("LOWBIT_INT8_ACTIVATIONS", raising=False)
+    assert eval_kernels(run_cli, quantized_model, model="int8")["paths"] == {"cpu-int8dot": LAYERS}
+    monkeypatch.setenv("LOWBIT_INT8_ACTIVATIONS", "int8")
+    assert eval_kernels(run_cli, quantized_model, "--int8-activations", "f32", model="int8")["paths"] == {"cpu-int8f": LAYERS}
 
 
 def test_bench_json_reports_kernels(run_cli, quantized_model):

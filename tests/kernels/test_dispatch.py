@@ -21,9 +21,9 @@ needs_both_routes = pytest.mark.skipif(not (cpu_int4dot.bf16_available() and cpu
 
 def test_table_is_best_first_and_names_every_path():
     names = [p.name for p in TABLE]
-    assert names == ["triton", "cpu-int4dot", "cpu-int4", "cpu-int8f", "cpu-int8", "cpu-bf16", "cpu-lut", "cpu-int8dot", "reference"]
+    assert names == ["triton", "cpu-int4dot", "cpu-int8dot", "cpu-int4", "cpu-int8f", "cpu-int8", "cpu-bf16", "cpu-lut", "reference"]
     assert set(PATHS) == set(names) | {"cpu"}  # "cpu" is the alias for the best CPU path
-    assert [p.name for p in TABLE if not p.automatic] == ["cpu-int8dot"]
+    assert all(p.automatic for p in TABLE)
     with pytest.raises(AttributeError):
         TABLE[0].name = "other"  # frozen
 
@@ -105,7 +105,7 @@ def test_cpu_alias_is_the_automatic_choice(label):
     qt = quantized(label, 33, 192)
     auto = choose_path(qt, "cpu")
     assert choose_path(qt, "cpu", "cpu") == auto
-    first = next((p.name for p in TABLE if p.device == "cpu" and p.automatic and p.supports(qt) is None), "reference")
+    first = next((p.name for p in TABLE if p.device == "cpu" and p.automatic and p.picks(qt)), "reference")
     assert auto == first
 
 
@@ -252,3 +252,32 @@ def test_dense_activations_precedence_and_bad_environment(monkeypatch):
     else:
         with use_settings(dense_activations="bf16"), pytest.raises(UsageError, match="AVX512-BF16"):
             dense_activations()
+
+
+@pytest.mark.parametrize("label", ["int8", "int8-g32"])
+def test_int8_activations_choose_the_path_of_8_bit_weights(monkeypatch, label):
+    from lowbit.kernels.dispatch import int8_activations
+
+    qt = quantized(label, 33, 192)
+    vnni = cpu_int4dot.vnni_int8_available()
+    monkeypatch.delenv("LOWBIT_INT8_ACTIVATIONS", raising=False)
+    # the default: int8 x (Q8_0's arithmetic) where the CPU has VNNI, else float32 x
+    assert int8_activations() == ("int8" if vnni else "f32")
+    assert (choose_path(qt, "cpu") == "cpu-int8dot") == vnni
+    with use_settings(int8_activations="f32"):
+        assert choose_path(qt, "cpu") not in ("cpu-int8dot", "reference")
+    monkeypatch.setenv("LOWBIT_INT8_ACTIVATIONS", "f32")
+    assert choose_path(qt, "cpu") not in ("cpu-int8dot", "reference")
+    assert choose_path(quantized("int4", 33, 192), "cpu") != "cpu-int8dot"  # only 8-bit codes take it
+    monkeypatch.setenv("LOWBIT_INT8_ACTIVATIONS", "int16")
+    with pytest.raises(UsageError, match="LOWBIT_INT8_ACTIVATIONS must be int8 or f32, not 'int16'"):
+        int8_activations()
+    with use_settings(int8_activations="f32"):  # the setting beats the variable
+        assert int8_activations() == "f32"
+    with pytest.raises(UsageError, match="int8 or f32"):
+        KernelSettings(int8_activations="bf16")
+    monkeypatch.setattr(cpu_int4dot, "vnni_int8_available", lambda: False)
+    monkeypatch.delenv("LOWBIT_INT8_ACTIVATIONS")
+    assert int8_activations() == "f32"
+    with use_settings(int8_activations="int8"), pytest.raises(UsageError, match="--int8-activations int8 needs"):
+        int8_activations()

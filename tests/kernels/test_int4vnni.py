@@ -172,7 +172,8 @@ def test_environment_chooses_the_route(monkeypatch):
 @pytest.mark.parametrize("label", ["int8", "int8-g128", "int8-g64"])
 @pytest.mark.parametrize("n,k", [(96, 192), (33, 576), (17, 130)])
 def test_int8_codes_match_oracle_and_rows_alone(label, n, k):
-    # cpu-int8dot: 8-bit codes through the same kernel (offset 128); only asked for by name
+    # cpu-int8dot: 8-bit codes through the same kernel (offset 128); the tests' default is float32
+    # activations (conftest), so it runs here when named
     from lowbit.kernels import choose_path, prepare
 
     qt = quantized(label, n, k)

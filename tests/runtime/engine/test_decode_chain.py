@@ -58,10 +58,10 @@ def test_chained_steps_equal_the_model_forward(tiny_float_model, family, weights
     # Gemma-3: (1 + w) norms, q/k norms, post-norms, GeGLU, embedding scale, sliding and global layers
     if weights == "int4" and not cpu_int4dot.available() or weights.startswith("int8") and not cpu_int8.available():
         pytest.skip(f"no {weights} kernel on this machine")
-    if weights == "int8-w8a8":  # 8-bit codes on the int8-activation kernel, only when named (Q8_0's arithmetic)
+    if weights == "int8-w8a8":  # 8-bit codes with int8 activations (Q8_0's arithmetic; the default on VNNI CPUs)
         if not cpu_int4dot.vnni_int8_available():
             pytest.skip("no AVX512-VNNI here: 8-bit codes have no int8-activation kernel")
-        monkeypatch.setenv("LOWBIT_KERNEL", "cpu-int8dot")
+        monkeypatch.setenv("LOWBIT_INT8_ACTIVATIONS", "int8")
     if weights == "bf16-a16":  # --dense-activations bf16: x rounded to bf16 for every bf16 Linear, chain and path alike
         if not cpu_f32.bf16_available():
             pytest.skip("no AVX512-BF16 here")
