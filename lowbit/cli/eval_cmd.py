@@ -48,7 +48,7 @@ def eval_command(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
     """Perplexity of MODEL on a text, comparable with llama.cpp's llama-perplexity; KLD with --base.
-    --kernel and --int4-activations apply to the quantized layers of MODEL and of --base."""
+    --kernel, --int4-activations and --int8-activations apply to the quantized layers of MODEL and of --base."""
     from lowbit.kernels.dispatch import use_settings
     from lowbit.runtime.evaluate import prepare, run
 

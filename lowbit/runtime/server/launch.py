@@ -18,7 +18,7 @@ def engine_factory(model_path: Path, *, dtype: str = "f32", kv_memory: int | Non
                    max_prefill_tokens: int | None = None, quantize_to: str | None = None) -> Callable[[], Any]:
     """A zero-argument builder the engine thread calls: loading happens off the event loop.
     kernel_settings: a kernels.dispatch.KernelSettings in effect while the model loads (--kernel,
-    --int4-activations), else the environment's. quantize_to: RTN-quantize the Linears as they load
+    --int4-activations, --dense-activations, --int8-activations), else the environment's. quantize_to: RTN-quantize the Linears as they load
     (--cascade self:FORMAT)."""
     dtype = dtype_name(dtype, allowed=DTYPES)  # float32/bfloat16 spelled out are the same
 
