@@ -46,6 +46,9 @@ def test_bench_json(model_dir, run_cli):
     r = json.loads(out)
     assert code == 0 and [d["batch"] for d in r["decode"]] == [1, 2]
     assert r["prefill_tok_s"] > 0 and r["prefill_first_tok_s"] > 0 and r["stream_bandwidth_gbs"] > 0 and r["weight_bytes"] > 0
+    # the roofline's bandwidth: the mean of the reads just before and just after the batch-1 decode
+    before, after = r["stream_bandwidth_around_gbs"]
+    assert r["stream_bandwidth_gbs"] == pytest.approx((before + after) / 2)
     assert r["speculative"]["identical_output"] is True
     if sys.platform == "linux":  # the process's memory: at least what it holds in KV cache, peak not below now
         assert r["kv_cache_bytes"] < r["resident_bytes_loaded"] <= r["resident_bytes_peak"]

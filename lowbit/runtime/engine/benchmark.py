@@ -167,18 +167,25 @@ def run_bench(engine, batches=(1, 4, 16, 64), prompt_tokens: int = 32, gen_token
         "weight_bytes": weight_bytes(engine.model),
         "kv_cache_bytes": engine.cache.nbytes,
         "kv_blocks": engine.cache.num_blocks,
-        "stream_bandwidth_gbs": stream_bandwidth_gbs(engine.device),
         "decode": [],
     }
     prompt = bench_prompt(tok, prompt_tokens)
     # distinct prompts (a different first token) so the prefix cache does not share them
     distinct = [[(prompt[0] + i) % engine.config.vocab_size] + prompt[1:] for i in range(max(batches))]
+    # The streaming read just before and just after the first decode run, which the roofline
+    # compares against: a VM's memory bandwidth can move by half within a minute (33-60 GB/s
+    # measured here), so one reading taken at another moment made the ratio swing with it.
+    around = [stream_bandwidth_gbs(engine.device)]
     for b in batches:
         if b > engine.scheduler.max_num_seqs:
             continue
         r = run_requests(engine, distinct[:b], greedy)
         result["decode"].append({"batch": b, "decode_tok_s": r["decode_tok_s"], "ttft_s": r["ttft_s"],
                                  "inter_token_latency_ms": r["inter_token_latency_ms"]})
+        if len(around) == 1:
+            around.append(stream_bandwidth_gbs(engine.device))
+    result["stream_bandwidth_gbs"] = statistics.mean(around)
+    result["stream_bandwidth_around_gbs"] = around
     one = result["decode"][0]
     per_step_bytes = decode_weight_bytes(engine.model)
     steps_per_s = 1000 / one["inter_token_latency_ms"] if one["inter_token_latency_ms"] else 0.0
