@@ -24,6 +24,7 @@ from torch.nn.modules import module as torch_module
 
 from lowbit.kernels import cpu_f32, cpu_moe, cpu_rowops, decode_chain
 from lowbit.kernels.cpu_f32 import InvariantLinear
+from lowbit.runtime import module_swaps
 from lowbit.runtime.engine.paged_attention import StepMetadata
 from lowbit.runtime.engine.paged_cache import PagedKVCache
 from lowbit.runtime.layers import GatedMLP, RMSNorm
@@ -120,21 +121,23 @@ def _layer_spec(layer, rope: int, cache: PagedKVCache) -> decode_chain.ChainLaye
         q_norm=_weight(attn.q_norm), k_norm=_weight(attn.k_norm), post_attn=_weight(post_attn), post_ffn=_weight(post_ffn))
 
 
-def _slots(model) -> list[tuple[dict, str, object]]:
-    """Where the modules a chain reads hang, as (the owner's dict, name, the module there now): a
-    swap of any of them (draft quantization in place, fuse_projections again) makes the chain
-    stale. Read straight from the dicts, not through nn.Module.__getattr__: the check runs every step
-    (0.6 ms a step through __getattr__ on a 16-layer, 8-expert model)."""
+def _slots(model) -> tuple[list[tuple[dict, str, object]], list[tuple[dict, str, object]]]:
+    """Where the modules a chain reads hang, as (the owner's dict, name, the module there now),
+    split in two: the top (the model, its layer list, each layer) and everything below. A swap of
+    any of them (draft quantization in place, fuse_projections again) makes the chain stale. Read
+    straight from the dicts, not through nn.Module.__getattr__ (0.6 ms a step that way on a
+    16-layer, 8-expert model)."""
     def at(owner, name: str, table: str = "_modules"):
         d = owner.__dict__ if table == "__dict__" else owner.__dict__[table]
         return d, name, d.get(name)
 
     inner = model.model
-    found = [at(model, "model"), at(inner, "embed_tokens"), at(inner, "norm"), at(inner, "layers")]
+    top = [at(model, "model"), at(inner, "embed_tokens"), at(inner, "norm"), at(inner, "layers")]
+    found = []
     for i, layer in enumerate(inner.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        found += [at(inner.layers, str(i)), at(layer, "self_attn"), at(layer, "mlp"), at(attn, "fused_qkv", "__dict__"),
-                  at(attn, "o_proj")]
+        top.append(at(inner.layers, str(i)))
+        found += [at(layer, "self_attn"), at(layer, "mlp"), at(attn, "fused_qkv", "__dict__"), at(attn, "o_proj")]
         if type(mlp) is SparseMoE:
             found += [at(mlp, "experts"), at(mlp, "shared_expert")] + [at(mlp.experts, str(e)) for e in range(len(mlp.experts))]
             members = list(mlp.experts) + ([mlp.shared_expert] if mlp.shared_expert is not None else [])
@@ -142,7 +145,7 @@ def _slots(model) -> list[tuple[dict, str, object]]:
             members = [mlp]
         for g in members:
             found += [at(g, "fused_gate_up", "__dict__"), at(g, "down_proj")]
-    return found
+    return top, found
 
 
 class ChainedDecoder:
@@ -155,20 +158,40 @@ class ChainedDecoder:
         self.chain: decode_chain.DecodeChain | None = _chain(model, cache)
         self._watch(_slots(model))
 
-    def _watch(self, slots: list[tuple[dict, str, object]]) -> None:
-        # three parallel lists, so the per-step check runs in C (map, operator.is_): 215 slots on
-        # SmolLM2 took 0.2 ms a step through a generator expression
-        self._dicts, self._names, self._modules = (list(column) for column in zip(*slots))
+    def _watch(self, slots: tuple[list, list]) -> None:
+        # parallel lists, so the per-step check runs in C (map, operator.is_): 215 slots on SmolLM2
+        # took 0.2 ms a step through a generator expression
+        top, below = slots
+        self._top = [list(column) for column in zip(*top)]
+        self._all = [list(column) for column in zip(*(top + below))]
+        self._swaps = module_swaps.count()
         # the layers' hook tables: registering a hook fills one of these very dicts
         self._hook_tables = [table for layer in self.model.model.layers
                              for table in (layer._forward_hooks, layer._forward_pre_hooks)]
+
+    def _stale(self) -> bool:
+        """Whether a module the chain reads was swapped since it was built. The top slots are read
+        every step (a layer deleted from its list is not an assignment); the rest only when a module
+        assignment has happened somewhere since the last look (module_swaps: 75-150 us a step
+        saved)."""
+        dicts, names, modules = self._top
+        if not all(map(operator.is_, map(dict.get, dicts, names), modules)):
+            return True
+        swaps = module_swaps.count()
+        if swaps == self._swaps:
+            return False
+        dicts, names, modules = self._all
+        if not all(map(operator.is_, map(dict.get, dicts, names), modules)):
+            return True
+        self._swaps = swaps  # checked: nothing this chain reads moved
+        return False
 
     def usable(self, meta: StepMetadata) -> bool:
         """Whether this step can take the C call: short items only, no forward hooks (calibration
         and tests hook modules, as DecoderModel's deferred path checks), the same modules."""
         if meta.decode is None or torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
             return False
-        if not all(map(operator.is_, map(dict.get, self._dicts, self._names), self._modules)):
+        if self._stale():
             self._watch(_slots(self.model))
             try:
                 self.chain = _chain(self.model, self.cache)

@@ -19,6 +19,7 @@ from torch import nn
 
 from lowbit.kernels import hugepages
 from lowbit.kernels.dispatch import prepared_rows
+from lowbit.runtime import module_swaps
 from lowbit.runtime.attention import SelfAttention
 from lowbit.runtime.layers import GatedMLP
 
@@ -122,9 +123,11 @@ def fuse_projections(model: nn.Module) -> int:
         if isinstance(module, SelfAttention):
             joined = _join([module.q_proj, module.k_proj, module.v_proj])
             module.__dict__["fused_qkv"] = joined  # a plain attribute, not a child module
+            module_swaps.note_swap()
         elif isinstance(module, GatedMLP):
             joined = _join([module.gate_proj, module.up_proj])
             module.__dict__["fused_gate_up"] = joined
+            module_swaps.note_swap()
         else:
             continue
         count += joined is not None

@@ -110,6 +110,27 @@ def test_a_swapped_module_rebuilds_the_chain(tiny_float_model):
     assert engine.runner.chained.chain._keep[0].qkv.struct.kind == 1
 
 
+def test_a_leaf_assigned_after_steps_rebuilds_the_chain(tiny_float_model):
+    # the full slot check runs only after a module assignment somewhere (runtime/module_swaps.py):
+    # one made between steps, deep inside a layer, must still be seen, and its numbers used
+    import copy
+
+    engine = _engine(tiny_float_model())
+    engine.generate(prompts(1), GREEDY)
+    before = engine.runner.chained.chain
+    attn = engine.model.model.layers[1].self_attn
+    swapped = copy.deepcopy(attn.o_proj)
+    swapped.weight.data.mul_(-1)
+    attn.o_proj = swapped
+    rows = _checked(engine.runner)
+    got = [o.token_ids for o in engine.generate(prompts(2), GREEDY)]
+    assert rows and engine.runner.chained.chain is not before
+    plain = _engine(tiny_float_model())
+    plain.runner.chained = None
+    plain.model.model.layers[1].self_attn.o_proj.weight.data.mul_(-1)
+    assert got == [o.token_ids for o in plain.generate(prompts(2), GREEDY)]
+
+
 def test_a_hooked_layer_keeps_steps_off_the_chain_until_the_hook_goes(tiny_float_model):
     engine = _engine(tiny_float_model())
     rows = _checked(engine.runner)
