@@ -32,7 +32,7 @@ def bench(
         None, "--prefill-tokens", help="Prompt length of the prefill run (default: 512, or the model's positions "
         "less 2 when it has fewer)."),
     dtype: str = typer.Option("f32", "--dtype", help="Compute dtype: f32 (default), bf16 or f16 (float32, bfloat16, float16 mean the same)."),
-    kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="Quantized KV cache: int8 or fp8."),
+    kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="KV cache storage: bf16 (a float32 model's keys and values rounded to bf16: half the bytes a long context reads each step, as llama.cpp's default f16 cache; read by the fused CPU attention against float32 queries), or int8 / fp8 (quantized, one scale per token and head). Default: the model's compute dtype."),
     kv_memory_size: Optional[str] = typer.Option(
         None, "--kv-memory", help="KV cache size, e.g. 512MiB, 2GiB or 1.5GB (no unit: bytes; at least 1MiB, at most "
         "the memory free; default: a share of free memory)."),

@@ -56,7 +56,8 @@ class Chain(ctypes.Structure):
                 ("moe_route", c_void_p), ("moe_shared_gate", c_void_p),
                 ("layers", c_void_p), ("n_layers", c_int64), ("hidden", c_int64), ("heads", c_int64),
                 ("kv_heads", c_int64), ("head_dim", c_int64), ("inter", c_int64), ("max_top_k", c_int64),
-                ("block_size", c_int64), ("eps", c_float), ("scale", c_float), ("unit_offset", c_int32), ("act", c_int32)]
+                ("block_size", c_int64), ("eps", c_float), ("scale", c_float), ("unit_offset", c_int32), ("act", c_int32),
+                ("pool_bf16", c_int32), ("pad", c_int32)]
 
 
 class ChainStep(ctypes.Structure):
@@ -165,7 +166,7 @@ class ChainLayerSpec:
     qkv: Linear
     o: Linear
     mlp: MLPSpec | MoESpec
-    key_pool: torch.Tensor  # [slots, kv_heads, head_dim] float32
+    key_pool: torch.Tensor  # [slots, kv_heads, head_dim] float32, or bf16 (every layer's alike)
     value_pool: torch.Tensor
     window: int | None
     rope: int  # index into the step's cos/sin tables
@@ -213,7 +214,10 @@ class DecodeChain:
             _entry(paged_decode.library(), "lowbit_paged_decode"),
             route and _entry(route, "lowbit_moe_route"), route and _entry(route, "lowbit_moe_shared_gate"),
             ctypes.addressof(self._layers), len(layers), hidden, heads, kv_heads, head_dim, max(m.inter for m in mlps), top_k,
-            block_size, eps, scale, int(unit_offset), act)
+            block_size, eps, scale, int(unit_offset), act, int(layers[0].key_pool.dtype == torch.bfloat16), 0)
+        if any(spec.key_pool.dtype != layers[0].key_pool.dtype or spec.value_pool.dtype != layers[0].key_pool.dtype
+               or spec.key_pool.dtype not in (torch.float32, torch.bfloat16) for spec in layers):
+            raise ValueError("the chain's KV pools must all be float32 or all bf16")
         self._run = decode_layers.library().lowbit_decode_layers
         self.num_layers = len(layers)
         self.hidden = hidden

@@ -76,7 +76,7 @@ def paged_decode(q: torch.Tensor, cache, layer: int, block_tables: torch.Tensor,
     out = torch.empty_like(q)
     k, v = cache.keys[layer], cache.values[layer]
     group = H // cache.kv_heads
-    mode = {None: 0, "int8": 1, "fp8": 2}[cache.kv_dtype]
+    mode = {None: 0, "bf16": 0, "int8": 1, "fp8": 2}[cache.kv_dtype]  # bf16: loaded and widened as a plain pool
     ks = cache.key_scales[layer] if mode else k
     vs = cache.value_scales[layer] if mode else v
     _paged_decode_kernel[(B, cache.kv_heads)](

@@ -94,7 +94,7 @@ typedef struct {
     ChainLinear qkv, o;
     ChainMLP mlp;          /* unless moe */
     const ChainMoE *moe;   /* a sparse MoE block instead of the MLP, or NULL */
-    void *kpool, *vpool; /* [slots, kv_heads, head_dim] float32 */
+    void *kpool, *vpool; /* [slots, kv_heads, head_dim] float32, or bf16 (Chain.pool_bf16) */
     int64_t window;      /* 0: none */
     int64_t rope;        /* index of this layer's cos/sin tables in the step */
     /* optional (NULL: none): q/k RMSNorm over slices of q_norm_width / k_norm_width values (a head,
@@ -114,6 +114,7 @@ typedef struct {
     int64_t block_size;
     float eps, scale;
     int32_t unit_offset, act;
+    int32_t pool_bf16, pad; /* 1: the KV pools hold bf16 (a float32 model's --kv-dtype bf16) */
 } Chain;
 
 #define MAX_ROPES 4
@@ -243,7 +244,7 @@ int lowbit_decode_layers(const Chain *c, const ChainStep *s, int64_t first, int6
                           threads));
             k = kn, ldk = kvs;
         }
-        CHECK(paged_decode(q, ldq, k, ldk, qkv + qs + kvs, qkv_n, s->cos[L->rope], s->sin[L->rope], 0, s->pos, s->slots, s->items,
+        CHECK(paged_decode(q, ldq, k, ldk, qkv + qs + kvs, qkv_n, s->cos[L->rope], s->sin[L->rope], c->pool_bf16 ? 2 : 0, s->pos, s->slots, s->items,
                            s->tables, s->nb, L->kpool, L->vpool, att, M, c->heads, c->kv_heads, D, c->block_size, L->window,
                            c->scale, threads));
         CHECK(linear(&L->o, att, qs, M, a, threads));

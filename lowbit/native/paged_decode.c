@@ -12,7 +12,10 @@
    Every (row, head) gets the same operations in the same order whatever else is in the step
    (the query heads of a GQA group share each key and value read, but keep their own sums): the
    output of a row does not depend on the other rows of the step (batch invariance, which keeps
-   speculative verification exact). dtype: 0 float32, 1 bf16 (q/k/v/cos/sin/out and the pool alike). */
+   speculative verification exact). dtype: 0 float32, 1 bf16 (q/k/v/cos/sin/out and the pool alike),
+   2 float32 q/k/v/cos/sin/out over a bf16 pool (a float32 model's `--kv-dtype bf16`: k rotated in
+   float32, then k and v rounded to bf16 as they are written; scores and value sums read the bf16
+   pool widened exactly, against float32 queries and weights). */
 
 #include <math.h>
 #include <stdint.h>
@@ -291,8 +294,8 @@ static int64_t scores_avx2_blocks(const float *qv, int64_t nk, int64_t hc, int64
    for all the heads, in pool order; the keys PREFETCH_AHEAD positions on, and (for contexts up
    to PREFETCH_VALUES_MAX) this position's values, are prefetched. */
 static void scores(const float *qv, int64_t nk, int64_t hc, int64_t D, int64_t lo, int64_t p, const int64_t *bt,
-                   int64_t block_size, int64_t row, int64_t off, const void *kpool, const void *vpool, int bf16, float scale,
-                   float *sc, int64_t ml) {
+                   int64_t block_size, int64_t row, int64_t off, const void *kpool, const void *vpool, int bf16, int q_bf16,
+                   float scale, float *sc, int64_t ml) {
     const int esize = bf16 ? 2 : 4;
     const int64_t bytes = nk * D * esize;
     const int fetch_values = p - lo < PREFETCH_VALUES_MAX;
@@ -302,11 +305,12 @@ static void scores(const float *qv, int64_t nk, int64_t hc, int64_t D, int64_t l
 #ifdef HAVE_BF16_SCORES
 #define SR(NV, HC)                                                                                                 \
     do {                                                                                                           \
-        if (bf16) scores_bf16(NV, HC, qv, nk, lo, p, bt, block_size, row, off, kpool, vpool, scale, sc, ml, fetch_values); \
+        if (bf16 && q_bf16) scores_bf16(NV, HC, qv, nk, lo, p, bt, block_size, row, off, kpool, vpool, scale, sc, ml, fetch_values); \
         else scores_regs(NV, HC, qv, nk, lo, p, bt, block_size, row, off, kpool, vpool, bf16, scale, sc, ml, fetch_values); \
     } while (0)
 #else
 #define SR(NV, HC) scores_regs(NV, HC, qv, nk, lo, p, bt, block_size, row, off, kpool, vpool, bf16, scale, sc, ml, fetch_values)
+    (void)q_bf16;
 #endif
         BY_HEADS(D, hc, SR);
 #undef SR
@@ -504,24 +508,32 @@ int lowbit_paged_decode(const void *q, int64_t ldq, const void *k, int64_t ldk, 
                         const int64_t *item, const int64_t *tables, int64_t nb, void *kpool, void *vpool,
                         void *out, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
                         int64_t window, float scale, int threads) {
-    const int bf16 = dtype == 1;
-    const int64_t half = D / 2, row = KVH * D, esize = bf16 ? 2 : 4;
+    const int bf16 = dtype == 1;                 /* q, k, v, cos, sin and out */
+    const int pool16 = dtype == 1 || dtype == 2; /* the pool */
+    if (dtype < 0 || dtype > 2) return -1;
+    const int64_t half = D / 2, row = KVH * D, esize = bf16 ? 2 : 4, psize = pool16 ? 2 : 4;
     const int64_t group = H / KVH;
     if (D > MAXD || D % 2 || group > MAXG || group * KVH != H) return -1;
     /* 1. rotate k and write k, v into the pool (bf16 rotations are already rounded, so the
-       store below only drops zero bits) */
+       store below only drops zero bits; float32 ones into a bf16 pool are rounded there) */
     for (int64_t t = 0; t < T; t++) {
         float buf[MAXD];
         for (int64_t h = 0; h < KVH; h++) {
-            char *kdst = (char *)kpool + (slots[t] * row + h * D) * esize;
+            char *kdst = (char *)kpool + (slots[t] * row + h * D) * psize;
+            char *vdst = (char *)vpool + (slots[t] * row + h * D) * psize;
             if (cs) {
                 rotate(k, t * ldk + h * D, cs, sn, t * half, D, bf16, buf);
-                for (int64_t d = 0; d < D; d++) st(kdst, d, buf[d], bf16);
-            } else {
+                for (int64_t d = 0; d < D; d++) st(kdst, d, buf[d], pool16);
+            } else if (bf16 == pool16) {
                 memcpy(kdst, (const char *)k + (t * ldk + h * D) * esize, (size_t)(D * esize));
+            } else {
+                for (int64_t d = 0; d < D; d++) st(kdst, d, ld(k, t * ldk + h * D + d, bf16), pool16);
             }
-            memcpy((char *)vpool + (slots[t] * row + h * D) * esize, (const char *)v + (t * ldv + h * D) * esize,
-                   (size_t)(D * esize));
+            if (bf16 == pool16) {
+                memcpy(vdst, (const char *)v + (t * ldv + h * D) * esize, (size_t)(D * esize));
+            } else {
+                for (int64_t d = 0; d < D; d++) st(vdst, d, ld(v, t * ldv + h * D + d, bf16), pool16);
+            }
         }
     }
     /* 2. attention. With enough rows, a work item is a whole row: each position's keys and values
@@ -558,12 +570,12 @@ int lowbit_paged_decode(const void *q, int64_t ldq, const void *k, int64_t ldk, 
             }
             const int64_t p = pos[t], lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
             const int64_t *bt = tables + item[t] * nb;
-            scores(qv, nk, n, D, lo, p, bt, block_size, row, kh * D, kpool, vpool, bf16, scale, sc, maxlen);
+            scores(qv, nk, n, D, lo, p, bt, block_size, row, kh * D, kpool, vpool, pool16, bf16, scale, sc, maxlen);
             for (int64_t k = 0; k < nk; k++) {
                 float inv[MAXG];
                 float *sk = sc + k * n * maxlen;
                 for (int64_t g = 0; g < n; g++) inv[g] = 1.0f / softmax_numerators(sk + g * maxlen, p - lo + 1);
-                values(sk, n, maxlen, D, lo, p, bt, block_size, row, (kh + k) * D, vpool, bf16, acc);
+                values(sk, n, maxlen, D, lo, p, bt, block_size, row, (kh + k) * D, vpool, pool16, acc);
                 for (int64_t g = 0; g < n; g++)
                     store_scaled(out, t * H * D + (h0 + k * n + g) * D, acc + g * D, inv[g], D, bf16);
             }

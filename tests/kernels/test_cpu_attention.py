@@ -63,6 +63,37 @@ def test_matches_float64_attention_after_rope_and_write(window, shape):
         assert (out[i].view(h, d).double() - ref[0]).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("window", [None, 3])
+def test_float32_rows_over_a_bf16_pool(window, shape):
+    # --kv-dtype bf16 under a float32 model: k rotated in float32, then k and v rounded to bf16
+    # as they are written; attention in float32 over the bf16 values (exact when widened)
+    h, kvh, d = shape
+    spans = [(5, 1), (9, 3), (0, 2)]
+    pools, tables, rows, q, k, v, cos, sin = setup(torch.float32, spans, shape)
+    pools = [p.to(torch.bfloat16) for p in pools]
+    out, kp, vp = run(pools, tables, rows, q, k, v, cos, sin, window)
+    assert kp.dtype == vp.dtype == torch.bfloat16 and out.dtype == torch.float32
+    qr, kr = rotated(q, h, d, cos, sin), rotated(k, kvh, d, cos, sin)
+    for i, (b, p, slot) in enumerate(rows):
+        assert torch.equal(kp[slot], kr[i].to(torch.bfloat16)) and torch.equal(vp[slot], v[i].view(kvh, d).to(torch.bfloat16))
+    for i, (b, p, _) in enumerate(rows):
+        ctx = [tables[b][j // BS] * BS + j % BS for j in range(p + 1)]
+        ref = reference_attention(qr[i : i + 1].double(), kp[ctx].double(), vp[ctx].double(), torch.tensor([p]), 0.25, window)
+        assert (out[i].view(h, d).double() - ref[0]).abs().max() < 1e-5
+    # and batch-invariant like the other pools
+    for i in range(len(rows)):
+        alone, _, _ = run([kp, vp], tables, rows[i : i + 1], q[i : i + 1], k[i : i + 1], v[i : i + 1],
+                          cos[i : i + 1], sin[i : i + 1], window)
+        assert torch.equal(alone[0], out[i])
+
+
+def test_a_pool_of_another_dtype_is_refused():
+    pools, tables, rows, q, k, v, cos, sin = setup(torch.bfloat16, [(5, 1)], SHAPES[1])
+    with pytest.raises(ValueError, match="float32 KV pool under torch.bfloat16 queries"):
+        run([p.float() for p in pools], tables, rows, q, k, v, cos, sin, None)
+
+
 @pytest.mark.parametrize("shape", SHAPES[:2])
 def test_bf16_rope_rounds_like_torch(shape):
     h, kvh, d = shape

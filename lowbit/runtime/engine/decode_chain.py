@@ -61,8 +61,9 @@ def _check_model(model, cache) -> None:
     inner = model.model
     if not decode_chain.available() or not cpu_f32.available():
         raise Unsupported("the C kernels are not built")
-    if not isinstance(cache, PagedKVCache) or not cache.fused_decode or cache.kv_dtype is not None or cache.dtype is not torch.float32:
-        raise Unsupported("not the paged float32 cache with its fused CPU decode attention")
+    if not isinstance(cache, PagedKVCache) or not cache.fused_decode or cache.kv_dtype not in (None, "bf16") \
+            or cache.dtype is not torch.float32:
+        raise Unsupported("not a float32 model over the paged float32 cache (or its bf16-stored one) with the fused CPU decode attention")
     if len(inner.rotaries) > decode_chain.MAX_ROPES or not inner.layers:
         raise Unsupported(f"more than {decode_chain.MAX_ROPES} rotary tables, or no layers")
     # one eps and offset rule for every norm (the C step passes one), as rowops_norms asks of a layer's

@@ -18,7 +18,10 @@ k, v into the pool at the step's slot mapping and attends per sequence:
   `prefill_attention`), so no N x N score matrix is ever formed.
 
 Quantized KV (`kv_dtype` "int8" or "fp8"): values are stored with one float32 scale per token
-and kv head (absmax / qmax), and dequantized when gathered.
+and kv head (absmax / qmax), and dequantized when gathered. `kv_dtype` "bf16" under a float32
+model stores keys and values rounded to bf16 (half the bytes a long context reads at every step,
+as llama.cpp's default f16 cache; the fused CPU kernel reads them widened exactly against float32
+queries); under a bf16 model it is the default pool itself.
 """
 
 from __future__ import annotations
@@ -34,10 +37,13 @@ from lowbit.runtime.config import ModelConfig
 from lowbit.runtime.engine import paged_attention as pa
 
 KV_DTYPES = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
+FLOAT_KV_DTYPES = {"bf16": torch.bfloat16}  # a float pool of its own dtype: no scales
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype, kv_dtype: str | None = None) -> int:
     """Bytes one token's keys and values take over all layers (scales included)."""
+    if kv_dtype in FLOAT_KV_DTYPES:
+        dtype, kv_dtype = FLOAT_KV_DTYPES[kv_dtype], None
     per_head = config.head_dim * (dtype.itemsize if kv_dtype is None else 1) + (0 if kv_dtype is None else 4)
     return 2 * config.num_hidden_layers * config.num_key_value_heads * per_head
 
@@ -51,8 +57,10 @@ class PagedKVCache(AttentionCache):
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str, kv_dtype: str | None = None):
-        if kv_dtype is not None and kv_dtype not in KV_DTYPES:
-            raise UsageError(f"unknown KV cache dtype '{kv_dtype}' (choose from {', '.join(KV_DTYPES)})")
+        if kv_dtype is not None and kv_dtype not in KV_DTYPES and kv_dtype not in FLOAT_KV_DTYPES:
+            raise UsageError(f"unknown KV cache dtype '{kv_dtype}' (choose from {', '.join([*FLOAT_KV_DTYPES, *KV_DTYPES])})")
+        if kv_dtype in FLOAT_KV_DTYPES and FLOAT_KV_DTYPES[kv_dtype] == dtype:
+            kv_dtype = None  # the model's own dtype: the plain pool
         self.config = config
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -63,7 +71,9 @@ class PagedKVCache(AttentionCache):
         self.head_dim = config.head_dim
         slots = num_blocks * block_size
         # fp8 is stored as its bytes: CPU index ops do not take float8 tensors
-        store = dtype if kv_dtype is None else torch.int8 if kv_dtype == "int8" else torch.uint8
+        self.store_dtype = store = (dtype if kv_dtype is None else FLOAT_KV_DTYPES[kv_dtype] if kv_dtype in FLOAT_KV_DTYPES
+                                    else torch.int8 if kv_dtype == "int8" else torch.uint8)
+        self.quantized = kv_dtype in KV_DTYPES
         shape = (slots, self.kv_heads, self.head_dim)
         n = config.num_hidden_layers
         # on CPU, zeros whose pages appear as blocks are first written (hugepages.lazy_zeros): the
@@ -71,7 +81,7 @@ class PagedKVCache(AttentionCache):
         zeros = hugepages.lazy_zeros if self.device.type == "cpu" else partial(torch.zeros, device=self.device)
         self.keys = [zeros(shape, dtype=store) for _ in range(n)]
         self.values = [zeros(shape, dtype=store) for _ in range(n)]
-        if kv_dtype is None:
+        if not self.quantized:
             self.key_scales = self.value_scales = None
         else:
             sshape = (slots, self.kv_heads, 1)
@@ -82,7 +92,8 @@ class PagedKVCache(AttentionCache):
 
         # Whether kernels/cpu_attention.py can run this cache's decode steps (the runner then plans
         # steps of short items for it, and `rotate_and_attend` takes them).
-        self.fused_decode: bool = self.device.type == "cpu" and kv_dtype is None and supported(dtype, self.head_dim)
+        self.fused_decode: bool = (self.device.type == "cpu" and not self.quantized and supported(dtype, self.head_dim)
+                                   and (store == dtype or dtype == torch.float32))
 
     @property
     def nbytes(self) -> int:
@@ -96,9 +107,9 @@ class PagedKVCache(AttentionCache):
     # -- writing and reading -----------------------------------------------------------------
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """k, v [T, kv_heads, D] into the pool at slots [T]."""
-        if self.kv_dtype is None:
-            self.keys[layer].index_copy_(0, slots, k.to(self.dtype))
-            self.values[layer].index_copy_(0, slots, v.to(self.dtype))
+        if not self.quantized:
+            self.keys[layer].index_copy_(0, slots, k.to(self.store_dtype))
+            self.values[layer].index_copy_(0, slots, v.to(self.store_dtype))
             return
         store, qmax = KV_DTYPES[self.kv_dtype]
         for pool, scales, x in ((self.keys, self.key_scales, k), (self.values, self.value_scales, v)):
@@ -112,8 +123,8 @@ class PagedKVCache(AttentionCache):
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values at slots [...] -> [..., kv_heads, D] in the model dtype."""
         k, v = self.keys[layer][slots], self.values[layer][slots]
-        if self.kv_dtype is None:
-            return k, v
+        if not self.quantized:
+            return k.to(self.dtype), v.to(self.dtype)  # (no copy when the pool is the model's dtype)
         if self.kv_dtype == "fp8":
             k, v = k.view(torch.float8_e4m3fn), v.view(torch.float8_e4m3fn)
         return ((k.float() * self.key_scales[layer][slots]).to(self.dtype),
@@ -124,7 +135,7 @@ class PagedKVCache(AttentionCache):
         """The fused CPU path (every step, where `fused_decode`): q [T, H*D], k/v [T, kvh*D] before RoPE,
         cos/sin [.., T, D/2] -> out [T, H*D]; None when this step or cache cannot use it."""
         meta = self.meta
-        if meta is None or meta.decode is None or self.kv_dtype is not None or not self.fused_decode:
+        if meta is None or meta.decode is None or self.quantized or not self.fused_decode:
             return None
         if q.dtype != self.dtype or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
             return None
@@ -154,6 +165,6 @@ class PagedKVCache(AttentionCache):
                 out[meta.short.token_index] = pa.short_attention(self, layer, qt, meta.short, scale, window)
             for item in meta.prefills:
                 rows = slice(item.token_start, item.token_start + item.num_tokens)
-                new_kv = None if self.kv_dtype is not None else (kt[rows], vt[rows])
+                new_kv = None if self.quantized or self.store_dtype != self.dtype else (kt[rows], vt[rows])
                 out[rows] = pa.prefill_attention(self, layer, qt[rows], item, scale, window, new_kv)
         return out.transpose(0, 1).unsqueeze(0)

@@ -47,13 +47,13 @@ def _engine(path, quantize: str | None = None, **kw) -> Engine:
 
 
 QUANTIZED = {"int4": "int4-g32", "int8": "int8", "int8-g32": "int8-g32", "int8-w8a8": "int8-g32"}
-KINDS = {"int4": 1, "bf16-stored": 2, "float32": 2, "int8": 3, "int8-g32": 3, "int8-w8a8": 1, "bf16-a16": 2}
+KINDS = {"int4": 1, "bf16-stored": 2, "float32": 2, "int8": 3, "int8-g32": 3, "int8-w8a8": 1, "bf16-a16": 2, "kv-bf16": 2}
 
 
 @pytest.mark.parametrize("family, weights", [("llama", "bf16-stored"), ("llama", "float32"), ("llama", "int4"),
                                              ("llama", "int8"), ("llama", "int8-g32"), ("llama", "int8-w8a8"),
                                              ("llama", "bf16-a16"), ("gemma3", "bf16-stored"), ("gemma3", "int4"),
-                                             ("gemma3", "bf16-a16")])
+                                             ("gemma3", "bf16-a16"), ("llama", "kv-bf16"), ("gemma3", "kv-bf16")])
 def test_chained_steps_equal_the_model_forward(tiny_float_model, family, weights, monkeypatch):
     # Gemma-3: (1 + w) norms, q/k norms, post-norms, GeGLU, embedding scale, sliding and global layers
     if weights == "int4" and not cpu_int4dot.available() or weights.startswith("int8") and not cpu_int8.available():
@@ -67,8 +67,10 @@ def test_chained_steps_equal_the_model_forward(tiny_float_model, family, weights
             pytest.skip("no AVX512-BF16 here")
         monkeypatch.setenv("LOWBIT_DENSE_ACTIVATIONS", "bf16")
     path = tiny_float_model(family=family, dtype=torch.float32 if weights == "float32" else torch.bfloat16, layers=3)
-    engine = _engine(path, QUANTIZED.get(weights))
+    kw = {"kv_dtype": "bf16"} if weights == "kv-bf16" else {}  # a float32 model over bf16-stored keys and values
+    engine = _engine(path, QUANTIZED.get(weights), **kw)
     assert decode_chain.why_not(engine.model, engine.cache) is None
+    assert engine.cache.keys[0].dtype == (torch.bfloat16 if kw else torch.float32)
     rows = _checked(engine.runner)
     outs = engine.generate(prompts(4), GREEDY)
     # (quantized: rebuilt after the in-place quantization)
@@ -78,7 +80,7 @@ def test_chained_steps_equal_the_model_forward(tiny_float_model, family, weights
     assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
     assert rows and max(rows) > 1  # batched decode rows went through the chain, each checked
     # and the tokens equal a run with the chain off
-    plain = _engine(path, QUANTIZED.get(weights))
+    plain = _engine(path, QUANTIZED.get(weights), **kw)
     plain.runner.chained = None
     assert [o.token_ids for o in plain.generate(prompts(4), GREEDY)] == [o.token_ids for o in outs]
 
@@ -162,8 +164,8 @@ def test_qk_norm_layers_take_the_chain(tmp_path):
 
 
 @pytest.mark.parametrize("case, reason", [
-    ("bf16", "float32 cache"),
-    ("kv-int8", "float32 cache"),
+    ("bf16", "float32 model over the paged float32 cache"),
+    ("kv-int8", "float32 model over the paged float32 cache"),
 ])
 def test_models_it_cannot_run_say_why_and_keep_their_path(tiny_float_model, case, reason):
     path = tiny_float_model()
