@@ -68,6 +68,7 @@ class Case:
 # only), bf16-a32 with --dense-activations f32 (float32 x, exact products).
 CASES = {"int4": Case("int4-g32", "Q4_0"), "int4-g64": Case("int4-g64", "Q4_0"), "int8": Case("int8-g32", "Q8_0"),
          "int8-a32": Case("int8-g32", "Q8_0", ckpt="int8", bench_args=("--int8-activations", "f32")),
+         "int4-kv16": Case("int4-g32", "Q4_0", ckpt="int4", bench_args=("--kv-dtype", "bf16")),
          "bf16": Case(None, "BF16"), "bf16-a16": Case(None, "BF16", ckpt="bf16", bench_args=("--dense-activations", "bf16")),
          "bf16-a32": Case(None, "BF16", ckpt="bf16", bench_args=("--dense-activations", "f32"))}
 TOOLS = ("llama-bench", "llama-batched-bench", "llama-perplexity", "llama-server")

@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from lowbit.cli.common import CASCADE_RUN_OPTION, THREADS_OPTION, apply_threads, console, print_json
+from lowbit.cli.common import CASCADE_RUN_OPTION, KV_DTYPE_OPTION, THREADS_OPTION, apply_threads, console, print_json
 from lowbit.cli.kernel_options import DENSE_ACTIVATIONS_OPTION, INT4_ACTIVATIONS_OPTION, INT8_ACTIVATIONS_OPTION, KERNEL_OPTION, kernel_line, kernel_settings, kernel_summary
 from lowbit.cli.main import app
 from lowbit.errors import UsageError
@@ -32,7 +32,7 @@ def bench(
         None, "--prefill-tokens", help="Prompt length of the prefill run (default: 512, or the model's positions "
         "less 2 when it has fewer)."),
     dtype: str = typer.Option("f32", "--dtype", help="Compute dtype: f32 (default), bf16 or f16 (float32, bfloat16, float16 mean the same)."),
-    kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="KV cache storage: bf16 (a float32 model's keys and values rounded to bf16: half the bytes a long context reads each step, as llama.cpp's default f16 cache; read by the fused CPU attention against float32 queries), or int8 / fp8 (quantized, one scale per token and head). Default: the model's compute dtype."),
+    kv_dtype: Optional[str] = KV_DTYPE_OPTION,
     kv_memory_size: Optional[str] = typer.Option(
         None, "--kv-memory", help="KV cache size, e.g. 512MiB, 2GiB or 1.5GB (no unit: bytes; at least 1MiB, at most "
         "the memory free; default: a share of free memory)."),

@@ -22,6 +22,12 @@ if not console.is_terminal:
 
 # --threads, the same in every command that computes: unset leaves torch's default (one per core).
 THREADS_OPTION = typer.Option(None, "--threads", metavar="N", help="CPU threads for torch (default: torch's, one per core).")
+KV_DTYPE_OPTION = typer.Option(
+    None, "--kv-dtype", metavar="bf16|int8|fp8", show_default=False,
+    help="KV cache storage: bf16 (a float32 model's keys and values rounded to bf16: half the memory and half the "
+    "bytes a long context reads each step, as llama.cpp's default f16 cache; the fused CPU attention reads them "
+    "against float32 queries; KLD ~1.5e-4 on SmolLM2), or int8 / fp8 (quantized, one scale per token and head). "
+    "Default: the model's compute dtype.")
 # the default is runtime/cascade.DEFAULT_RUN (not imported here: it loads torch; a test keeps them equal)
 CASCADE_RUN_OPTION = typer.Option(7, "--cascade-run", metavar="N", help="Token cascade: most cheap tokens in a row; "
                                   "the model takes at least every (N+1)-th token, in one pass over the run.")

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from lowbit.cli.common import CASCADE_RUN_OPTION, THREADS_OPTION, apply_threads, console, print_json
+from lowbit.cli.common import CASCADE_RUN_OPTION, KV_DTYPE_OPTION, THREADS_OPTION, apply_threads, console, print_json
 from lowbit.cli.kernel_options import DENSE_ACTIVATIONS_OPTION, INT4_ACTIVATIONS_OPTION, INT8_ACTIVATIONS_OPTION, KERNEL_OPTION, kernel_settings
 from lowbit.cli.main import app
 from lowbit.errors import UsageError
@@ -56,7 +56,7 @@ def generate(
                                             "(1 = the model alone)."),
     cascade_run: int = CASCADE_RUN_OPTION,
     dtype: str = typer.Option("f32", "--dtype", help="Compute dtype: f32 (default), bf16 or f16 (float32, bfloat16, float16 mean the same)."),
-    kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="KV cache storage: bf16 (a float32 model's keys and values rounded to bf16: half the bytes a long context reads each step, as llama.cpp's default f16 cache; read by the fused CPU attention against float32 queries), or int8 / fp8 (quantized, one scale per token and head). Default: the model's compute dtype."),
+    kv_dtype: Optional[str] = KV_DTYPE_OPTION,
     threads: Optional[int] = THREADS_OPTION,
     kernel: Optional[str] = KERNEL_OPTION,
     int4_activations: Optional[str] = INT4_ACTIVATIONS_OPTION,

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from lowbit.cli.common import console
+from lowbit.cli.common import KV_DTYPE_OPTION, console
 from lowbit.cli.kernel_options import DENSE_ACTIVATIONS_OPTION, INT4_ACTIVATIONS_OPTION, INT8_ACTIVATIONS_OPTION, KERNEL_OPTION, kernel_settings
 from lowbit.cli.main import app
 from lowbit.errors import UsageError
@@ -48,6 +48,7 @@ def serve_command(
                                                 "(prompt + output; at most the model's max_position_embeddings, "
                                                 "the default)."),
     dtype: str = typer.Option("f32", "--dtype", help="Compute dtype: f32 (default) or bf16 (float32, bfloat16 mean the same)."),
+    kv_dtype: Optional[str] = KV_DTYPE_OPTION,
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for the model (default: torch's, "
                                           "one per core; 1 is faster on a machine busy with other work)."),
     kernel: Optional[str] = KERNEL_OPTION,
@@ -65,6 +66,7 @@ def serve_command(
     from lowbit.runtime.server.app import ServerConfig, serve
     from lowbit.cli.sizes import MIB, check_memory, check_positions, model_positions, parse_size
     from lowbit.runtime.early_exit import check_threshold
+    from lowbit.runtime.engine.paged_cache import check_kv_dtype
     from lowbit.runtime.server.launch import cascade_model, engine_factory
 
     max_body = parse_size(max_body_size, "--max-body-bytes")
@@ -78,6 +80,7 @@ def serve_command(
     if max_model_len is not None and max_model_len < 2:
         raise UsageError(f"--max-model-len must be >= 2, got {max_model_len}")
     check_threshold(cascade_threshold, "--cascade-threshold")
+    check_kv_dtype(kv_dtype)  # before the engine thread loads anything
     settings = kernel_settings(kernel, int4_activations, dense_activations, int8_activations)
     key = api_key if api_key is not None else os.environ.get("LOWBIT_API_KEY") or None
     # the shared size syntax (lowbit/cli/sizes.py); 1MiB at least, so a bare 512 meant as MiB is an error
@@ -90,7 +93,7 @@ def serve_command(
         check_memory("--kv-memory", kv_memory, kv_bytes)
     # under --cascade each engine gets half of a given --kv-memory (unset: each its own share of what is free)
     kv_each = kv_bytes // 2 if cascade is not None and kv_bytes is not None else kv_bytes
-    common = dict(dtype=dtype, kv_memory=kv_each, max_running=max_running, max_model_len=max_model_len,
+    common = dict(dtype=dtype, kv_dtype=kv_dtype, kv_memory=kv_each, max_running=max_running, max_model_len=max_model_len,
                   threads=threads, kernel_settings=settings, max_prefill_tokens=max_prefill_tokens)
     build = engine_factory(path, draft=draft, **common)
     build_cheap = None

@@ -162,3 +162,19 @@ def test_speculative_page_states_the_measured_accepted_length(smollm2_dir, run_c
 def test_serve_refuses_a_prefill_cap_below_one(tiny_float_model, run_cli):
     code, _, err = run_cli(["serve", str(tiny_float_model()), "--max-prefill-tokens", "0"])
     assert code == 2 and "--max-prefill-tokens must be >= 1, got 0" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("command", [["serve"], ["bench", "--batches", "1"], ["generate", "hi"]])
+def test_an_unknown_kv_dtype_is_one_line_before_loading(tiny_float_model, run_cli, command):
+    code, out, err = run_cli([command[0], str(tiny_float_model()), *command[1:], "--kv-dtype", "f8"])
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert "unknown KV cache dtype 'f8' (choose from bf16, int8, fp8)" in err
+
+
+def test_serve_builds_its_engine_over_the_kv_dtype(tiny_float_model):
+    import torch
+
+    from lowbit.runtime.server.launch import engine_factory
+
+    engine = engine_factory(tiny_float_model(), kv_dtype="bf16", kv_memory=1 << 20, max_running=2)()
+    assert engine.cache.keys[0].dtype == torch.bfloat16 and engine.cache.fused_decode

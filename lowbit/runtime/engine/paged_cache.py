@@ -40,6 +40,12 @@ KV_DTYPES = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
 FLOAT_KV_DTYPES = {"bf16": torch.bfloat16}  # a float pool of its own dtype: no scales
 
 
+def check_kv_dtype(kv_dtype: str | None) -> None:
+    """A one-line usage error for a --kv-dtype this cache does not store."""
+    if kv_dtype is not None and kv_dtype not in KV_DTYPES and kv_dtype not in FLOAT_KV_DTYPES:
+        raise UsageError(f"unknown KV cache dtype '{kv_dtype}' (choose from {', '.join([*FLOAT_KV_DTYPES, *KV_DTYPES])})")
+
+
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype, kv_dtype: str | None = None) -> int:
     """Bytes one token's keys and values take over all layers (scales included)."""
     if kv_dtype in FLOAT_KV_DTYPES:
@@ -57,8 +63,7 @@ class PagedKVCache(AttentionCache):
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str, kv_dtype: str | None = None):
-        if kv_dtype is not None and kv_dtype not in KV_DTYPES and kv_dtype not in FLOAT_KV_DTYPES:
-            raise UsageError(f"unknown KV cache dtype '{kv_dtype}' (choose from {', '.join([*FLOAT_KV_DTYPES, *KV_DTYPES])})")
+        check_kv_dtype(kv_dtype)
         if kv_dtype in FLOAT_KV_DTYPES and FLOAT_KV_DTYPES[kv_dtype] == dtype:
             kv_dtype = None  # the model's own dtype: the plain pool
         self.config = config

@@ -12,7 +12,8 @@ from lowbit.quant.dtypes import dtype_name
 DTYPES = ("f32", "bf16")
 
 
-def engine_factory(model_path: Path, *, dtype: str = "f32", kv_memory: int | None = None, max_running: int = 64,
+def engine_factory(model_path: Path, *, dtype: str = "f32", kv_dtype: str | None = None, kv_memory: int | None = None,
+                   max_running: int = 64,
                    max_model_len: int | None = None, draft: str | None = None,
                    threads: int | None = None, kernel_settings=None,
                    max_prefill_tokens: int | None = None, quantize_to: str | None = None) -> Callable[[], Any]:
@@ -33,7 +34,7 @@ def engine_factory(model_path: Path, *, dtype: str = "f32", kv_memory: int | Non
             torch.set_num_threads(threads)
         torch_dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
         with use_settings(kernel_settings):  # None: KernelSettings(), the environment's choices
-            return Engine(str(model_path), dtype=torch_dtype, kv_memory=kv_memory, max_num_seqs=max_running,
+            return Engine(str(model_path), dtype=torch_dtype, kv_dtype=kv_dtype, kv_memory=kv_memory, max_num_seqs=max_running,
                           max_model_len=max_model_len, draft=draft, max_prefill_tokens=max_prefill_tokens,
                           quantize_to=quantize_to)
 
