@@ -121,11 +121,22 @@ typedef struct {
 #define LOWBIT_MAX_ROWS_MOE 4096 /* rows of one step through a MoE block (the engine's token budget is smaller) */
 
 /* What changes from step to step: the rows' positions, KV slots, items and block tables
-   (runtime/engine/paged_attention.py DecodeIndex), and the rotary tables [rows, head_dim / 2]. */
+   (runtime/engine/paged_attention.py DecodeIndex), and the rotary tables: per row [rows, head_dim / 2]
+   in cos/sin, or (cos[r] NULL) whole tables [positions, head_dim / 2] in cos_table/sin_table that
+   the step indexes by position itself. With ids, the step also fills x: row t = embed[ids[t]]
+   (float32 or bf16 widened) times embed_scale, as the model's embedding does (Gemma scales by
+   sqrt(hidden), others by 1). Both spare the engine ~0.1 ms of torch calls a step. */
 typedef struct {
     int64_t rows, nb;
     const int64_t *pos, *slots, *items, *tables;
     const float *cos[MAX_ROPES], *sin[MAX_ROPES];
+    const float *cos_table[MAX_ROPES], *sin_table[MAX_ROPES];
+    int64_t table_rows;  /* positions in each cos_table/sin_table */
+    const int64_t *ids;  /* or NULL: x is given */
+    const void *embed;   /* [embed_rows, hidden] */
+    int64_t embed_rows;
+    int32_t embed_bf16;
+    float embed_scale;
 } ChainStep;
 
 static int linear(const ChainLinear *l, const float *x, int64_t ldx, int64_t M, float *y, int threads) {
@@ -218,14 +229,37 @@ int lowbit_decode_layers(const Chain *c, const ChainStep *s, int64_t first, int6
                  malloc((size_t)(M * H) * sizeof(float)), malloc((size_t)(M * H) * sizeof(float)),
                  malloc((size_t)(M * kk) * sizeof(float)), malloc((size_t)M * sizeof(float)),
                  malloc((size_t)(M * kk) * sizeof(int64_t)), malloc((size_t)M * sizeof(int64_t))};
+    const int64_t half = D / 2;
+    float *ropes = malloc((size_t)(MAX_ROPES * 2 * M * half) * sizeof(float));
+    const float *cs[MAX_ROPES], *sn[MAX_ROPES];
     int rc = -3;
-    if (!h || !qkv || !att || !a || !r || !qn || !kn || !w.gu || !w.act || !w.xe || !w.ye || !w.wts || !w.sig || !w.sel || !w.idx)
+    if (!h || !qkv || !att || !a || !r || !qn || !kn || !ropes || !w.gu || !w.act || !w.xe || !w.ye || !w.wts || !w.sig || !w.sel
+        || !w.idx)
         goto done;
+    rc = -1;
+    for (int ri = 0; ri < MAX_ROPES; ri++) {
+        cs[ri] = s->cos[ri], sn[ri] = s->sin[ri];
+        if (cs[ri] || !s->cos_table[ri] || !s->sin_table[ri]) continue;
+        float *c0 = ropes + (2 * ri) * M * half, *s0 = ropes + (2 * ri + 1) * M * half;
+        for (int64_t t = 0; t < M; t++) {
+            if (s->pos[t] < 0 || s->pos[t] >= s->table_rows) goto done;
+            memcpy(c0 + t * half, s->cos_table[ri] + s->pos[t] * half, (size_t)half * sizeof(float));
+            memcpy(s0 + t * half, s->sin_table[ri] + s->pos[t] * half, (size_t)half * sizeof(float));
+        }
+        cs[ri] = c0, sn[ri] = s0;
+    }
+    if (s->ids) {
+        for (int64_t t = 0; t < M; t++) {
+            const int64_t id = s->ids[t];
+            if (id < 0 || id >= s->embed_rows) goto done;
+            for (int64_t d = 0; d < H; d++) x[t * H + d] = lowbit_load(s->embed, id * H + d, s->embed_bf16) * s->embed_scale;
+        }
+    }
     const float *pending_norm = NULL; /* the previous layer's post_ffn: applied to r in the next add */
     for (int64_t i = first; i < last; i++) {
         const ChainLayer *L = c->layers + i;
         if (L->qkv.n != qkv_n || (!L->moe && L->mlp.gate_up.n > 2 * I) || (L->moe && (L->moe->top_k > kk || !c->moe_route))
-            || L->rope < 0 || L->rope >= MAX_ROPES || !s->cos[L->rope]
+            || L->rope < 0 || L->rope >= MAX_ROPES || !cs[L->rope]
             || (L->q_norm && (L->q_norm_width <= 0 || qs % L->q_norm_width)) || (L->k_norm && (L->k_norm_width <= 0 || kvs % L->k_norm_width))) {
             rc = -1;
             goto done;
@@ -244,7 +278,7 @@ int lowbit_decode_layers(const Chain *c, const ChainStep *s, int64_t first, int6
                           threads));
             k = kn, ldk = kvs;
         }
-        CHECK(paged_decode(q, ldq, k, ldk, qkv + qs + kvs, qkv_n, s->cos[L->rope], s->sin[L->rope], c->pool_bf16 ? 2 : 0, s->pos, s->slots, s->items,
+        CHECK(paged_decode(q, ldq, k, ldk, qkv + qs + kvs, qkv_n, cs[L->rope], sn[L->rope], c->pool_bf16 ? 2 : 0, s->pos, s->slots, s->items,
                            s->tables, s->nb, L->kpool, L->vpool, att, M, c->heads, c->kv_heads, D, c->block_size, L->window,
                            c->scale, threads));
         CHECK(linear(&L->o, att, qs, M, a, threads));
@@ -258,6 +292,7 @@ int lowbit_decode_layers(const Chain *c, const ChainStep *s, int64_t first, int6
     else CHECK(add_rmsnorm(x, H, r, H, pending_norm, M, H, NULL, c->eps, c->unit_offset, 0, x, H, NULL, H, threads));
     rc = 0;
 done:
+    free(ropes);
     free(qn);
     free(kn);
     free(h);

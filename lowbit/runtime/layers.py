@@ -113,6 +113,13 @@ class Rotary:
         self.cos, self.sin = freqs.cos(), freqs.sin()
         self._typed = {}
 
+    def tables(self, max_position: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The float32 cos and sin tables [positions, head_dim/2], grown to hold max_position
+        (the one-call decode step indexes them itself)."""
+        if max_position >= self.cos.shape[0] or self.cos.device != device:
+            self._grow(max_position + 1, device)
+        return self.cos, self.sin
+
     def cos_sin(self, positions: torch.Tensor, max_position: int, dtype: torch.dtype):
         """cos, sin of shape [B or 1, 1, T, head_dim/2] for positions [T] or [B, T]."""
         if max_position >= self.cos.shape[0] or self.cos.device != positions.device:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import operator
 
 import torch
+from torch import nn
 from torch.nn.modules import module as torch_module
 
 from lowbit.kernels import cpu_f32, cpu_moe, cpu_rowops, decode_chain
@@ -204,21 +205,38 @@ class ChainedDecoder:
         return self.chain.max_rows is None or meta.slot_mapping.numel() <= self.chain.max_rows
 
     def forward(self, ids: list[int], positions: torch.Tensor, max_position: int, meta: StepMetadata) -> torch.Tensor:
-        """Hidden states after the final norm, [T, hidden] float32, as DecoderModel.forward gives them."""
+        """Hidden states after the final norm, [T, hidden] float32, as DecoderModel.forward gives them.
+        The C step embeds the rows and indexes the rotary tables itself where it can (the same
+        values; the torch calls cost ~0.1 ms a step, their code and data cold after the weights
+        streamed through the caches)."""
         inner = self.model.model
-        h = inner.embed_tokens(torch.tensor(ids, dtype=torch.long))
+        token_ids = torch.tensor(ids, dtype=torch.long)
+        d = meta.decode
+        tables = [rotary.tables(max_position, positions.device) for rotary in inner.rotaries]
+        cos, sin = [c for c, _ in tables], [s for _, s in tables]
+        table = _embedding_table(inner.embed_tokens)
+        if table is not None:
+            scale = torch.tensor(inner.hidden_size**0.5, dtype=torch.float32).item() if inner.scale_embeddings else 1.0
+            h = torch.empty(len(ids), inner.hidden_size)
+            return self.chain.run(h, d.positions, meta.slot_mapping, d.items, d.tables, cos, sin, inner.norm.weight.data,
+                                  by_position=True, embed=decode_chain.Embedding(token_ids, table, scale))
+        h = inner.embed_tokens(token_ids)
         if h.dtype is not torch.float32:
             h = h.float()  # a table kept in bf16 for the tied head: exact
         if inner.scale_embeddings:
             h = h * torch.tensor(inner.hidden_size**0.5, dtype=h.dtype).item()  # as DecoderModel.forward rounds it
-        half = inner.rotaries[0].inv_freq.numel()
-        cos, sin = [], []
-        for rotary in inner.rotaries:
-            c, s = rotary.cos_sin(positions, max_position, torch.float32)
-            cos.append(c.reshape(-1, half).contiguous())
-            sin.append(s.reshape(-1, half).contiguous())
-        d = meta.decode
-        return self.chain.run(h, d.positions, meta.slot_mapping, d.items, d.tables, cos, sin, inner.norm.weight.data)
+        return self.chain.run(h.contiguous(), d.positions, meta.slot_mapping, d.items, d.tables, cos, sin,
+                              inner.norm.weight.data, by_position=True)
+
+
+def _embedding_table(embed) -> torch.Tensor | None:
+    """The weight of a plain embedding lookup the C step can do (float32 or bf16, contiguous), or None."""
+    if type(embed) is not nn.Embedding or embed.max_norm is not None:
+        return None
+    w = embed.weight
+    if w.dtype not in (torch.float32, torch.bfloat16) or not w.is_contiguous() or w.device.type != "cpu":
+        return None
+    return w.data
 
 
 def build(model, cache) -> ChainedDecoder | None:
