@@ -78,7 +78,7 @@ def _random_cache(kv_dtype, block_size=8, num_blocks=12):
 
 
 @pytest.mark.skipif(SHARD != 0, reason="the paged cases run in shard 0")
-@pytest.mark.parametrize("kv_dtype", [None, "int8", "fp8"])
+@pytest.mark.parametrize("kv_dtype", [None, "bf16", "int8", "fp8"])
 @pytest.mark.parametrize("window", [None, 5])
 def test_paged_decode_kernel_matches_reference(kv_dtype, window):
     from lowbit.kernels.triton_paged import paged_decode
