@@ -62,8 +62,8 @@ class Chain(ctypes.Structure):
 
 class ChainStep(ctypes.Structure):
     _fields_ = [("rows", c_int64), ("nb", c_int64), ("pos", c_void_p), ("slots", c_void_p), ("items", c_void_p),
-                ("tables", c_void_p), ("cos", c_void_p * MAX_ROPES), ("sin", c_void_p * MAX_ROPES),
-                ("cos_table", c_void_p * MAX_ROPES), ("sin_table", c_void_p * MAX_ROPES), ("table_rows", c_int64),
+                ("tables", c_void_p), ("cos_table", c_void_p * MAX_ROPES), ("sin_table", c_void_p * MAX_ROPES),
+                ("table_rows", c_int64),
                 ("ids", c_void_p), ("embed", c_void_p), ("embed_rows", c_int64), ("embed_bf16", c_int32),
                 ("embed_scale", c_float)]
 
@@ -248,22 +248,18 @@ class DecodeChain:
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, items: torch.Tensor, tables: torch.Tensor,
             cos: list[torch.Tensor], sin: list[torch.Tensor], final_norm: torch.Tensor | None,
-            first: int = 0, last: int | None = None, *, by_position: bool = False,
-            embed: Embedding | None = None) -> torch.Tensor:
+            first: int = 0, last: int | None = None, *, embed: Embedding | None = None) -> torch.Tensor:
         """x [T, hidden] float32 rows (the embeddings; updated in place to the residual stream) ->
         final_norm(stream) [T, hidden], or x itself without a final norm. positions, slots, items
         [T] and tables [B, blocks] int64 as paged_attention.DecodeIndex has them; cos/sin per
-        rotary, float32 contiguous: [T, head_dim / 2], or with `by_position` whole tables
-        [positions, head_dim / 2] the step indexes by `positions` itself. With `embed`, x is only
-        storage: the step fills it with the rows' embeddings first."""
+        rotary, whole float32 tables [positions, head_dim / 2] (contiguous) the step indexes by
+        `positions` itself. With `embed`, x is only storage: the step fills it with the rows'
+        embeddings first."""
         t = x.shape[0]
         step = ChainStep(t, tables.shape[1], positions.data_ptr(), slots.data_ptr(), items.data_ptr(), tables.data_ptr())
         for i, (c, s) in enumerate(zip(cos, sin)):
-            if by_position:
-                step.cos_table[i], step.sin_table[i] = c.data_ptr(), s.data_ptr()
-                step.table_rows = c.shape[0] if i == 0 else min(step.table_rows, c.shape[0], s.shape[0])
-            else:
-                step.cos[i], step.sin[i] = c.data_ptr(), s.data_ptr()
+            step.cos_table[i], step.sin_table[i] = c.data_ptr(), s.data_ptr()
+        step.table_rows = min(table.shape[0] for table in cos + sin)
         if embed is not None:
             step.ids, step.embed, step.embed_rows = embed.ids.data_ptr(), embed.table.data_ptr(), embed.table.shape[0]
             step.embed_bf16, step.embed_scale = int(embed.table.dtype == torch.bfloat16), embed.scale

@@ -121,15 +121,13 @@ typedef struct {
 #define LOWBIT_MAX_ROWS_MOE 4096 /* rows of one step through a MoE block (the engine's token budget is smaller) */
 
 /* What changes from step to step: the rows' positions, KV slots, items and block tables
-   (runtime/engine/paged_attention.py DecodeIndex), and the rotary tables: per row [rows, head_dim / 2]
-   in cos/sin, or (cos[r] NULL) whole tables [positions, head_dim / 2] in cos_table/sin_table that
-   the step indexes by position itself. With ids, the step also fills x: row t = embed[ids[t]]
-   (float32 or bf16 widened) times embed_scale, as the model's embedding does (Gemma scales by
-   sqrt(hidden), others by 1). Both spare the engine ~0.1 ms of torch calls a step. */
+   (runtime/engine/paged_attention.py DecodeIndex), and the rotary tables, whole [positions,
+   head_dim / 2], which the step indexes by position itself. With ids, the step also fills x: row
+   t = embed[ids[t]] (float32 or bf16 widened) times embed_scale, as the model's embedding does
+   (Gemma scales by sqrt(hidden), others by 1). Both spare the engine ~0.1 ms of torch calls a step. */
 typedef struct {
     int64_t rows, nb;
     const int64_t *pos, *slots, *items, *tables;
-    const float *cos[MAX_ROPES], *sin[MAX_ROPES];
     const float *cos_table[MAX_ROPES], *sin_table[MAX_ROPES];
     int64_t table_rows;  /* positions in each cos_table/sin_table */
     const int64_t *ids;  /* or NULL: x is given */
@@ -238,8 +236,8 @@ int lowbit_decode_layers(const Chain *c, const ChainStep *s, int64_t first, int6
         goto done;
     rc = -1;
     for (int ri = 0; ri < MAX_ROPES; ri++) {
-        cs[ri] = s->cos[ri], sn[ri] = s->sin[ri];
-        if (cs[ri] || !s->cos_table[ri] || !s->sin_table[ri]) continue;
+        cs[ri] = sn[ri] = NULL;
+        if (!s->cos_table[ri] || !s->sin_table[ri]) continue;
         float *c0 = ropes + (2 * ri) * M * half, *s0 = ropes + (2 * ri + 1) * M * half;
         for (int64_t t = 0; t < M; t++) {
             if (s->pos[t] < 0 || s->pos[t] >= s->table_rows) goto done;

@@ -313,28 +313,16 @@ static inline __attribute__((always_inline)) int64_t scores_regs4(const int NV, 
     return j;
 }
 
-/* scores_regs4 for the head size and head count of BY_HEADS, behind one call that is never
-   inlined: inlined into scores() beside the per-position loops, it made the compiler lay out those
-   loops worse (one head over a float32 pool at 2048 positions: 6.8 -> 8.5 ms for 30 layers). */
-static __attribute__((noinline)) int64_t scores_blocks(int64_t D, int64_t hc, const float *qv, int64_t nk, int64_t lo,
-                                                       int64_t p, const int64_t *bt, int64_t block_size, int64_t row,
-                                                       int64_t off, const void *kpool, const void *vpool, int bf16, float scale,
-                                                       float *sc, int64_t ml, int fetch_values) {
-#define S4(NV, HC) return scores_regs4(NV, HC, qv, nk, lo, p, bt, block_size, row, off, kpool, vpool, bf16, scale, sc, ml, fetch_values)
-    if (D == 64) {
-        switch (hc) {
-        case 1: S4(4, 1);
-        case 2: S4(4, 2);
-        case 3: S4(4, 3);
-        case 4: S4(4, 4);
-        default: S4(4, 5);
-        }
-    }
-    if (D == 128) {
-        if (hc == 1) S4(8, 1);
-        S4(8, 2);
-    }
-    S4(16, 1);
+/* scores_regs4 for the head size and head count of BY_HEADS, its first position left for
+   scores_regs into *j0, behind one call that is never inlined: inlined into scores() beside the
+   per-position loops, it made the compiler lay out those loops worse (one head over a float32
+   pool at 2048 positions: 6.8 -> 8.5 ms for 30 layers). */
+static __attribute__((noinline)) void scores_blocks(int64_t D, int64_t hc, const float *qv, int64_t nk, int64_t lo,
+                                                    int64_t p, const int64_t *bt, int64_t block_size, int64_t row,
+                                                    int64_t off, const void *kpool, const void *vpool, int bf16, float scale,
+                                                    float *sc, int64_t ml, int fetch_values, int64_t *j0) {
+#define S4(NV, HC) *j0 = scores_regs4(NV, HC, qv, nk, lo, p, bt, block_size, row, off, kpool, vpool, bf16, scale, sc, ml, fetch_values)
+    BY_HEADS(D, hc, S4);
 #undef S4
 }
 #endif
@@ -395,9 +383,9 @@ static void scores(const float *qv, int64_t nk, int64_t hc, int64_t D, int64_t l
 #ifdef HAVE_AVX512_ATTN
     if (regs_heads(D) >= hc) {
         /* several heads per KV head, or a bf16 pool: four positions at a time first (scores_regs4) */
-        const int64_t j0 = (hc > 1 || bf16) && !(bf16 && q_bf16)
-                               ? scores_blocks(D, hc, qv, nk, lo, p, bt, block_size, row, off, kpool, vpool, bf16, scale, sc, ml, fetch_values)
-                               : lo;
+        int64_t j0 = lo;
+        if ((hc > 1 || bf16) && !(bf16 && q_bf16))
+            scores_blocks(D, hc, qv, nk, lo, p, bt, block_size, row, off, kpool, vpool, bf16, scale, sc, ml, fetch_values, &j0);
 #ifdef HAVE_BF16_SCORES
 #define SR(NV, HC)                                                                                                 \
     do {                                                                                                           \

@@ -62,8 +62,8 @@ def _check_model(model, cache) -> None:
     inner = model.model
     if not decode_chain.available() or not cpu_f32.available():
         raise Unsupported("the C kernels are not built")
-    if not isinstance(cache, PagedKVCache) or not cache.fused_decode or cache.kv_dtype not in (None, "bf16") \
-            or cache.dtype is not torch.float32:
+    # (fused_decode: a float32 or bf16-stored pool, never a quantized one)
+    if not isinstance(cache, PagedKVCache) or not cache.fused_decode or cache.dtype is not torch.float32:
         raise Unsupported("not a float32 model over the paged float32 cache (or its bf16-stored one) with the fused CPU decode attention")
     if len(inner.rotaries) > decode_chain.MAX_ROPES or not inner.layers:
         raise Unsupported(f"more than {decode_chain.MAX_ROPES} rotary tables, or no layers")
@@ -214,19 +214,17 @@ class ChainedDecoder:
         d = meta.decode
         tables = [rotary.tables(max_position, positions.device) for rotary in inner.rotaries]
         cos, sin = [c for c, _ in tables], [s for _, s in tables]
+        # as DecoderModel.forward rounds it: sqrt(hidden) as a float32 value
+        scale = torch.tensor(inner.hidden_size**0.5, dtype=torch.float32).item() if inner.scale_embeddings else 1.0
         table = _embedding_table(inner.embed_tokens)
         if table is not None:
-            scale = torch.tensor(inner.hidden_size**0.5, dtype=torch.float32).item() if inner.scale_embeddings else 1.0
-            h = torch.empty(len(ids), inner.hidden_size)
-            return self.chain.run(h, d.positions, meta.slot_mapping, d.items, d.tables, cos, sin, inner.norm.weight.data,
-                                  by_position=True, embed=decode_chain.Embedding(token_ids, table, scale))
-        h = inner.embed_tokens(token_ids)
-        if h.dtype is not torch.float32:
-            h = h.float()  # a table kept in bf16 for the tied head: exact
-        if inner.scale_embeddings:
-            h = h * torch.tensor(inner.hidden_size**0.5, dtype=h.dtype).item()  # as DecoderModel.forward rounds it
+            h, embed = torch.empty(len(ids), inner.hidden_size), decode_chain.Embedding(token_ids, table, scale)
+        else:
+            h, embed = inner.embed_tokens(token_ids).float(), None  # a table kept in bf16 for the tied head: exact
+            if inner.scale_embeddings:
+                h = h * scale
         return self.chain.run(h.contiguous(), d.positions, meta.slot_mapping, d.items, d.tables, cos, sin,
-                              inner.norm.weight.data, by_position=True)
+                              inner.norm.weight.data, embed=embed)
 
 
 def _embedding_table(embed) -> torch.Tensor | None:
