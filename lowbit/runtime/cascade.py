@@ -116,9 +116,10 @@ def wrap_eval_job(job, cheap_spec: str, threshold: float, confidence: str = "top
 
     settings = CascadeSettings(threshold, confidence)
     path = resolve_model(job.model_name)
-    device = job.model.model.norm.weight.device
-    cheap = load_cheap_model(cheap_spec, path, load_tokenizer(path), job.model.model.norm.weight.dtype, device)
-    cascade = CascadeLM(job.model, cheap, settings)
+    lm = job.causal_lm()
+    device = lm.model.norm.weight.device
+    cheap = load_cheap_model(cheap_spec, path, load_tokenizer(path), lm.model.norm.weight.dtype, device)
+    cascade = CascadeLM(lm, cheap, settings)
     if job.base_model is None:
         job.base_model = FullLogits(cascade)
         job.base_name = f"{job.model_name} (the full model alone)"

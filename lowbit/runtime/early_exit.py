@@ -270,8 +270,9 @@ def wrap_eval_job(job, layers: str, threshold: float, confidence: str = "top1") 
     from lowbit.formats.resolve import resolve_model
     from lowbit.runtime.exit_adapters import load_adapters
 
-    adapters = load_adapters(resolve_model(job.model_name), job.model.config)
-    early = EarlyExitLM(job.model, settings_for(job.model, layers, threshold, confidence), adapters)
+    lm = job.causal_lm()
+    adapters = load_adapters(resolve_model(job.model_name), lm.config)
+    early = EarlyExitLM(lm, settings_for(lm, layers, threshold, confidence), adapters)
     if job.base_model is None:
         job.base_model = FullLogits(early)
         job.base_name = f"{job.model_name} (all {early.stats.num_layers} layers)"

@@ -431,6 +431,11 @@ class EvalJob:
     load_s: float
     device: str = "cpu"
 
+    def causal_lm(self):
+        """The model itself, for wrappers that run its layers their own way (early exit, cascade):
+        on the CPU `model` is the engine path's WindowScorer around it."""
+        return getattr(self.model, "lm", self.model)
+
 
 def prepare(
     model: str,
@@ -467,11 +472,7 @@ def prepare(
 
     started = time.perf_counter()
     tokenizer = load_tokenizer(model_path)
-    lm = load_model(model_path, dtype=DTYPES[dtype], device=target)
-    _dense_activations(lm, DTYPES[dtype], target)
-    # No fuse_projections here: eval windows have ctx rows, which take the int4 kernel's prefill
-    # route part by part, so joined q/k/v and gate/up only add a concat (slower, with identical
-    # logits).
+    lm = _scoring_model(model_path, DTYPES[dtype], target, ctx)
     base_lm = None
     if base_path is not None:
         base_lm = load_model(base_path, dtype=DTYPES[dtype], device=target)
@@ -507,15 +508,22 @@ def evaluate(
     return run(prepare(model, data, ctx, chunks, stride, base, dtype, device), on_window)
 
 
-def _dense_activations(lm, dtype: torch.dtype, device: torch.device) -> None:
-    """`--dense-activations bf16`: the model's bf16 dense Linears round x to bf16 as the engine's do
-    (kernels/cpu_f32.py), so eval prices what serve computes; --base stays exact, the reference."""
-    from lowbit.kernels.dispatch import dense_activations
+def _scoring_model(path, dtype: torch.dtype, device: torch.device, ctx: int):
+    """The model eval scores with. On the CPU: the engine's model on the engine's path (one window
+    a prefill through its runner: runtime/engine/window_scorer.py), so eval's log-probabilities are
+    the ones generate and serve compute, bit for bit, in every activation mode; --base stays the
+    plain float32 forward, the reference. Elsewhere the model's own forward."""
+    if device.type == "cpu":
+        from lowbit.kernels import hugepages
+        from lowbit.runtime.engine.engine_model import load_engine_model
+        from lowbit.runtime.engine.window_scorer import WindowScorer
 
-    if dense_activations() == "bf16" and device.type == "cpu" and dtype is torch.float32:
-        from lowbit.kernels.cpu_f32 import use_invariant_linears
+        scorer = WindowScorer(load_engine_model(path, dtype, device), ctx)
+        hugepages.return_freed_memory()
+        return scorer
+    from lowbit.runtime.loader import load_model
 
-        use_invariant_linears(lm)
+    return load_model(path, dtype=dtype, device=device)
 
 
 def _check_same_tokenizer(tokenizer, base_tokenizer, text: str) -> None:

@@ -26,10 +26,11 @@ import torch
 from lowbit.errors import LowbitError, UsageError
 from lowbit.quant.dtypes import parse_dtype
 from lowbit.kernels import hugepages
-from lowbit.kernels.cpu_f32 import available as cpu_f32_available, bf16_available, use_invariant_linears
+from lowbit.kernels.cpu_f32 import bf16_available
 from lowbit.runtime.cascade import CascadeSettings, CascadeStats
 from lowbit.runtime.engine.block_manager import BlockManager
 from lowbit.runtime.engine.detokenizer import IncrementalDetokenizer
+from lowbit.runtime.engine.engine_model import load_engine_model
 from lowbit.runtime.engine.drafter import LayerPrefixDrafter, ModelDrafter, NgramDrafter, parse_draft
 from lowbit.runtime.engine.model_runner import ModelRunner, PromptLogprob, Work
 from lowbit.runtime.engine.paged_cache import PagedKVCache, kv_bytes_per_token
@@ -38,7 +39,6 @@ from lowbit.runtime.engine.sampler import (Sampler, _logprobs, _uses_outputs, gr
 from lowbit.runtime.engine.scheduler import Scheduler
 from lowbit.runtime.engine.sequence import SamplingParams, Sequence
 from lowbit.runtime.engine.speculative import AdaptiveK, SpecStats, rejection_sample
-from lowbit.runtime.models.fusion import fuse_projections
 
 LogprobEntry = tuple[float, list[tuple[int, float]]]  # (chosen token's logprob, top-n (id, logprob))
 
@@ -141,25 +141,7 @@ class Engine:
         path = resolve_model(model)
         self.model_path = path
         self.tokenizer = load_tokenizer(path)  # first: a missing or bad tokenizer fails before seconds of loading
-        with hugepages.arena():  # the weights decode streams, on 2 MB pages (kernels/hugepages.py)
-            # float32 compute on the CPU: bf16-stored Linear weights stay bf16 as they load (the
-            # dense kernel reads them so; widening first held twice their bytes)
-            narrow = self.device.type == "cpu" and self.dtype is torch.float32 and cpu_f32_available()
-            if quantize_to is None:
-                self.model = load_model(path, self.dtype, self.device, bf16_linears=narrow)
-            else:
-                from lowbit.runtime.engine.draft_models import quantized_copy
-
-                self.model = quantized_copy(path, quantize_to, self.dtype, self.device)
-            if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
-                # batch-invariant float32 (and bf16) Linears: a verify of 1 + k rows computes each row
-                # as a plain step does
-                use_invariant_linears(self.model, bf16_weights=narrow)
-            # the joins replace the separate q/k/v and gate/up the load placed: join into fresh chunks
-            # and move the rest there, so the load's chunks go (kernels/hugepages.py)
-            hugepages.new_generation()
-            fuse_projections(self.model)  # q/k/v and gate/up as one matmul where exact (int4dot, invariant dense)
-            hugepages.place_weights(self.model)
+        self.model = load_engine_model(path, self.dtype, self.device, quantize_to)
         self.config = self.model.config
         if num_speculative_tokens < 1:
             raise UsageError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")

@@ -1,0 +1,41 @@
+"""The model as the engine runs it on its device: one loader for `Engine` and for `lowbit eval`
+(runtime/engine/window_scorer.py), so that eval scores with the very weights, kernels and fused
+projections that generate and serve compute with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from lowbit.kernels import hugepages
+from lowbit.kernels.cpu_f32 import available as cpu_f32_available, use_invariant_linears
+from lowbit.runtime.models.fusion import fuse_projections
+
+
+def load_engine_model(path: str | Path, dtype: torch.dtype, device: torch.device, quantize_to: str | None = None):
+    """Load the checkpoint at `path` for the engine. quantize_to: RTN-quantize its Linears to that
+    format as they load (a `self:FORMAT` draft or cascade). The caller frees the loaders'
+    temporaries (hugepages.return_freed_memory) once everything it loads is placed."""
+    from lowbit.runtime.loader import load_model
+
+    with hugepages.arena():  # the weights decode streams, on 2 MB pages (kernels/hugepages.py)
+        # float32 compute on the CPU: bf16-stored Linear weights stay bf16 as they load (the
+        # dense kernel reads them so; widening first held twice their bytes)
+        narrow = device.type == "cpu" and dtype is torch.float32 and cpu_f32_available()
+        if quantize_to is None:
+            model = load_model(path, dtype, device, bf16_linears=narrow)
+        else:
+            from lowbit.runtime.engine.draft_models import quantized_copy
+
+            model = quantized_copy(path, quantize_to, dtype, device)
+        if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+            # batch-invariant float32 (and bf16) Linears: a verify of 1 + k rows computes each row
+            # as a plain step does
+            use_invariant_linears(model, bf16_weights=narrow)
+        # the joins replace the separate q/k/v and gate/up the load placed: join into fresh chunks
+        # and move the rest there, so the load's chunks go (kernels/hugepages.py)
+        hugepages.new_generation()
+        fuse_projections(model)  # q/k/v and gate/up as one matmul where exact (int4dot, invariant dense)
+        hugepages.place_weights(model)
+    return model
