@@ -141,9 +141,7 @@ def supports(qt: QTensor) -> bool:
 def supports_int8(qt: QTensor) -> bool:
     """8-bit integer codes through the int8-activation kernel (path INT8_PATH: W8A8). Chosen for
     8-bit weights unless the int8 activations are turned off (kernels/dispatch.py's
-    `int8_activations`, `--int8-activations f32`). Draft lm_heads take it too, with their top
-    candidates rescored in float32 (draft_models.RescoredHead): the rounded activations alone moved
-    the draft's argmax and cut its acceptance."""
+    `int8_activations`, `--int8-activations f32`)."""
     spec = qt.spec
     if spec.bits != 8 or spec.element != "int" or not vnni_int8_available():
         return False

@@ -4,6 +4,8 @@ precise model verifies."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -11,34 +13,32 @@ from lowbit.errors import UsageError
 
 
 # A draft's lm_head is read in full at every draft step (28M weights on SmolLM2, a large share of
-# a bf16 draft step), and its precision only moves the acceptance rate, never the output. int8 keeps
-# the acceptance: measured on SmolLM2 with a GPTQ int4 draft, mean accepted length 3.37 with a
-# bf16, int8 or float head, 2.0 with int4 (RTN g128) and 2.46 with int4 g32.
-DRAFT_HEAD_FORMAT = "int8"
+# a draft step), and its precision only moves the acceptance rate, never the output. Measured on
+# SmolLM2 with a GPTQ int4 draft, unrescored: mean accepted length 3.37 with a bf16, int8 or float
+# head, 2.0 with int4 (RTN g128) and 2.46 with int4 g32. Rescored (RescoredHead), an int4-g32 head
+# keeps the float head's choice: LOWBIT_DRAFT_HEAD picks the format (tests and comparisons).
+DRAFT_HEAD_FORMAT = os.environ.get("LOWBIT_DRAFT_HEAD", "int4-g32")
 
 
 class RescoredHead(nn.Module):
-    """A draft's int8 lm_head read through the int8-activation kernel (cpu-int8dot: faster than
-    torch's int8 op and cpu-lut's float32 kernel on a head as wide as SmolLM2's 49152 x 576;
-    figures in docs/benchmarks.md), with each row's TOP best candidates rescored in float32 from
-    the int8 weight.
+    """A draft's quantized lm_head read through the fast CPU kernels (int4: cpu-int4dot, int8:
+    cpu-int8dot, both with int8 activations), with each row's TOP best candidates rescored in
+    float32 against the head's float weight (`exact`: the tied embedding's own tensor where the head
+    is tied, so no copy).
 
-    Why rescore: the int8 activations alone moved the draft's argmax often enough to cut the mean
-    accepted length from 3.37 to 2.91; the true argmax is almost always among the approximate
-    top few, and rescoring them restores the float32 head's choice at the cost of TOP dot products."""
+    Why rescore: the quantized weights and activations move the draft's argmax (int8 activations
+    alone cut the mean accepted length from 3.37 to 2.91; an int4 head without rescoring, to 2.46);
+    the float head's argmax is almost always among the approximate top few, and rescoring them
+    restores its choice at the cost of TOP dot products."""
 
     TOP = 16
 
-    def __init__(self, qt, bias: torch.Tensor | None, device):
+    def __init__(self, qt, bias: torch.Tensor | None, device, exact: torch.Tensor):
         super().__init__()
         from lowbit.runtime.quant_linear import QuantLinear
 
-        self.fast = QuantLinear(qt, bias, device, "cpu-int8dot")
-        from lowbit.kernels import layout
-
-        table = layout.code_table(qt)  # 8-bit integer codes: value = code - 128 (supports_int8 checked it)
-        self.q = (layout.codes(qt).to(torch.int16) + int(table[0])).to(torch.int8)  # [N, K] values
-        self.scale = layout.group_scales(qt).scale  # [N, 1] float32 (per channel)
+        self.fast = QuantLinear(qt, bias, device)
+        self.exact = exact.detach()  # [N, K] float32 or bf16 (a plain attribute: not a parameter)
         self.bias = bias
         self.label = qt.spec.label
 
@@ -47,19 +47,21 @@ class RescoredHead(nn.Module):
         flat = y.view(-1, y.shape[-1])
         xs = x.reshape(-1, x.shape[-1]).float()
         top = flat.topk(min(self.TOP, flat.shape[-1]), dim=-1).indices  # [M, TOP]
-        exact = torch.einsum("mtk,mk->mt", self.q[top].float() * self.scale[top], xs)
+        exact = torch.einsum("mtk,mk->mt", self.exact[top].float(), xs)
         if self.bias is not None:
             exact = exact + self.bias.float()[top]
         flat.scatter_(1, top, exact.to(flat.dtype))
         return y
 
 
-def _draft_head(qt, bias, device) -> nn.Module:
-    from lowbit.kernels import cpu_int4dot
+def _draft_head(weight: torch.Tensor, bias, device, fmt: str) -> nn.Module:
+    from lowbit.quant.rtn import quantize_rtn
+    from lowbit.quant.spec import parse_spec
     from lowbit.runtime.quant_linear import QuantLinear
 
-    if torch.device(device).type == "cpu" and cpu_int4dot.supports_int8(qt):
-        return RescoredHead(qt, bias, device)
+    qt = quantize_rtn(weight.detach().float(), parse_spec(fmt))
+    if torch.device(device).type == "cpu":
+        return RescoredHead(qt, bias, device, weight)
     return QuantLinear(qt, bias, device)
 
 
@@ -75,10 +77,10 @@ def quantize_linears_(model: nn.Module, fmt: str, device, head_fmt: str | None =
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                is_head = bool(head_fmt) and child is head
-                qt = quantize_rtn(child.weight.detach().float(), parse_spec(head_fmt) if is_head else spec)
-                setattr(module, name, _draft_head(qt, child.bias, device) if is_head
-                        else QuantLinear(qt, child.bias, device))
+                if head_fmt and child is head:
+                    setattr(module, name, _draft_head(child.weight, child.bias, device, head_fmt))
+                else:
+                    setattr(module, name, QuantLinear(quantize_rtn(child.weight.detach().float(), spec), child.bias, device))
     from lowbit.runtime.models.fusion import fuse_projections
 
     fuse_projections(model)
@@ -87,13 +89,9 @@ def quantize_linears_(model: nn.Module, fmt: str, device, head_fmt: str | None =
 
 def quantize_draft_head_(model: nn.Module, device) -> nn.Module:
     """A draft model's float lm_head, on CPU, as DRAFT_HEAD_FORMAT (quantized heads stay)."""
-    from lowbit.quant.rtn import quantize_rtn
-    from lowbit.quant.spec import parse_spec
-
     head = getattr(model, "lm_head", None)
     if torch.device(device).type == "cpu" and isinstance(head, nn.Linear):
-        qt = quantize_rtn(head.weight.detach().float(), parse_spec(DRAFT_HEAD_FORMAT))
-        model.lm_head = _draft_head(qt, head.bias, device)
+        model.lm_head = _draft_head(head.weight, head.bias, device, DRAFT_HEAD_FORMAT)
     return model
 
 
@@ -115,15 +113,13 @@ def check_same_tokenizer(path, target_tokenizer, what: str, whose: str = "the ta
 
 def load_draft_model(arg: str, target_tokenizer, dtype: torch.dtype, device, role: str = "draft model") -> nn.Module:
     from lowbit.formats.resolve import resolve_model
-    from lowbit.runtime.loader import load_model
 
     path = resolve_model(arg)
     check_same_tokenizer(path, target_tokenizer, f"{role} {arg}")
-    from lowbit.runtime.models.fusion import fuse_projections
+    from lowbit.runtime.engine.engine_model import load_engine_model
 
-    model = load_model(path, dtype, device)
-    fuse_projections(model)
-    return quantize_draft_head_(model, device)
+    # as the engine loads its target (invariant Linears, joined projections): the one-call decode step
+    return load_engine_model(path, dtype, torch.device(device), draft_head=True)
 
 
 def layer_prefix(model: nn.Module, num_layers: int, adapter: nn.Module | None = None, option: str = "--draft") -> nn.Module:

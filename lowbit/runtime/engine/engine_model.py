@@ -13,10 +13,12 @@ from lowbit.kernels.cpu_f32 import available as cpu_f32_available, use_invariant
 from lowbit.runtime.models.fusion import fuse_projections
 
 
-def load_engine_model(path: str | Path, dtype: torch.dtype, device: torch.device, quantize_to: str | None = None):
+def load_engine_model(path: str | Path, dtype: torch.dtype, device: torch.device, quantize_to: str | None = None,
+                      draft_head: bool = False):
     """Load the checkpoint at `path` for the engine. quantize_to: RTN-quantize its Linears to that
-    format as they load (a `self:FORMAT` draft or cascade). The caller frees the loaders'
-    temporaries (hugepages.return_freed_memory) once everything it loads is placed."""
+    format as they load (a `self:FORMAT` draft or cascade). draft_head: a draft model's head, read
+    in full at every draft step, in int8 on the CPU (draft_models.quantize_draft_head_). The caller
+    frees the loaders' temporaries (hugepages.return_freed_memory) once everything it loads is placed."""
     from lowbit.runtime.loader import load_model
 
     with hugepages.arena():  # the weights decode streams, on 2 MB pages (kernels/hugepages.py)
@@ -25,6 +27,10 @@ def load_engine_model(path: str | Path, dtype: torch.dtype, device: torch.device
         narrow = device.type == "cpu" and dtype is torch.float32 and cpu_f32_available()
         if quantize_to is None:
             model = load_model(path, dtype, device, bf16_linears=narrow)
+            if draft_head:
+                from lowbit.runtime.engine.draft_models import quantize_draft_head_
+
+                quantize_draft_head_(model, device)
         else:
             from lowbit.runtime.engine.draft_models import quantized_copy
 

@@ -1,32 +1,37 @@
-"""The draft's int8 lm_head with int8 activations and its best candidates rescored in float32."""
+"""The draft's quantized lm_head (int4-g32 by default, int8 too) with int8 activations and its best
+candidates rescored in float32 against the float head's own weight."""
 
 import pytest
 import torch
 
 from lowbit.kernels import cpu_int4dot
-from lowbit.quant.rtn import quantize_rtn
-from lowbit.quant.spec import parse_spec
-from lowbit.runtime.engine.draft_models import RescoredHead
+from lowbit.runtime.engine.draft_models import DRAFT_HEAD_FORMAT, RescoredHead, _draft_head
 
-pytestmark = pytest.mark.skipif(not cpu_int4dot.vnni_int8_available(), reason="8-bit codes need the AVX512-VNNI build")
+pytestmark = pytest.mark.skipif(not cpu_int4dot.vnni_int8_available(), reason="int8 activations need the AVX512-VNNI build")
 
 
-def test_top_candidates_are_exact_and_the_argmax_is_the_float_heads():
+@pytest.mark.parametrize("fmt, path", [("int4-g32", "cpu-int4dot"), ("int8", "cpu-int8dot")])
+def test_top_candidates_are_exact_and_the_argmax_is_the_float_heads(fmt, path, monkeypatch):
+    monkeypatch.setenv("LOWBIT_INT8_ACTIVATIONS", "int8")  # the default on VNNI (conftest pins f32)
     torch.manual_seed(0)
     w = torch.randn(4000, 192)
-    qt = quantize_rtn(w, parse_spec("int8"))
-    head = RescoredHead(qt, None, "cpu")
-    assert head.fast.prepared.path == "cpu-int8dot"
-    exact_w = qt.dequantize(torch.float64)
+    head = _draft_head(w, None, "cpu", fmt)
+    assert isinstance(head, RescoredHead) and head.label == fmt and head.fast.prepared.path == path
+    assert head.exact is w or head.exact.data_ptr() == w.data_ptr()  # the float weight itself, no copy
     x = torch.randn(6, 192)
     x[:, 3] *= 30  # an outlier channel, as final-norm outputs have: coarse int8 steps for the rest
-    ref = x.double() @ exact_w.T
+    ref = x.double() @ w.double().T
     y = head(x)
     approx = head.fast(x).double()
-    assert (approx - ref).abs().max() > 1e-2  # the int8 activations alone are visibly off
+    assert (approx - ref).abs().max() > 1e-2  # the quantized weights and activations alone are visibly off
     top = approx.topk(RescoredHead.TOP, dim=-1).indices
-    assert (y.double().gather(1, top) - ref.gather(1, top)).abs().max() < 1e-3 * ref.abs().max()
+    assert (y.double().gather(1, top) - ref.gather(1, top)).abs().max() < 1e-5 * ref.abs().max()
     assert torch.equal(y.argmax(-1), ref.argmax(-1))
     # a bf16 draft: rows come back in bf16, rescored values rounded once
     y16 = head(x.to(torch.bfloat16))
-    assert y16.dtype == torch.bfloat16 and torch.equal(y16.argmax(-1), (x.to(torch.bfloat16).double() @ exact_w.T).argmax(-1))
+    assert y16.dtype == torch.bfloat16
+    assert torch.equal(y16.argmax(-1), (x.to(torch.bfloat16).double() @ w.double().T).argmax(-1))
+
+
+def test_the_default_draft_head_is_int4_g32():
+    assert DRAFT_HEAD_FORMAT == "int4-g32"
