@@ -132,6 +132,21 @@ def nonfinite(logits: torch.Tensor) -> bool:
     return _logit_rows(logits, None)
 
 
+TOP_MAX = 64  # the most indices `top_indices` returns per row
+
+
+def top_indices(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices of each row's k largest logits, [rows, k] (`logits_usable` rows, k <= TOP_MAX and
+    at most the values per row that are not NaN; order unspecified): torch.topk's set, ~20x faster
+    on a 49152-logit row."""
+    if not 0 < k <= min(TOP_MAX, logits.shape[-1]):
+        raise ValueError(f"top_indices: k must be in [1, {min(TOP_MAX, logits.shape[-1])}], got {k}")
+    x, rows, stride = _rows(logits)
+    out = torch.empty((rows, k), dtype=torch.long)
+    _check(_lib().lowbit_top_rows(x.data_ptr(), stride, rows, x.shape[-1], k, out.data_ptr()), "lowbit_top_rows")
+    return out
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """torch.argmax(logits, dim=-1) of finite `logits_usable` rows (the first index among ties),
     about twenty times faster on a 49152-logit row."""

@@ -204,7 +204,7 @@ def test_portable_build_computes_the_same_bits(monkeypatch):
                         cpu_rowops.act_mul(gate, None, "silu"), cpu_rowops.act_mul(gate, None, "gelu_tanh")]
         logits = torch.randn(3, 1003, generator=torch.Generator().manual_seed(12))
         logits[1, 500] = logits[1, 900] = 9.0
-        ops += [cpu_rowops.argmax(logits), torch.tensor(cpu_rowops.nonfinite(logits))]
+        ops += [cpu_rowops.argmax(logits), torch.tensor(cpu_rowops.nonfinite(logits)), cpu_rowops.top_indices(logits, 16)]
         logits[2, 1002] = float("nan")
         ops.append(torch.tensor(cpu_rowops.nonfinite(logits)))
         results.append(ops)
@@ -236,3 +236,33 @@ def test_logit_nonfinite_finds_one_bad_value_anywhere(bad, at):
     assert cpu_rowops.nonfinite(x)
     assert cpu_rowops.nonfinite(x[1:])
     assert not cpu_rowops.nonfinite(x[:1])
+
+
+@pytest.mark.parametrize("n", [49152, 1003, 16])
+@pytest.mark.parametrize("k", [1, 16])
+def test_top_indices_are_torch_topks_set(n, k):
+    g = torch.Generator().manual_seed(n + k)
+    x = torch.randn(5, n, generator=g)
+    x[1] = torch.arange(n, dtype=torch.float32)  # ascending: every value enters, the best at the end
+    x[2] = -torch.arange(n, dtype=torch.float32)  # the best first, then nothing enters
+    x[3, n - 1] = 50.0  # the best in the scalar tail
+    if n > 100:
+        x[4, :: n // 40] = float("nan")  # NaN never enters
+    got = cpu_rowops.top_indices(x, k)
+    assert got.shape == (5, k)
+    want = torch.where(x.isnan(), float("-inf"), x).topk(k, dim=-1).indices
+    for row in range(5):
+        assert set(got[row].tolist()) == set(want[row].tolist())
+    strided = torch.randn(2, n + 3, generator=g)[:, :n]
+    assert [set(r) for r in cpu_rowops.top_indices(strided, k).tolist()] == \
+        [set(r) for r in strided.topk(k, dim=-1).indices.tolist()]
+
+
+def test_top_indices_refuses_k_out_of_range_and_rows_of_too_few_numbers():
+    x = torch.randn(2, 10)
+    for k in (0, 11, cpu_rowops.TOP_MAX + 1):
+        with pytest.raises(ValueError, match="top_indices: k must be in"):
+            cpu_rowops.top_indices(torch.randn(2, 100) if k > 11 else x, k)
+    x[1, :8] = float("nan")  # two numbers left in the row: no top 3
+    with pytest.raises(RuntimeError, match="lowbit_top_rows failed"):
+        cpu_rowops.top_indices(x, 3)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from lowbit.errors import UsageError
+from lowbit.kernels import cpu_rowops
 
 
 # A draft's lm_head is read in full at every draft step (28M weights on SmolLM2, a large share of
@@ -46,12 +47,21 @@ class RescoredHead(nn.Module):
         y = self.fast(x)
         flat = y.view(-1, y.shape[-1])
         xs = x.reshape(-1, x.shape[-1]).float()
-        top = flat.topk(min(self.TOP, flat.shape[-1]), dim=-1).indices  # [M, TOP]
-        exact = torch.einsum("mtk,mk->mt", self.exact[top].float(), xs)
+        top = self._top(flat, min(self.TOP, flat.shape[-1]))
+        exact = torch.bmm(self.exact[top].float(), xs[:, :, None])[:, :, 0]  # [M, TOP]
         if self.bias is not None:
             exact = exact + self.bias.float()[top]
         flat.scatter_(1, top, exact.to(flat.dtype))
         return y
+
+    @staticmethod
+    def _top(flat: torch.Tensor, k: int) -> torch.Tensor:
+        if cpu_rowops.logits_usable(flat):
+            try:
+                return cpu_rowops.top_indices(flat, k)
+            except RuntimeError:
+                pass  # a row with fewer than k numbers (NaN logits): torch ranks them, the target rejects them
+        return flat.topk(k, dim=-1).indices
 
 
 def _draft_head(weight: torch.Tensor, bias, device, fmt: str) -> nn.Module:

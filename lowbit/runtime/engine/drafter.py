@@ -30,7 +30,7 @@ import torch
 from lowbit.errors import UsageError
 from lowbit.runtime.engine.model_runner import ModelRunner, Work
 from lowbit.runtime.engine.paged_cache import PagedKVCache
-from lowbit.runtime.engine.sampler import Sampler, draw, process_logits
+from lowbit.runtime.engine.sampler import Sampler, draw, greedy, process_logits
 from lowbit.runtime.engine.speculative import ngram_propose
 
 
@@ -54,7 +54,8 @@ def choose(logits: torch.Tensor, seqs) -> tuple[list[int], list[torch.Tensor | N
     """Draw one token per row from the row's processed distribution; return the tokens and,
     for non-greedy rows, that distribution (what the rejection rule needs as p_draft)."""
     if all(s.params.greedy and not s.params.changes_logits for s in seqs):
-        return logits.argmax(dim=-1).tolist(), [None] * len(seqs)
+        # the target verifies every token, so a draft row of NaNs only proposes a token to reject
+        return greedy(logits).tolist(), [None] * len(seqs)
     tokens, probs = [], []
     for row, seq in enumerate(seqs):
         # the target's knobs (bias, penalties) on the draft too: a closer draft is accepted more often

@@ -35,3 +35,12 @@ def test_top_candidates_are_exact_and_the_argmax_is_the_float_heads(fmt, path, m
 
 def test_the_default_draft_head_is_int4_g32():
     assert DRAFT_HEAD_FORMAT == "int4-g32"
+
+
+def test_nan_logits_still_draft():
+    # activations that overflowed: the head still returns its rows (the target verifies, and rejects)
+    head = _draft_head(torch.randn(300, 64), None, "cpu", "int8")
+    x = torch.randn(2, 64)
+    x[1, 5] = float("nan")
+    y = head(x)
+    assert y.shape == (2, 300) and y[1].isnan().all() and not y[0].isnan().any()
