@@ -56,3 +56,11 @@ def save_results(path: Path, result: dict, as_json: bool) -> bool:
     if as_json:
         print(json.dumps(result, indent=2))
     return as_json
+
+
+def print_table(header: list[str], rows: list[list[str]]) -> None:
+    """A markdown table on stdout, as docs/benchmarks.md holds them."""
+    print("| " + " | ".join(header) + " |")
+    print("| " + " | ".join("---" for _ in header) + " |")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import describe, results_file  # noqa: E402
+from machine import describe, print_table, results_file  # noqa: E402
 from query_cascade import prompts as wiki_prompts  # noqa: E402
 
 
@@ -109,13 +109,11 @@ def main() -> None:
               "threads": args.threads, "machine": describe(), "loadavg": load, "rows": rows}
     print(f"\n{args.model}, batch 1, {args.prompts} wiki prompts x {args.gen_tokens} greedy tokens, "
           f"{args.rounds} rounds; identical output checked")
-    print("| setting | tok/s | speedup (rounds) | mean accepted length | time drafting |")
-    print("| --- | --- | --- | --- | --- |")
-    for row in rows:
-        rounds = ", ".join(f"{r:.2f}" for r in row["speedup_rounds"])
-        accepted = f"{row['mean_accepted_length']:.2f}" if "mean_accepted_length" in row else "—"
-        print(f"| {row['setting']} | {row['tok_s']:.1f} | {row['speedup']:.2f}× ({rounds}) | {accepted} | "
-              f"{100 * row['draft_share']:.0f} % |")
+    print_table(["setting", "tok/s", "speedup (rounds)", "mean accepted length", "time drafting"],
+                [[row["setting"], f"{row['tok_s']:.1f}",
+                  f"{row['speedup']:.2f}× (" + ", ".join(f"{r:.2f}" for r in row["speedup_rounds"]) + ")",
+                  f"{row['mean_accepted_length']:.2f}" if "mean_accepted_length" in row else "—",
+                  f"{100 * row['draft_share']:.0f} %"] for row in rows])
     stem = "self_speculation" + ("" if args.model == "smollm2-135m" else "-" + Path(args.model).name)
     out = Path(args.json) if args.json else results_file(stem)
     out.write_text(json.dumps(result, indent=1) + "\n")

@@ -42,7 +42,7 @@ from pathlib import Path
 from lowbit.paths import lowbit_home
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import describe, results_file, save_results  # noqa: E402
+from machine import describe, print_table, results_file, save_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -199,11 +199,10 @@ def depth_runs(args, binary: Path, work: Path, cases: list[str], depths: list[in
         return
     print(f"{args.model}, decode of {DEPTH_TOKENS} tokens at depth, {args.threads} threads, {args.pairs} alternated pairs, "
           f"{result['machine']}")
-    print("| case | depth | lowbit tok/s | llama.cpp tok/s | ratio (pairs) |")
-    print("| --- | --- | --- | --- | --- |")
-    for r in rows:
-        each = ", ".join(f"{p['lowbit'] / p['llama.cpp']:.2f}" for p in r["pairs"])
-        print(f"| {r['case']} | {r['depth']} | {r['lowbit']:.1f} | {r['llama.cpp']:.1f} | {r['ratio']:.2f}× ({each}) |")
+    print_table(["case", "depth", "lowbit tok/s", "llama.cpp tok/s", "ratio (pairs)"],
+                [[r["case"], str(r["depth"]), f"{r['lowbit']:.1f}", f"{r['llama.cpp']:.1f}",
+                  f"{r['ratio']:.2f}× (" + ", ".join(f"{p['lowbit'] / p['llama.cpp']:.2f}" for p in r["pairs"]) + ")"]
+                 for r in rows])
 
 
 def main() -> None:
