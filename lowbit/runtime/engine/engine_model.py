@@ -17,7 +17,7 @@ def load_engine_model(path: str | Path, dtype: torch.dtype, device: torch.device
                       draft_head: bool = False):
     """Load the checkpoint at `path` for the engine. quantize_to: RTN-quantize its Linears to that
     format as they load (a `self:FORMAT` draft or cascade). draft_head: a draft model's head, read
-    in full at every draft step, in int8 on the CPU (draft_models.quantize_draft_head_). The caller
+    in full at every draft step, quantized on the CPU (draft_models.quantize_draft_head_). The caller
     frees the loaders' temporaries (hugepages.return_freed_memory) once everything it loads is placed."""
     from lowbit.runtime.loader import load_model
 
