@@ -22,6 +22,7 @@ ENV_SWITCHES = (
     ("LOWBIT_NO_NATIVE", "any value: no C kernels (torch's int4/int8 ops or the reference path instead)"),
     ("LOWBIT_NO_CHAIN", "any value: engine decode steps go layer by layer through Python, not in one C call (same numbers, slower)"),
     ("LOWBIT_HUGEPAGES", "0: the engine leaves its weights on 4 KB pages instead of copying them onto 2 MB transparent huge pages"),
+    ("LOWBIT_DRAFT_HEAD", "a speculative draft's lm_head format on the CPU (default int4-g32, its top 16 logits rescored in float32)"),
     ("TRITON_INTERPRET", "1: Triton kernels run interpreted on the CPU (tests only; --kernel triton is then allowed)"),
     ("LOWBIT_HOME", "where demo assets and the compiled C kernels live (default ~/.cache/lowbit)"),
     ("CC", "the C compiler that builds the kernels (default gcc, then cc)"),

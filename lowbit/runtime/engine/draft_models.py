@@ -69,7 +69,11 @@ def _draft_head(weight: torch.Tensor, bias, device, fmt: str) -> nn.Module:
     from lowbit.quant.spec import parse_spec
     from lowbit.runtime.quant_linear import QuantLinear
 
-    qt = quantize_rtn(weight.detach().float(), parse_spec(fmt))
+    try:
+        spec = parse_spec(fmt)
+    except UsageError as e:
+        raise UsageError(f"draft head format (LOWBIT_DRAFT_HEAD): {e}") from None
+    qt = quantize_rtn(weight.detach().float(), spec)
     if torch.device(device).type == "cpu":
         return RescoredHead(qt, bias, device, weight)
     return QuantLinear(qt, bias, device)

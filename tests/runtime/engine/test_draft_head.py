@@ -44,3 +44,16 @@ def test_nan_logits_still_draft():
     x[1, 5] = float("nan")
     y = head(x)
     assert y.shape == (2, 300) and y[1].isnan().all() and not y[0].isnan().any()
+
+
+def test_a_bad_draft_head_format_names_the_variable(monkeypatch):
+    from torch import nn
+
+    from lowbit.errors import UsageError
+    from lowbit.runtime.engine import draft_models
+
+    monkeypatch.setattr(draft_models, "DRAFT_HEAD_FORMAT", "bogus")
+    model = nn.Module()
+    model.lm_head = nn.Linear(64, 300, bias=False)
+    with pytest.raises(UsageError, match=r"draft head format \(LOWBIT_DRAFT_HEAD\): unknown format 'bogus'"):
+        draft_models.quantize_draft_head_(model, "cpu")
