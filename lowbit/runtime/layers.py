@@ -122,8 +122,7 @@ class Rotary:
 
     def cos_sin(self, positions: torch.Tensor, max_position: int, dtype: torch.dtype):
         """cos, sin of shape [B or 1, 1, T, head_dim/2] for positions [T] or [B, T]."""
-        if max_position >= self.cos.shape[0] or self.cos.device != positions.device:
-            self._grow(max_position + 1, positions.device)
+        self.tables(max_position, positions.device)
         # tables rounded to the dtype once (rounding commutes with indexing), not every forward
         typed = self._typed.get(dtype)
         if typed is None:

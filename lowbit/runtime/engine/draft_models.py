@@ -64,24 +64,21 @@ class RescoredHead(nn.Module):
         return flat.topk(k, dim=-1).indices
 
 
-def _draft_head(weight: torch.Tensor, bias, device, fmt: str) -> nn.Module:
+def _draft_head(weight: torch.Tensor, bias, device, fmt: str) -> RescoredHead:
     from lowbit.quant.rtn import quantize_rtn
     from lowbit.quant.spec import parse_spec
-    from lowbit.runtime.quant_linear import QuantLinear
 
     try:
         spec = parse_spec(fmt)
     except UsageError as e:
         raise UsageError(f"draft head format (LOWBIT_DRAFT_HEAD): {e}") from None
-    qt = quantize_rtn(weight.detach().float(), spec)
-    if torch.device(device).type == "cpu":
-        return RescoredHead(qt, bias, device, weight)
-    return QuantLinear(qt, bias, device)
+    return RescoredHead(quantize_rtn(weight.detach().float(), spec), bias, device, weight)
 
 
-def quantize_linears_(model: nn.Module, fmt: str, device, head_fmt: str | None = None) -> nn.Module:
+def quantize_linears_(model: nn.Module, fmt: str, device, head_fmt: str | None = None, fuse: bool = True) -> nn.Module:
     """Replace every nn.Linear by its RTN-quantized `fmt` version, in place; lm_head too, in
-    `head_fmt` when given."""
+    `head_fmt` when given. fuse: join q/k/v and gate/up after (False: the caller joins them, as
+    engine_model.load_engine_model does once the weights' huge-page generation is set)."""
     from lowbit.quant.rtn import quantize_rtn
     from lowbit.quant.spec import parse_spec
     from lowbit.runtime.quant_linear import QuantLinear
@@ -95,9 +92,10 @@ def quantize_linears_(model: nn.Module, fmt: str, device, head_fmt: str | None =
                     setattr(module, name, _draft_head(child.weight, child.bias, device, head_fmt))
                 else:
                     setattr(module, name, QuantLinear(quantize_rtn(child.weight.detach().float(), spec), child.bias, device))
-    from lowbit.runtime.models.fusion import fuse_projections
+    if fuse:
+        from lowbit.runtime.models.fusion import fuse_projections
 
-    fuse_projections(model)
+        fuse_projections(model)
     return model
 
 
@@ -109,11 +107,11 @@ def quantize_draft_head_(model: nn.Module, device) -> nn.Module:
     return model
 
 
-def quantized_copy(path, fmt: str, dtype: torch.dtype, device) -> nn.Module:
+def quantized_copy(path, fmt: str, dtype: torch.dtype, device, fuse: bool = True) -> nn.Module:
     from lowbit.runtime.loader import load_model
 
     head = DRAFT_HEAD_FORMAT if torch.device(device).type == "cpu" else None
-    return quantize_linears_(load_model(path, dtype, device), fmt, device, head_fmt=head)
+    return quantize_linears_(load_model(path, dtype, device), fmt, device, head_fmt=head, fuse=fuse)
 
 
 def check_same_tokenizer(path, target_tokenizer, what: str, whose: str = "the target's") -> None:

@@ -34,7 +34,7 @@ def load_engine_model(path: str | Path, dtype: torch.dtype, device: torch.device
         else:
             from lowbit.runtime.engine.draft_models import quantized_copy
 
-            model = quantized_copy(path, quantize_to, dtype, device)
+            model = quantized_copy(path, quantize_to, dtype, device, fuse=False)  # joined below, once
         if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
             # batch-invariant float32 (and bf16) Linears: a verify of 1 + k rows computes each row
             # as a plain step does
