@@ -16,6 +16,7 @@ cache can take it and hands over the weights.
 from __future__ import annotations
 
 import ctypes
+import os
 from ctypes import c_float, c_int32, c_int64, c_void_p
 from dataclasses import dataclass
 
@@ -26,6 +27,9 @@ from lowbit.kernels.prepared import PreparedWeight
 from lowbit.native import decode_layers, f32_dot, int4_dot, int4_vnni, int8_gemv, moe_route, paged_decode, rowops
 
 MAX_ROPES = 4  # decode_layers.c MAX_ROPES
+# "0": every kernel of a step opens its own OpenMP region, as before the one-region step (team_layers
+# in native/decode_layers.c); the same bits either way, so this is only for measuring it
+TEAM_ENV = "LOWBIT_CHAIN_TEAM"
 _INT4, _DENSE, _INT8F = 1, 2, 3
 
 
@@ -57,7 +61,7 @@ class Chain(ctypes.Structure):
                 ("layers", c_void_p), ("n_layers", c_int64), ("hidden", c_int64), ("heads", c_int64),
                 ("kv_heads", c_int64), ("head_dim", c_int64), ("inter", c_int64), ("max_top_k", c_int64),
                 ("block_size", c_int64), ("eps", c_float), ("scale", c_float), ("unit_offset", c_int32), ("act", c_int32),
-                ("pool_bf16", c_int32), ("pad", c_int32)]
+                ("pool_bf16", c_int32), ("team", c_int32), ("paged_write", c_void_p), ("paged_attend", c_void_p)]
 
 
 class ChainStep(ctypes.Structure):
@@ -221,13 +225,15 @@ class DecodeChain:
             slot.k_norm_width = 0 if spec.k_norm is None else spec.k_norm.numel()
             slot.post_attn, slot.post_ffn = _ptr(spec.post_attn), _ptr(spec.post_ffn)
         rows = rowops.library()
+        paged = paged_decode.library()
         route = moe_route.library() if top_k else None
         self._chain = Chain(
             _entry(rows, "lowbit_rmsnorm"), _entry(rows, "lowbit_add_rmsnorm"), _entry(rows, "lowbit_act_mul"),
-            _entry(paged_decode.library(), "lowbit_paged_decode"),
+            _entry(paged, "lowbit_paged_decode"),
             route and _entry(route, "lowbit_moe_route"), route and _entry(route, "lowbit_moe_shared_gate"),
             ctypes.addressof(self._layers), len(layers), hidden, heads, kv_heads, head_dim, max(m.inter for m in mlps), top_k,
-            block_size, eps, scale, int(unit_offset), act, int(layers[0].key_pool.dtype == torch.bfloat16), 0)
+            block_size, eps, scale, int(unit_offset), act, int(layers[0].key_pool.dtype == torch.bfloat16),
+            int(os.environ.get(TEAM_ENV, "1") != "0"), _entry(paged, "lowbit_paged_write"), _entry(paged, "lowbit_paged_attend"))
         if any(spec.key_pool.dtype != layers[0].key_pool.dtype or spec.value_pool.dtype != layers[0].key_pool.dtype
                or spec.key_pool.dtype not in (torch.float32, torch.bfloat16) for spec in layers):
             raise ValueError("the chain's KV pools must all be float32 or all bf16")

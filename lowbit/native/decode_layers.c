@@ -114,7 +114,9 @@ typedef struct {
     int64_t block_size;
     float eps, scale;
     int32_t unit_offset, act;
-    int32_t pool_bf16, pad; /* 1: the KV pools hold bf16 (a float32 model's --kv-dtype bf16) */
+    int32_t pool_bf16;      /* 1: the KV pools hold bf16 (a float32 model's --kv-dtype bf16) */
+    int32_t team;           /* 1: a step without MoE layers runs in one OpenMP region (team_layers) */
+    const void *paged_write, *paged_attend; /* paged_decode.c's two halves (team_layers calls them apart) */
 } Chain;
 
 #define MAX_ROPES 4
@@ -204,6 +206,87 @@ static int run_moe(const Chain *c, const ChainMoE *e, const float *h, int64_t M,
     return 0;
 }
 
+/* The step's buffers, shared by the team. */
+typedef struct {
+    float *h, *qkv, *att, *a, *r, *qn, *kn, *gu, *act;
+} TeamBuffers;
+
+/* lowbit_decode_layers' dense layers (no MoE block) in one OpenMP region: every thread calls every
+   kernel as a part (lowbit_native.h), computing the share the kernel's own team would have given
+   it, and a barrier ends each kernel's phase. The same kernels, arguments and shares, so the same
+   bits; what goes is the region each of ~10 calls a layer opened and closed (1-2 us each on 2 cores,
+   and the attention call's write/attend split is its own barrier now). A kernel's failure (out of
+   memory) is noted and the phases go on, so every thread meets every barrier; the step returns it. */
+static int team_layers(const Chain *c, const ChainStep *s, int64_t first, int64_t last, float *x, const float *final_norm,
+                       float *out, const TeamBuffers *b, const float *const *cs, const float *const *sn, int threads) {
+    const int64_t M = s->rows, H = c->hidden, D = c->head_dim;
+    const int64_t qs = c->heads * D, kvs = c->kv_heads * D, qkv_n = qs + 2 * kvs;
+    const rmsnorm_fn rmsnorm = (rmsnorm_fn)c->rmsnorm;
+    const add_rmsnorm_fn add_rmsnorm = (add_rmsnorm_fn)c->add_rmsnorm;
+    const act_mul_fn act_mul = (act_mul_fn)c->act_mul;
+    const paged_decode_fn paged_write = (paged_decode_fn)c->paged_write, paged_attend = (paged_decode_fn)c->paged_attend;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        const int parts = omp_get_num_threads();
+        const int pt = parts > 1 ? LOWBIT_PART(omp_get_thread_num(), parts) : 1;
+        int rc = 0; /* this thread's kernels' codes, or-ed */
+        const float *pending_norm = NULL;
+        for (int64_t i = first; i < last; i++) {
+            const ChainLayer *L = c->layers + i;
+            const ChainMLP *m = &L->mlp;
+            const int64_t I = m->gate_up.n / 2;
+            if (i == first) rc |= rmsnorm(x, H, M, 1, H, L->norm_in, c->eps, c->unit_offset, 0, b->h, H, pt);
+            else rc |= add_rmsnorm(x, H, b->r, H, pending_norm, M, H, L->norm_in, c->eps, c->unit_offset, 0, x, H, b->h, H, pt);
+#pragma omp barrier
+            rc |= linear(&L->qkv, b->h, H, M, b->qkv, pt);
+#pragma omp barrier
+            const float *q = b->qkv, *k = b->qkv + qs;
+            int64_t ldq = qkv_n, ldk = qkv_n;
+            if (L->q_norm) {
+                rc |= rmsnorm(b->qkv, qkv_n, M, qs / L->q_norm_width, L->q_norm_width, L->q_norm, c->eps, c->unit_offset, 0, b->qn,
+                              qs, pt);
+                q = b->qn, ldq = qs;
+            }
+            if (L->k_norm) {
+                rc |= rmsnorm(b->qkv + qs, qkv_n, M, kvs / L->k_norm_width, L->k_norm_width, L->k_norm, c->eps, c->unit_offset, 0,
+                              b->kn, kvs, pt);
+                k = b->kn, ldk = kvs;
+            }
+            if (L->q_norm || L->k_norm) {
+#pragma omp barrier
+            }
+            const int dtype = c->pool_bf16 ? 2 : 0;
+            rc |= paged_write(q, ldq, k, ldk, b->qkv + qs + kvs, qkv_n, cs[L->rope], sn[L->rope], dtype, s->pos, s->slots, s->items,
+                              s->tables, s->nb, L->kpool, L->vpool, b->att, M, c->heads, c->kv_heads, D, c->block_size, L->window,
+                              c->scale, pt);
+#pragma omp barrier
+            rc |= paged_attend(q, ldq, k, ldk, b->qkv + qs + kvs, qkv_n, cs[L->rope], sn[L->rope], dtype, s->pos, s->slots,
+                               s->items, s->tables, s->nb, L->kpool, L->vpool, b->att, M, c->heads, c->kv_heads, D, c->block_size,
+                               L->window, c->scale, pt);
+#pragma omp barrier
+            rc |= linear(&L->o, b->att, qs, M, b->a, pt);
+#pragma omp barrier
+            rc |= add_rmsnorm(x, H, b->a, H, L->post_attn, M, H, L->norm_mlp, c->eps, c->unit_offset, 0, x, H, b->h, H, pt);
+#pragma omp barrier
+            rc |= linear(&m->gate_up, b->h, H, M, b->gu, pt);
+#pragma omp barrier
+            rc |= act_mul(b->gu, 2 * I, b->gu + I, 2 * I, M, I, c->act, 0, b->act, I, pt);
+#pragma omp barrier
+            rc |= linear(&m->down, b->act, I, M, b->r, pt);
+#pragma omp barrier
+            pending_norm = L->post_ffn;
+        }
+        if (final_norm) rc |= add_rmsnorm(x, H, b->r, H, pending_norm, M, H, final_norm, c->eps, c->unit_offset, 0, x, H, out, H, pt);
+        else rc |= add_rmsnorm(x, H, b->r, H, pending_norm, M, H, NULL, c->eps, c->unit_offset, 0, x, H, NULL, H, pt);
+        if (rc) {
+#pragma omp atomic write
+            failed = rc;
+        }
+    }
+    return failed ? (failed < 0 ? failed : -2) : 0;
+}
+
 /* Layers first..last-1 on x [rows, hidden] (float32, updated in place). With final_norm, out gets
    final_norm(x + r) and x keeps x + r; without, x gets x + r and out is untouched. Returns 0, -1
    for a malformed chain, -3 when out of memory, else the failing kernel's code. */
@@ -253,15 +336,23 @@ int lowbit_decode_layers(const Chain *c, const ChainStep *s, int64_t first, int6
             for (int64_t d = 0; d < H; d++) x[t * H + d] = lowbit_load(s->embed, id * H + d, s->embed_bf16) * s->embed_scale;
         }
     }
-    const float *pending_norm = NULL; /* the previous layer's post_ffn: applied to r in the next add */
+    int any_moe = 0;
     for (int64_t i = first; i < last; i++) {
         const ChainLayer *L = c->layers + i;
         if (L->qkv.n != qkv_n || (!L->moe && L->mlp.gate_up.n > 2 * I) || (L->moe && (L->moe->top_k > kk || !c->moe_route))
             || L->rope < 0 || L->rope >= MAX_ROPES || !cs[L->rope]
-            || (L->q_norm && (L->q_norm_width <= 0 || qs % L->q_norm_width)) || (L->k_norm && (L->k_norm_width <= 0 || kvs % L->k_norm_width))) {
-            rc = -1;
-            goto done;
-        }
+            || (L->q_norm && (L->q_norm_width <= 0 || qs % L->q_norm_width)) || (L->k_norm && (L->k_norm_width <= 0 || kvs % L->k_norm_width)))
+            goto done; /* rc is -1 */
+        any_moe |= L->moe != NULL;
+    }
+    if (c->team && threads > 1 && !any_moe && c->paged_write && c->paged_attend) {
+        const TeamBuffers b = {h, qkv, att, a, r, qn, kn, w.gu, w.act};
+        rc = team_layers(c, s, first, last, x, final_norm, out, &b, cs, sn, threads);
+        goto done;
+    }
+    const float *pending_norm = NULL; /* the previous layer's post_ffn: applied to r in the next add */
+    for (int64_t i = first; i < last; i++) {
+        const ChainLayer *L = c->layers + i;
         if (i == first) CHECK(rmsnorm(x, H, M, 1, H, L->norm_in, c->eps, c->unit_offset, 0, h, H, threads));
         else CHECK(add_rmsnorm(x, H, r, H, pending_norm, M, H, L->norm_in, c->eps, c->unit_offset, 0, x, H, h, H, threads));
         CHECK(linear(&L->qkv, h, H, M, qkv, threads));

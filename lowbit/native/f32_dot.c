@@ -389,41 +389,53 @@ INLINE void dense_pass(const int MODE, const int NB, int mb, const char *w, int6
    Zen 2 core's L2, and were read from L3 for every tile). The order of the work changes, not any
    output's arithmetic. */
 #define XBLOCK (192 * 1024)
-INLINE void dense_matmul(const int MODE, const void *w, int64_t N, int64_t K, int64_t ldw, const float *bias, const void *x,
-                         int64_t ldx, int64_t M, void *y, int y_bf16, int64_t ldy, int threads) {
+/* Tiles ta..tb-1 of y (one thread's share, or a part call's), x in blocks of rows. */
+INLINE void dense_share(const int MODE, const void *w, int64_t N, int64_t K, int64_t ldw, const float *bias, const void *x,
+                        int64_t ldx, int64_t M, void *y, int y_bf16, int64_t ldy, int64_t ta, int64_t tb) {
     const int WB = MODE == 4 ? 4 : 2, XB = MODE == 1 ? 2 : 4; /* bytes of a weight, of an x element */
     const char *wb = (const char *)w, *xb = (const char *)x;
-    const int64_t tiles = (N + NT - 1) / NT;
     int64_t mblock = XBLOCK / (K * XB) / MT * MT;
     if (mblock < MT) mblock = MT;
-#pragma omp parallel num_threads(threads)
-    {
-        int64_t ta, tb;
-        lowbit_thread_share(tiles, &ta, &tb);
-        float out[NT * MT];
-        for (int64_t mb0 = 0; mb0 < M; mb0 += mblock) {
-            const int64_t me = mb0 + mblock < M ? mb0 + mblock : M;
-            for (int64_t t = ta; t < tb; t++) {
-                const int64_t n0 = t * NT;
-                const int nb = N - n0 >= NT ? NT : (int)(N - n0);
-                for (int64_t m0 = mb0; m0 < me; m0 += MT) {
-                    const int mb = me - m0 >= MT ? MT : (int)(me - m0);
-                    const char *xm = xb + m0 * ldx * XB;
-                    if (nb == NT) {
-                        dense_pass(MODE, NT, mb, wb + n0 * ldw * WB, ldw, K, xm, ldx, out);
-                    } else { /* the ragged last tile, one weight row at a time (same per-row arithmetic) */
-                        for (int i = 0; i < nb; i++) {
-                            float row[MT];
-                            dense_pass(MODE, 1, mb, wb + (n0 + i) * ldw * WB, ldw, K, xm, ldx, row);
-                            for (int m = 0; m < mb; m++) out[m * NT + i] = row[m];
-                        }
+    float out[NT * MT];
+    for (int64_t mb0 = 0; mb0 < M; mb0 += mblock) {
+        const int64_t me = mb0 + mblock < M ? mb0 + mblock : M;
+        for (int64_t t = ta; t < tb; t++) {
+            const int64_t n0 = t * NT;
+            const int nb = N - n0 >= NT ? NT : (int)(N - n0);
+            for (int64_t m0 = mb0; m0 < me; m0 += MT) {
+                const int mb = me - m0 >= MT ? MT : (int)(me - m0);
+                const char *xm = xb + m0 * ldx * XB;
+                if (nb == NT) {
+                    dense_pass(MODE, NT, mb, wb + n0 * ldw * WB, ldw, K, xm, ldx, out);
+                } else { /* the ragged last tile, one weight row at a time (same per-row arithmetic) */
+                    for (int i = 0; i < nb; i++) {
+                        float row[MT];
+                        dense_pass(MODE, 1, mb, wb + (n0 + i) * ldw * WB, ldw, K, xm, ldx, row);
+                        for (int m = 0; m < mb; m++) out[m * NT + i] = row[m];
                     }
-                    for (int m = 0; m < mb; m++)
-                        for (int i = 0; i < nb; i++)
-                            lowbit_store(y, (m0 + m) * ldy + n0 + i, out[m * NT + i] + (bias ? bias[n0 + i] : 0.0f), y_bf16);
                 }
+                for (int m = 0; m < mb; m++)
+                    for (int i = 0; i < nb; i++)
+                        lowbit_store(y, (m0 + m) * ldy + n0 + i, out[m * NT + i] + (bias ? bias[n0 + i] : 0.0f), y_bf16);
             }
         }
+    }
+}
+
+/* threads: a part call's (lowbit_native.h) share on this thread, else a region of `threads`. */
+INLINE void dense_matmul(const int MODE, const void *w, int64_t N, int64_t K, int64_t ldw, const float *bias, const void *x,
+                         int64_t ldx, int64_t M, void *y, int y_bf16, int64_t ldy, int threads) {
+    const int64_t tiles = (N + NT - 1) / NT;
+    int64_t ta, tb;
+    if (lowbit_part_share(tiles, &ta, &tb)) {
+        dense_share(MODE, w, N, K, ldw, bias, x, ldx, M, y, y_bf16, ldy, ta, tb);
+        return;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t lo, hi;
+        lowbit_thread_share(tiles, &lo, &hi);
+        dense_share(MODE, w, N, K, ldw, bias, x, ldx, M, y, y_bf16, ldy, lo, hi);
     }
 }
 #endif
@@ -435,7 +447,7 @@ int lowbit_f32_matmul(const float *w, int64_t N, int64_t K, int64_t ldw, const f
     (void)w; (void)N; (void)K; (void)ldw; (void)bias; (void)x; (void)ldx; (void)M; (void)y; (void)ldy; (void)threads;
     return -1;
 #else
-    dense_matmul(4, w, N, K, ldw, bias, x, ldx, M, y, 0, ldy, threads);
+    dense_matmul(4, w, N, K, ldw, bias, x, ldx, M, y, 0, ldy, lowbit_team(threads));
     return 0;
 #endif
 }
@@ -447,7 +459,7 @@ int lowbit_bf16w_matmul(const uint16_t *w, int64_t N, int64_t K, int64_t ldw, co
     (void)w; (void)N; (void)K; (void)ldw; (void)bias; (void)x; (void)ldx; (void)M; (void)y; (void)ldy; (void)threads;
     return -1;
 #else
-    dense_matmul(2, w, N, K, ldw, bias, x, ldx, M, y, 0, ldy, threads);
+    dense_matmul(2, w, N, K, ldw, bias, x, ldx, M, y, 0, ldy, lowbit_team(threads));
     return 0;
 #endif
 }
@@ -461,7 +473,7 @@ int lowbit_bf16_matmul(const uint16_t *w, int64_t N, int64_t K, int64_t ldw, con
     (void)threads;
     return -1;
 #else
-    dense_matmul(1, w, N, K, ldw, bias, x, ldx, M, y, y_bf16, ldy, threads);
+    dense_matmul(1, w, N, K, ldw, bias, x, ldx, M, y, y_bf16, ldy, lowbit_team(threads));
     return 0;
 #endif
 }
@@ -479,6 +491,7 @@ int lowbit_bf16xw_matmul(const uint16_t *w, int64_t N, int64_t K, int64_t ldw, c
     (void)w; (void)N; (void)K; (void)ldw; (void)bias; (void)x; (void)ldx; (void)M; (void)y; (void)ldy; (void)threads;
     return -1;
 #else
+    threads = lowbit_team(threads); /* a part call converts all of x for itself, then its share */
     static __thread uint16_t *xbuf = NULL;
     static __thread int64_t xcap = 0;
     const int64_t need = M * K;
@@ -489,8 +502,12 @@ int lowbit_bf16xw_matmul(const uint16_t *w, int64_t N, int64_t K, int64_t ldw, c
         xcap = need;
     }
     uint16_t *xb = xbuf;
-#pragma omp parallel for num_threads(threads) if (need >= 65536)
-    for (int64_t m = 0; m < M; m++) lowbit_bf16_row(x + m * ldx, xb + m * K, K);
+    if (need >= 65536 && threads > 1) {
+#pragma omp parallel for num_threads(threads)
+        for (int64_t m = 0; m < M; m++) lowbit_bf16_row(x + m * ldx, xb + m * K, K);
+    } else { /* a region costs ~1 us even when it runs on this thread alone */
+        for (int64_t m = 0; m < M; m++) lowbit_bf16_row(x + m * ldx, xb + m * K, K);
+    }
     dense_matmul(1, w, N, K, ldw, bias, xb, K, M, y, 0, ldy, threads);
     return 0;
 #endif

@@ -173,39 +173,47 @@ static void run_tiles(LowbitTileCall *c, int tt, int mb, int64_t t, int64_t m0) 
 
 /* x: [M, ldx_in] float32 (x_bf16 = 0) or bf16 (1); y: [M, ldy] float32 or bf16 (y_bf16).
    Returns 0, or -1 when the build has no AVX512-BF16, -2 when out of memory. */
+#if HAVE_I4DOT
+/* Tiles ta..tb-1 of y on this thread (one thread's share of a call, or a part call's). Each thread
+   converts x for itself: reading a buffer another core just wrote, line by line inside the
+   dot-product loop, cost cross-core cache misses at every row; a bulk copy of x streams. 0, or
+   -2 when out of memory. */
+static int share(const I4Weight *w, const void *x, int x_bf16, int64_t ldx_in, int64_t M, void *y, int y_bf16, int64_t ldy,
+                 int64_t ta, int64_t tb) {
+    if (ta >= tb) return 0;
+    const int64_t G = w->G, C = w->chunks, kp = C * 4;
+    uint16_t *rows = malloc((size_t)(M * kp) * 2), *xq = aligned_alloc(64, (size_t)((M * kp * 2 + 63) / 64 * 64));
+    float *xsum = malloc((size_t)(M * G) * sizeof(float) + 4);
+    const int ok = rows && xq && xsum;
+    if (ok) {
+        for (int64_t m = 0; m < M; m++) convert_row(w, x, x_bf16, ldx_in, m, kp, rows + m * kp, xsum);
+        lowbit_chunks_by_row(xq, rows, M, C, kp * 2);
+        LowbitTileCall call = {.w = w, .xq = xq, .xs = xsum, .M = M, .ldy = ldy, .y = y, .y_bf16 = y_bf16};
+        lowbit_tile_runs(ta, tb, run_tiles, &call, LOWBIT_PASS_ROWS);
+    }
+    free(rows);
+    free(xq);
+    free(xsum);
+    return ok ? 0 : -2;
+}
+#endif
+
 int lowbit_i4_matmul(const I4Weight *w, const void *x, int x_bf16, int64_t ldx_in, int64_t M, void *y, int y_bf16,
                      int64_t ldy, int threads) {
 #if !HAVE_I4DOT
     (void)w; (void)x; (void)x_bf16; (void)ldx_in; (void)M; (void)y; (void)y_bf16; (void)ldy; (void)threads;
     return -1;
 #else
-    const int64_t G = w->G, C = w->chunks, kp = C * 4;
     const int64_t n_tiles = (w->N + ROWS - 1) / ROWS;
+    threads = lowbit_team(threads);
+    int64_t ta, tb; /* contiguous ranges of tiles: each thread streams one stretch of the codes */
+    if (lowbit_part_share(n_tiles, &ta, &tb)) return share(w, x, x_bf16, ldx_in, M, y, y_bf16, ldy, ta, tb);
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        int64_t ta, tb; /* contiguous ranges of tiles: each thread streams one stretch of the codes */
-        lowbit_thread_share(n_tiles, &ta, &tb);
-        /* Each thread converts x for itself: reading a buffer another core just wrote, line by
-           line inside the dot-product loop, cost cross-core cache misses at every row;
-           a bulk copy of x streams. */
-        uint16_t *rows = NULL, *xq = NULL;
-        float *xsum = NULL;
-        if (ta < tb) {
-            rows = malloc((size_t)(M * kp) * 2);
-            xq = aligned_alloc(64, (size_t)((M * kp * 2 + 63) / 64 * 64));
-            xsum = malloc((size_t)(M * G) * sizeof(float) + 4);
-            if (!rows || !xq || !xsum) failed = 1;
-        }
-        if (ta < tb && !failed) {
-            for (int64_t m = 0; m < M; m++) convert_row(w, x, x_bf16, ldx_in, m, kp, rows + m * kp, xsum);
-            lowbit_chunks_by_row(xq, rows, M, C, kp * 2);
-            LowbitTileCall call = {.w = w, .xq = xq, .xs = xsum, .M = M, .ldy = ldy, .y = y, .y_bf16 = y_bf16};
-            lowbit_tile_runs(ta, tb, run_tiles, &call, LOWBIT_PASS_ROWS);
-        }
-        free(rows);
-        free(xq);
-        free(xsum);
+        int64_t lo, hi;
+        lowbit_thread_share(n_tiles, &lo, &hi);
+        if (share(w, x, x_bf16, ldx_in, M, y, y_bf16, ldy, lo, hi) != 0) failed = 1;
     }
     return failed ? -2 : 0;
 #endif

@@ -404,9 +404,39 @@ static void vtile_runs2(int64_t ta, int64_t tb, LowbitTileCall *call) {
 }
 #endif
 
+#if HAVE_I4VNNI || HAVE_I4AVX2
+/* Tiles ta..tb-1 of y on this thread (one thread's share of a call, or a part call's): x quantized
+   for itself (see int4_dot.c: cheaper than sharing across cores). 0, or -2 when out of memory. */
+static int vshare(const I4VWeight *w, const void *x, int x_bf16, int64_t ldx_in, int64_t M, void *y, int y_bf16, int64_t ldy,
+                  int64_t ta, int64_t tb) {
+    if (ta >= tb) return 0;
+    const int64_t G = w->G, C = w->chunks, kp = C * 8;
+    int8_t *rows = malloc((size_t)(M * kp)), *xq = aligned_alloc(64, (size_t)((M * kp + 63) / 64 * 64));
+    float *xs = malloc((size_t)(M * G) * sizeof(float) + 4), *f = malloc((size_t)kp * sizeof(float));
+    int32_t *xa = malloc((size_t)(M * G) * sizeof(int32_t) + 4);
+    const int ok = rows && xq && xs && xa && f;
+    if (ok) {
+        for (int64_t m = 0; m < M; m++) quantize_row(w, x, x_bf16, ldx_in, m, kp, f, rows + m * kp, xs, xa);
+        lowbit_chunks_by_row(xq, rows, M, C, kp);
+        LowbitTileCall call = {.w = w, .xq = xq, .xs = xs, .xa = xa, .M = M, .ldy = ldy, .y = y, .y_bf16 = y_bf16};
+#if HAVE_I4VNNI
+        lowbit_tile_runs(ta, tb, vrun_tiles, &call, MAXMB);
+#else
+        vtile_runs2(ta, tb, &call);
+#endif
+    }
+    free(rows);
+    free(xq);
+    free(xs);
+    free(xa);
+    free(f);
+    return ok ? 0 : -2;
+}
+#endif
+
 /* x: [M, ldx_in] float32 (x_bf16 = 0) or bf16 (1); y: [M, ldy] float32 or bf16 (y_bf16).
    Returns 0, or -1 when the build has neither AVX512-VNNI nor (4-bit codes) AVX2, -2 when out of
-   memory. */
+   memory. A part call (lowbit_native.h) computes its share of the tiles on the calling thread. */
 int lowbit_i4v_matmul(const I4VWeight *w, const void *x, int x_bf16, int64_t ldx_in, int64_t M, void *y, int y_bf16,
                       int64_t ldy, int threads) {
 #if !HAVE_I4VNNI && !HAVE_I4AVX2
@@ -414,40 +444,16 @@ int lowbit_i4v_matmul(const I4VWeight *w, const void *x, int x_bf16, int64_t ldx
     return -1;
 #else
     if (!HAVE_I4VNNI && w->bits != 4) return -1;
-    const int64_t G = w->G, C = w->chunks, kp = C * 8;
     const int64_t n_tiles = (w->N + ROWS - 1) / ROWS;
+    threads = lowbit_team(threads);
+    int64_t ta, tb;
+    if (lowbit_part_share(n_tiles, &ta, &tb)) return vshare(w, x, x_bf16, ldx_in, M, y, y_bf16, ldy, ta, tb);
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        int64_t ta, tb;
-        lowbit_thread_share(n_tiles, &ta, &tb);
-        /* each thread quantizes x for itself (see int4_dot.c: cheaper than sharing across cores) */
-        int8_t *rows = NULL, *xq = NULL;
-        float *xs = NULL, *f = NULL;
-        int32_t *xa = NULL;
-        if (ta < tb) {
-            rows = malloc((size_t)(M * kp));
-            xq = aligned_alloc(64, (size_t)((M * kp + 63) / 64 * 64));
-            xs = malloc((size_t)(M * G) * sizeof(float) + 4);
-            xa = malloc((size_t)(M * G) * sizeof(int32_t) + 4);
-            f = malloc((size_t)kp * sizeof(float));
-            if (!rows || !xq || !xs || !xa || !f) failed = 1;
-        }
-        if (ta < tb && !failed) {
-            for (int64_t m = 0; m < M; m++) quantize_row(w, x, x_bf16, ldx_in, m, kp, f, rows + m * kp, xs, xa);
-            lowbit_chunks_by_row(xq, rows, M, C, kp);
-            LowbitTileCall call = {.w = w, .xq = xq, .xs = xs, .xa = xa, .M = M, .ldy = ldy, .y = y, .y_bf16 = y_bf16};
-#if HAVE_I4VNNI
-            lowbit_tile_runs(ta, tb, vrun_tiles, &call, MAXMB);
-#else
-            vtile_runs2(ta, tb, &call);
-#endif
-        }
-        free(rows);
-        free(xq);
-        free(xs);
-        free(xa);
-        free(f);
+        int64_t lo, hi;
+        lowbit_thread_share(n_tiles, &lo, &hi);
+        if (vshare(w, x, x_bf16, ldx_in, M, y, y_bf16, ldy, lo, hi) != 0) failed = 1;
     }
     return failed ? -2 : 0;
 #endif

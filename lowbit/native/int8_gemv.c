@@ -323,15 +323,21 @@ int lowbit_int8f_matmul(const int8_t *q, int64_t N, int64_t K, int64_t ldw, cons
     if (G < 1 || (G > 1 && (group % 16 != 0 || (G - 1) * group >= K || G * group < K))) return -2;
     const Weight8 w = {q, s, N, K, ldw, G, G == 1 ? K : group};
     const int64_t tiles = (N + NT - 1) / NT;
+    threads = lowbit_team(threads);
+    int64_t ta, tb;
+    if (lowbit_part_share(tiles, &ta, &tb)) { /* a part call (lowbit_native.h): its share, here */
+        run_tiles(&w, x, ldx, M, y, ldy, ta, tb);
+        return 0;
+    }
     if (threads <= 1 || tiles < 2) {
         run_tiles(&w, x, ldx, M, y, ldy, 0, tiles);
         return 0;
     }
 #pragma omp parallel num_threads(threads)
     {
-        int64_t ta, tb;
-        lowbit_thread_share(tiles, &ta, &tb);
-        run_tiles(&w, x, ldx, M, y, ldy, ta, tb);
+        int64_t lo, hi;
+        lowbit_thread_share(tiles, &lo, &hi);
+        run_tiles(&w, x, ldx, M, y, ldy, lo, hi);
     }
     return 0;
 #endif

@@ -107,6 +107,37 @@ static inline float lowbit_hsum8(__m256 v) {
 
 /* ---- threads ------------------------------------------------------------------------------- */
 
+/* Parts: native/decode_layers.c runs a whole step inside one OpenMP region (opening a region per
+   kernel cost 1-2 us each, ~8 a layer) and calls each kernel from every thread of that team with
+   threads = LOWBIT_PART(part, parts). The kernel then computes, on the calling thread and without
+   a region of its own (a nested one-thread region still cost ~0.8 us), the share that thread
+   `part` of its own team of `parts` would have computed (the same items, so the same bits), and
+   the caller's barrier joins the shares. A kernel taking part calls passes its `threads` through
+   lowbit_team first, which notes the part (per library and per thread) for lowbit_part_share and
+   lowbit_for_items, and returns the team size for a region of its own (1 in a part call). */
+#define LOWBIT_PART_LIMIT 4096
+#define LOWBIT_PART(part, parts) (-(int)((part) * LOWBIT_PART_LIMIT + (parts)))
+static __thread int lowbit_part_id __attribute__((unused)), lowbit_part_count __attribute__((unused)); /* count 0: no part */
+
+static inline __attribute__((unused)) int lowbit_team(int threads) {
+    if (threads < 0) {
+        lowbit_part_id = -threads / LOWBIT_PART_LIMIT;
+        lowbit_part_count = -threads % LOWBIT_PART_LIMIT;
+        return 1;
+    }
+    lowbit_part_count = 0;
+    return threads;
+}
+
+/* In a part call (noted by lowbit_team on this thread): its share [*lo, *hi) of total items, and 1;
+   else 0. */
+static inline int lowbit_part_share(int64_t total, int64_t *lo, int64_t *hi) {
+    if (!lowbit_part_count) return 0;
+    *lo = total * lowbit_part_id / lowbit_part_count;
+    *hi = total * (lowbit_part_id + 1) / lowbit_part_count;
+    return 1;
+}
+
 /* Inside an OpenMP parallel region: this thread's contiguous share [*lo, *hi) of total items. */
 static inline void lowbit_thread_share(int64_t total, int64_t *lo, int64_t *hi) {
 #ifdef _OPENMP
@@ -122,8 +153,14 @@ static inline void lowbit_thread_share(int64_t total, int64_t *lo, int64_t *hi) 
 typedef void (*lowbit_items_fn)(const void *args, int64_t lo, int64_t hi);
 
 /* Items 0..count-1: in one call on the calling thread unless `parallel` (waking a team costs more
-   than small calls), else one call per item, split statically over `threads` OpenMP threads. */
+   than small calls), else one call per item, split statically over `threads` OpenMP threads; in
+   a part call, the part's static share in one call. */
 static inline void lowbit_for_items(int64_t count, int parallel, int threads, lowbit_items_fn fn, const void *args) {
+    int64_t lo, hi;
+    if (lowbit_part_share(count, &lo, &hi)) { /* a part call: its share, here */
+        if (lo < hi) fn(args, lo, hi);
+        return;
+    }
     if (!parallel) {
         fn(args, 0, count);
         return;

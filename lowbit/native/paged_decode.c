@@ -587,20 +587,32 @@ static void store_scaled(void *out, int64_t off, const float *acc, float inv, in
     for (; d < D; d++) st(out, off + d, acc[d] * inv, bf16);
 }
 
-int lowbit_paged_decode(const void *q, int64_t ldq, const void *k, int64_t ldk, const void *v, int64_t ldv,
-                        const void *cs, const void *sn, int dtype, const int64_t *pos, const int64_t *slots,
-                        const int64_t *item, const int64_t *tables, int64_t nb, void *kpool, void *vpool,
-                        void *out, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
-                        int64_t window, float scale, int threads) {
-    const int bf16 = dtype == 1;                 /* q, k, v, cos, sin and out */
-    const int pool16 = dtype == 1 || dtype == 2; /* the pool */
-    if (dtype < 0 || dtype > 2) return -1;
+/* The arguments of every entry point below (lowbit_paged_decode's). */
+#define PAGED_ARGS                                                                                                   \
+    const void *q, int64_t ldq, const void *k, int64_t ldk, const void *v, int64_t ldv, const void *cs, const void *sn, \
+        int dtype, const int64_t *pos, const int64_t *slots, const int64_t *item, const int64_t *tables, int64_t nb,   \
+        void *kpool, void *vpool, void *out, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t block_size,       \
+        int64_t window, float scale, int threads
+
+static int bad_shape(int dtype, int64_t H, int64_t KVH, int64_t D) {
+    return dtype < 0 || dtype > 2 || D > MAXD || D % 2 || H / KVH > MAXG || (H / KVH) * KVH != H;
+}
+
+/* 1. rotate k and write k, v into the pool (bf16 rotations are already rounded, so the store
+   below only drops zero bits; float32 ones into a bf16 pool are rounded there). A part call
+   (lowbit_native.h) writes its share of the rows. */
+int lowbit_paged_write(PAGED_ARGS) {
+    (void)q, (void)ldq, (void)pos, (void)item, (void)tables, (void)nb, (void)out, (void)H, (void)block_size, (void)window,
+        (void)scale;
+    if (bad_shape(dtype, H, KVH, D)) return -1;
+    const int bf16 = dtype == 1, pool16 = dtype == 1 || dtype == 2;
     const int64_t half = D / 2, row = KVH * D, esize = bf16 ? 2 : 4, psize = pool16 ? 2 : 4;
-    const int64_t group = H / KVH;
-    if (D > MAXD || D % 2 || group > MAXG || group * KVH != H) return -1;
-    /* 1. rotate k and write k, v into the pool (bf16 rotations are already rounded, so the
-       store below only drops zero bits; float32 ones into a bf16 pool are rounded there) */
-    for (int64_t t = 0; t < T; t++) {
+    int64_t t0 = 0, t1 = T;
+    if (lowbit_team(threads) == 1 && lowbit_part_count) {
+        t0 = T * lowbit_part_id / lowbit_part_count;
+        t1 = T * (lowbit_part_id + 1) / lowbit_part_count;
+    }
+    for (int64_t t = t0; t < t1; t++) {
         float buf[MAXD];
         for (int64_t h = 0; h < KVH; h++) {
             char *kdst = (char *)kpool + (slots[t] * row + h * D) * psize;
@@ -620,53 +632,104 @@ int lowbit_paged_decode(const void *q, int64_t ldq, const void *k, int64_t ldk, 
             }
         }
     }
-    /* 2. attention. With enough rows, a work item is a whole row: each position's keys and values
-       for all KV heads are one contiguous run of the pool, read once for all query heads. With few
-       rows (batch 1), an item is (row, KV head, chunk of its query heads), down to one head, so
-       both threads get work. A head's result is the same whatever item computes it. */
-    int64_t maxlen = 1;
-    for (int64_t t = 0; t < T; t++) maxlen = pos[t] + 1 > maxlen ? pos[t] + 1 : maxlen;
+    return 0;
+}
+
+/* The work items of an attention call and what every item reads. */
+typedef struct {
+    const void *q, *cs, *sn;
+    int64_t ldq;
+    const int64_t *pos, *item, *tables;
+    int64_t nb;
+    const void *kpool, *vpool;
+    void *out;
+    int64_t H, KVH, D, block_size, window, group, hc, chunks, maxlen;
+    float scale;
+    int bf16, pool16, whole_rows;
+} Attend;
+
+/* Item w into out, with per-thread buffers sc [H, maxlen], qv and acc [H, D]. */
+static void attend_item(const Attend *a, int64_t w, float *sc, float *qv, float *acc) {
+    const int64_t D = a->D, half = D / 2, row = a->KVH * D, group = a->group, maxlen = a->maxlen;
+    int64_t t, kh, h0, nk, n;
+    if (a->whole_rows) {
+        t = w, kh = 0, h0 = 0, nk = a->KVH, n = group;
+    } else {
+        t = w / (a->KVH * a->chunks), kh = (w / a->chunks) % a->KVH, h0 = kh * group + (w % a->chunks) * a->hc, nk = 1;
+        n = h0 + a->hc <= (kh + 1) * group ? a->hc : (kh + 1) * group - h0;
+    }
+    for (int64_t g = 0; g < nk * n; g++) {
+        if (a->cs) rotate(a->q, t * a->ldq + (h0 + g) * D, a->cs, a->sn, t * half, D, a->bf16, qv + g * D);
+        else for (int64_t d = 0; d < D; d++) qv[g * D + d] = ld(a->q, t * a->ldq + (h0 + g) * D + d, a->bf16);
+    }
+    const int64_t p = a->pos[t], lo = a->window > 0 && p - a->window + 1 > 0 ? p - a->window + 1 : 0;
+    const int64_t *bt = a->tables + a->item[t] * a->nb;
+    scores(qv, nk, n, D, lo, p, bt, a->block_size, row, kh * D, a->kpool, a->vpool, a->pool16, a->bf16, a->scale, sc, maxlen);
+    for (int64_t k = 0; k < nk; k++) {
+        float inv[MAXG];
+        float *sk = sc + k * n * maxlen;
+        for (int64_t g = 0; g < n; g++) inv[g] = 1.0f / softmax_numerators(sk + g * maxlen, p - lo + 1);
+        values(sk, n, maxlen, D, lo, p, bt, a->block_size, row, (kh + k) * D, a->vpool, a->pool16, acc);
+        for (int64_t g = 0; g < n; g++)
+            store_scaled(a->out, t * a->H * D + (h0 + k * n + g) * D, acc + g * D, inv[g], D, a->bf16);
+    }
+}
+
+/* 2. attention, once every row's k and v are in the pool. With enough rows, a work item is a
+   whole row: each position's keys and values for all KV heads are one contiguous run of the pool,
+   read once for all query heads. With few rows (batch 1), an item is (row, KV head, chunk of its
+   query heads), down to one head, so both threads get work. A head's result is the same whatever
+   item computes it. A part call (lowbit_native.h) computes every parts-th item from its own on
+   (at batch 1 an item per query head: neighbours cost alike), on the calling thread. */
+int lowbit_paged_attend(PAGED_ARGS) {
+    (void)k, (void)ldk, (void)v, (void)ldv, (void)slots;
+    if (bad_shape(dtype, H, KVH, D)) return -1;
+    threads = lowbit_team(threads);
+    const int team = lowbit_part_count ? lowbit_part_count : threads;
+    Attend a = {.q = q, .cs = cs, .sn = sn, .ldq = ldq, .pos = pos, .item = item, .tables = tables, .nb = nb, .kpool = kpool,
+                .vpool = vpool, .out = out, .H = H, .KVH = KVH, .D = D, .block_size = block_size, .window = window,
+                .group = H / KVH, .maxlen = 1, .scale = scale, .bf16 = dtype == 1, .pool16 = dtype == 1 || dtype == 2};
+    for (int64_t t = 0; t < T; t++) a.maxlen = pos[t] + 1 > a.maxlen ? pos[t] + 1 : a.maxlen;
     const int64_t most = regs_heads(D) > 0 ? regs_heads(D) : 8; /* query heads per KV head in one pass */
-    const int whole_rows = T >= 2 * threads && group <= most && H * D <= 8192; /* 8192: scores_bf16's query buffer */
-    int64_t hc = group < most ? group : most;
-    if (!whole_rows && T * KVH * ((group + hc - 1) / hc) < 4 * threads) hc = 1;
-    const int64_t chunks = (group + hc - 1) / hc, nwork = whole_rows ? T : T * KVH * chunks;
+    a.whole_rows = T >= 2 * team && a.group <= most && H * D <= 8192; /* 8192: scores_bf16's query buffer */
+    a.hc = a.group < most ? a.group : most;
+    if (!a.whole_rows && T * KVH * ((a.group + a.hc - 1) / a.hc) < 4 * team) a.hc = 1;
+    a.chunks = (a.group + a.hc - 1) / a.hc;
+    const int64_t nwork = a.whole_rows ? T : T * KVH * a.chunks;
     int fail = 0;
+    if (lowbit_part_count) {
+        float *sc = malloc((size_t)(H * a.maxlen) * sizeof(float));
+        float *qv = malloc((size_t)(H * D) * sizeof(float));
+        float *acc = malloc((size_t)(H * D) * sizeof(float));
+        if (sc && qv && acc)
+            for (int64_t w = lowbit_part_id; w < nwork; w += lowbit_part_count) attend_item(&a, w, sc, qv, acc);
+        else fail = 1;
+        free(sc);
+        free(qv);
+        free(acc);
+        return fail ? -2 : 0;
+    }
 #pragma omp parallel num_threads(threads)
     {
-        float *sc = malloc((size_t)(H * maxlen) * sizeof(float));
+        float *sc = malloc((size_t)(H * a.maxlen) * sizeof(float));
         float *qv = malloc((size_t)(H * D) * sizeof(float));
         float *acc = malloc((size_t)(H * D) * sizeof(float));
         if (!sc || !qv || !acc) fail = 1;
 #pragma omp for schedule(dynamic)
-        for (int64_t w = 0; w < nwork; w++) {
-            if (!sc || !qv || !acc) continue;
-            int64_t t, kh, h0, nk, n;
-            if (whole_rows) {
-                t = w, kh = 0, h0 = 0, nk = KVH, n = group;
-            } else {
-                t = w / (KVH * chunks), kh = (w / chunks) % KVH, h0 = kh * group + (w % chunks) * hc, nk = 1;
-                n = h0 + hc <= (kh + 1) * group ? hc : (kh + 1) * group - h0;
-            }
-            for (int64_t g = 0; g < nk * n; g++) {
-                if (cs) rotate(q, t * ldq + (h0 + g) * D, cs, sn, t * half, D, bf16, qv + g * D);
-                else for (int64_t d = 0; d < D; d++) qv[g * D + d] = ld(q, t * ldq + (h0 + g) * D + d, bf16);
-            }
-            const int64_t p = pos[t], lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
-            const int64_t *bt = tables + item[t] * nb;
-            scores(qv, nk, n, D, lo, p, bt, block_size, row, kh * D, kpool, vpool, pool16, bf16, scale, sc, maxlen);
-            for (int64_t k = 0; k < nk; k++) {
-                float inv[MAXG];
-                float *sk = sc + k * n * maxlen;
-                for (int64_t g = 0; g < n; g++) inv[g] = 1.0f / softmax_numerators(sk + g * maxlen, p - lo + 1);
-                values(sk, n, maxlen, D, lo, p, bt, block_size, row, (kh + k) * D, vpool, pool16, acc);
-                for (int64_t g = 0; g < n; g++)
-                    store_scaled(out, t * H * D + (h0 + k * n + g) * D, acc + g * D, inv[g], D, bf16);
-            }
-        }
+        for (int64_t w = 0; w < nwork; w++)
+            if (sc && qv && acc) attend_item(&a, w, sc, qv, acc);
         free(sc);
         free(qv);
         free(acc);
     }
     return fail ? -2 : 0;
+}
+
+/* Both steps (the write, then attention over the pool it completed). */
+int lowbit_paged_decode(PAGED_ARGS) {
+    const int rc = lowbit_paged_write(q, ldq, k, ldk, v, ldv, cs, sn, dtype, pos, slots, item, tables, nb, kpool, vpool, out, T,
+                                      H, KVH, D, block_size, window, scale, threads);
+    if (rc != 0) return rc;
+    return lowbit_paged_attend(q, ldq, k, ldk, v, ldv, cs, sn, dtype, pos, slots, item, tables, nb, kpool, vpool, out, T, H,
+                               KVH, D, block_size, window, scale, threads);
 }

@@ -127,6 +127,7 @@ static void norm_vectors(const void *args, int64_t lo, int64_t hi) {
 int lowbit_rmsnorm(const void *x, int64_t x_stride, int64_t rows, int64_t heads, int64_t dim, const void *w, float eps,
                    int unit_offset, int dtype, void *out, int64_t out_stride, int threads) {
     if (dim <= 0 || rows < 0 || heads <= 0) return 1;
+    threads = lowbit_team(threads); /* a part call (lowbit_native.h): its share of the rows, here */
     const int bf16 = dtype == 1;
     const Rows a = {.x = x, .w = w, .out = out, .x_stride = x_stride, .out_stride = out_stride, .heads = heads, .dim = dim,
                     .eps = eps, .es = bf16 ? 2 : 4, .bf16 = bf16, .flag = unit_offset};
@@ -153,6 +154,7 @@ int lowbit_add_rmsnorm(const void *x, int64_t x_stride, const void *r, int64_t r
                        int64_t dim, const void *w, float eps, int unit_offset, int dtype, void *sum_out,
                        int64_t sum_stride, void *out, int64_t out_stride, int threads) {
     if (dim <= 0 || rows < 0 || (w != NULL && out == NULL)) return 1;
+    threads = lowbit_team(threads); /* a part call (lowbit_native.h): its share of the rows, here */
     const int bf16 = dtype == 1;
     const Rows a = {.x = x, .r = r, .r_w = r_w, .w = w, .s = sum_out, .out = out, .x_stride = x_stride, .r_stride = r_stride,
                     .s_stride = sum_stride, .out_stride = out_stride, .dim = dim, .eps = eps, .es = bf16 ? 2 : 4,
@@ -218,6 +220,7 @@ static void act_rows(const void *args, int64_t lo, int64_t hi) {
 int lowbit_act_mul(const void *gate, int64_t gate_stride, const void *up, int64_t up_stride, int64_t rows, int64_t n,
                    int act, int dtype, void *out, int64_t out_stride, int threads) {
     if (n <= 0 || rows < 0 || act < 0 || act > 1) return 1;
+    threads = lowbit_team(threads); /* a part call (lowbit_native.h): its share of the rows, here */
     const int bf16 = dtype == 1;
     const Rows a = {.x = gate, .r = up, .out = out, .x_stride = gate_stride, .r_stride = up_stride, .out_stride = out_stride,
                     .dim = n, .es = bf16 ? 2 : 4, .bf16 = bf16, .flag = act};
