@@ -10,11 +10,16 @@ threshold 1.0 is the full model bit for bit, and 0.0 (top1) the cheap model ever
   mixed logits come out, and `early_exit.FullLogits` hands the full model's to the evaluator as
   the KLD base (no second forward).
 - Decoding (`generate` / `bench --cascade`) runs in the engine: `Engine(draft=CHEAP,
-  cascade=CascadeSettings(...))` drafts with the cheap model while its confidence clears the
-  threshold (at most `run` tokens), emits those tokens unverified, and the model's one pass over
-  them catches its cache up and gives the next token (one pass over n + 1 rows instead of n + 1
-  steps: it reads the weights once). Which model answered each token is counted in
-  `CascadeStats`.
+  cascade=CascadeSettings(...))` drafts `run` tokens with the cheap model, each flagged sure or
+  unsure, and the model's one pass over them (n + 1 rows read the weights once) catches its cache
+  up and decides the unsure ones as speculative decoding verifies drafts: where the model's token
+  is the draft, it stands; at the first where it is not, the model's token replaces it and the
+  run ends (what follows was drawn after the wrong token). Sure drafts stand unverified. So every
+  position gets the rule above - sure: the cheap model's token, unsure: the model's - and an
+  unsure position costs no step of its own (until 2026-12-05 the first unsure position ended the
+  run and took a model pass alone: at threshold 0.9 a 0.7x "speedup"). Threshold 1.0 is the model
+  bit for bit, as plain speculative decoding. Which model answered each token is counted in
+  `CascadeStats` (an unsure draft the model kept counts as the model's).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Draft sources for speculative decoding: n-gram prompt lookup, or a smaller / quantized model.
 
-`propose(items, drafting)` returns, for each (seq, k) in `drafting`, up to k draft tokens and
-the distribution each was drawn from ([n, V] probabilities, or None for a deterministic
-drafter such as n-gram lookup, whose p_draft is one-hot).
+`propose(items, drafting, unsure=None)` returns, for each (seq, k) in `drafting`, up to k draft
+tokens, the distribution each was drawn from ([n, V] probabilities, or None for a deterministic
+drafter such as n-gram lookup, whose p_draft is one-hot) and, with `unsure`, which of them the
+draft model was unsure of (else None).
 
 A draft model keeps its own paged KV pool with the SAME block geometry as the target's and
 writes through the target's block tables, so prefix-cache hits, preemption and freeing need no
@@ -18,9 +19,9 @@ below, so the draft's KV of layers < N IS the target's; every slot the draft wri
 sequence's last token and the drafted positions) is rewritten by the target's verify pass of the
 same step before anything else reads it, so a rejected draft leaves nothing stale behind.
 
-A token cascade (Engine(cascade=...)) uses the same drafters with `unsure`: a sequence stops
-drafting at the first position whose logits are unsure, without proposing it, and the target
-takes that position after its pass over the drafts.
+A token cascade (Engine(cascade=...)) uses the same drafters with `unsure` (logits [n, V] -> bool
+[n]): the drafts go on through unsure positions, each flagged, and the target's pass over them
+decides those positions as a verify would (engine._verify); the sure ones stand as drafted.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class NgramDrafter:
         self.max_ngram = max_ngram
 
     def propose(self, items, drafting, unsure=None):
-        return [(ngram_propose(seq.token_ids, k, self.max_ngram), None) for seq, k in drafting]
+        return [(ngram_propose(seq.token_ids, k, self.max_ngram), None, None) for seq, k in drafting]
 
     def sync(self, seq) -> None:
         pass
@@ -71,30 +72,29 @@ def choose(logits: torch.Tensor, seqs) -> tuple[list[int], list[torch.Tensor | N
 
 
 def draft_tokens(runner: ModelRunner, works: list[Work], drafting, unsure=None
-                 ) -> tuple[list[tuple[list[int], torch.Tensor | None]], list[int]]:
+                 ) -> tuple[list[tuple[list[int], torch.Tensor | None, list[bool] | None]], list[int]]:
     """Run `works` (the last one per drafting sequence yields its first draft logits), then feed
-    each draft back one token at a time until every sequence has its k drafts, or (with
-    `unsure`: logits [n, V] -> bool [n]) until a row's logits are unsure: that row's drafting
-    ends there without the token (a token cascade hands that position to the target).
+    each draft back one token at a time until every sequence has its k drafts; with `unsure`
+    (logits [n, V] -> bool [n], a token cascade), each draft is flagged unsure or not.
     Returns the proposals and, per sequence, the positions the draft model computed."""
     drafts = [[] for _ in drafting]
     probs = [[] for _ in drafting]
-    passes = [0] * len(drafting)
+    flags = [[] for _ in drafting]
     active = list(range(len(drafting)))
     while active:
         logits = runner.run(works).float()  # the draft may run in bf16; its probabilities are float32
         tokens, dists = choose(logits, [drafting[i][0] for i in active])
-        stopped = unsure(logits).tolist() if unsure is not None else [False] * len(active)
-        for i, t, p, stop in zip(active, tokens, dists, stopped):
-            passes[i] += 1
-            if not stop:
-                drafts[i].append(t)
-                probs[i].append(p)
-        active = [i for i, stop in zip(active, stopped) if not stop and drafting[i][1] > passes[i]]
-        works = [Work(drafting[i][0].block_table, drafting[i][0].num_tokens - 1 + passes[i], [drafts[i][-1]], 1)
+        doubts = unsure(logits).tolist() if unsure is not None else [False] * len(active)
+        for i, t, p, doubt in zip(active, tokens, dists, doubts):
+            drafts[i].append(t)
+            probs[i].append(p)
+            flags[i].append(doubt)
+        active = [i for i in active if drafting[i][1] > len(drafts[i])]
+        works = [Work(drafting[i][0].block_table, drafting[i][0].num_tokens - 1 + len(drafts[i]), [drafts[i][-1]], 1)
                  for i in active]
-    proposals = [(d, None if not p or p[0] is None else torch.stack(p)) for d, p in zip(drafts, probs)]
-    return proposals, passes
+    proposals = [(d, None if not p or p[0] is None else torch.stack(p), f if unsure is not None else None)
+                 for d, p, f in zip(drafts, probs, flags)]
+    return proposals, [len(d) for d in drafts]
 
 
 class ModelDrafter:

@@ -372,7 +372,8 @@ class Engine:
     def _draft_len(self, seq: Sequence) -> int:
         # k adapts within [1, num_speculative_tokens]: a verify's cost grows with its rows (on CPU in
         # steps of 4, native/int4_dot.c), so growing past the requested k cost more than it won.
-        # A cascade's k is its longest run of cheap tokens: its confidence, not k, ends a run.
+        # A cascade's k is its longest run of cheap tokens (the target decides the unsure ones in
+        # its pass over the run, as it verifies drafts).
         k = self.cascade.run if self.cascade is not None else self._adaptive.setdefault(
             seq.request_id, AdaptiveK(self.num_speculative_tokens, 1, self.num_speculative_tokens)).k
         room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
@@ -382,6 +383,7 @@ class Engine:
         items = out.items
         drafts: list[list[int]] = [[] for _ in items]
         draft_probs: list[torch.Tensor | None] = [None] * len(items)
+        draft_unsure: list[list[bool] | None] = [None] * len(items)  # a cascade's flags
         if self.drafter is not None:
             bm = self.block_manager
             drafting = []
@@ -396,20 +398,15 @@ class Engine:
                         self.cascade_stats.full += 1  # no room for cheap tokens: the model's alone
             proposals = self.drafter.propose(items, [(items[i].seq, k) for i, k in drafting],
                                              None if self.cascade is None else self.cascade.unsure)
-            for (i, _), (tokens, probs) in zip(drafting, proposals):
-                drafts[i], draft_probs[i] = tokens, probs
+            for (i, _), (tokens, probs, unsure) in zip(drafting, proposals):
+                drafts[i], draft_probs[i], draft_unsure[i] = tokens, probs, unsure
                 items[i].num_new_tokens = 1 + len(tokens)
-                if self.cascade is not None:
-                    self.cascade_stats.cheap += len(tokens)
-                    self.cascade_stats.full += 1  # the token after them (every token, at threshold 1)
 
         works = []
         for item, d in zip(items, drafts):
             seq = item.seq
             tokens = seq.token_ids[item.start : item.start + item.num_new_tokens - len(d)] + d
-            # a cascade's drafts are emitted as they are: the model's logits only after the last
-            work = Work(seq.block_table, item.start, tokens,
-                        0 if not item.samples else 1 if self.cascade is not None else 1 + len(d))
+            work = Work(seq.block_table, item.start, tokens, 0 if not item.samples else 1 + len(d))
             if seq.request_id in self._prompt_lps and not d:
                 # rows start.. predict the prompt tokens after them; the prompt's last row predicts
                 # the first generated token, so it is sampled, not scored
@@ -436,13 +433,10 @@ class Engine:
         for i, item in enumerate(items):
             if not item.samples:
                 continue
-            if drafts[i] and self.cascade is not None:
-                result[i] = drafts[i] + [self._after_drafts(item.seq, logits[row : row + 1], drafts[i])]
-                logprobs[i] = [None] * len(result[i])
-                row += 1
-            elif drafts[i]:
+            if drafts[i]:
                 n = 1 + len(drafts[i])
-                result[i], logprobs[i] = self._verify(item.seq, logits[row : row + n], drafts[i], draft_probs[i])
+                result[i], logprobs[i] = self._verify(item.seq, logits[row : row + n], drafts[i], draft_probs[i],
+                                                      draft_unsure[i])
                 row += n
             else:
                 plain_rows.append(row)
@@ -456,18 +450,14 @@ class Engine:
                 logprobs[i] = [sampled.logprobs[j]]
         return result, logprobs
 
-    def _after_drafts(self, seq: Sequence, logits: torch.Tensor, drafts: list[int]) -> int:
-        """The model's token after a cascade's cheap ones, drawn as a plain step would with the
-        drafts already generated (penalties, min_tokens)."""
-        p = seq.params
-        history = [seq.token_ids + drafts] if p.repetition_penalty != 1.0 else [[]]
-        outputs = [seq.output_token_ids + drafts] if _uses_outputs(p) else None
-        drawn = sample(logits, [p], history, [Sampler.generator(seq, logits.device)], outputs,
-                       eos_ids=self.sampler.eos_token_ids)
-        return drawn.token_ids[0]
-
-    def _verify(self, seq: Sequence, logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None):
-        """Target logits [k+1, V] over [last, d0..d(k-1)] -> the emitted tokens and their logprobs."""
+    def _verify(self, seq: Sequence, logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None,
+                unsure: list[bool] | None = None):
+        """Target logits [k+1, V] over [last, d0..d(k-1)] -> the emitted tokens and their logprobs.
+        A token cascade's drafts (`unsure` given) stand where the cheap model was sure; the target
+        decides the unsure ones as it verifies any draft (greedy: its own token wherever they
+        differ; sampling: the rejection rule, so the token is the target's draw), and the first
+        it changes ends the run. Its tokens are the cascade's rule position by position (sure:
+        cheap, unsure: the model's), each unsure draft costing no step of its own."""
         p, k = seq.params, len(drafts)
         histories = ([seq.token_ids + drafts[:j] for j in range(k + 1)] if p.repetition_penalty != 1.0
                      else [[]] * (k + 1))
@@ -480,19 +470,28 @@ class Engine:
             else:
                 target = process_logits(logits, [p] * (k + 1), histories, outputs, eos_ids=eos).argmax(dim=-1).tolist()
             accepted = 0
-            while accepted < k and drafts[accepted] == target[accepted]:
+            while accepted < k and (drafts[accepted] == target[accepted] or unsure is not None and not unsure[accepted]):
                 accepted += 1
             emitted = drafts[:accepted] + [target[accepted]]
         else:
             target_probs = process_logits(logits, [p] * (k + 1), histories, outputs, eos_ids=eos).softmax(dim=-1)
+            for j in range(k) if unsure is not None else ():
+                if not unsure[j]:  # the draft's own distribution: accepted whatever u is drawn
+                    target_probs[j] = (draft_probs[j] if draft_probs is not None
+                                       else torch.zeros_like(target_probs[j]).scatter_(0, torch.tensor([drafts[j]]), 1.0))
             tokens, num_accepted = rejection_sample(
                 torch.tensor([drafts], device=logits.device), target_probs[None],
                 None if draft_probs is None else draft_probs[None],
                 generator=Sampler.generator(seq, logits.device))
             accepted = int(num_accepted[0])
             emitted = tokens[0, : accepted + 1].tolist()
-        self.spec_stats.record(k, accepted)
-        self._adaptive[seq.request_id].update(k, accepted)
         n = len(emitted)
+        if unsure is not None:  # the sure drafts it kept were the cheap model's; the rest the model's
+            cheap = sum(not u for u in unsure[:accepted])
+            self.cascade_stats.cheap += cheap
+            self.cascade_stats.full += n - cheap
+        else:
+            self.spec_stats.record(k, accepted)
+            self._adaptive[seq.request_id].update(k, accepted)
         logprobs = _logprobs(logits[:n], [p] * n, emitted) if p.logprobs is not None else [None] * n
         return emitted, logprobs

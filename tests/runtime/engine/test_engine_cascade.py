@@ -1,8 +1,9 @@
 """The token cascade in the engine (Engine(draft=CHEAP, cascade=CascadeSettings(T))): the cheap
-model's tokens are emitted while its confidence is strictly above T, the model takes the first
-position where it is not (and every (run+1)-th: CascadeSettings.run), after catching up on the
-cheap tokens in one batched pass. Checked against from-scratch forwards of both models, against the
-single-sequence CascadeDecoder, batched and alone; threshold 1 is plain decoding token for token."""
+model's token stands where its confidence is strictly above T, the model takes every position where
+it is not (and every (run+1)-th: CascadeSettings.run); the model's one batched pass over a run of
+drafts catches it up and decides the unsure ones at once, as a verify. Checked against from-scratch
+forwards of both models, against the single-sequence CascadeDecoder (one model pass per unsure
+position), batched and alone; threshold 1 is plain decoding token for token."""
 
 from __future__ import annotations
 
@@ -110,3 +111,17 @@ def test_bad_cascades(dirs):
     engine = _engine(dirs, 0.5)
     with pytest.raises(UsageError, match="logprobs are not reported under a token cascade"):
         engine.add_request("r", [40, 41], SamplingParams(max_tokens=4, logprobs=2))
+
+
+def test_unsure_positions_share_the_models_passes(dirs):
+    # the model decides a run's unsure drafts in its one pass over the run: fewer passes than the
+    # positions it answered, each of which took a pass of its own before (and the same tokens)
+    # (the model's own int8 copy as the cheap one: it agrees with the model where it is unsure)
+    engine = Engine(dirs[0], kv_memory=4 << 20, draft="self:int8", cascade=CascadeSettings(0.5, run=32))
+    full, cheap = _models(engine)
+    t = engine.cascade.threshold = _median_confidence(cheap)
+    before = engine.runner.num_forwards
+    out = engine.generate([PROMPTS[0]], GREEDY)[0].token_ids
+    passes = engine.runner.num_forwards - before - 1  # less the prefill
+    who = _who_answered(engine, PROMPTS[0], out, t)
+    assert who.count("full") > passes and "cheap" in who

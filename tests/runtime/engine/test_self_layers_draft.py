@@ -61,7 +61,7 @@ def test_every_draft_is_the_prefix_models_from_scratch(deep_llama_dir, monkeypat
 
     def recording(items, drafting, unsure=None):
         out = propose(items, drafting, unsure)
-        seen.extend((list(seq.token_ids), drafts) for (seq, _), (drafts, _) in zip(drafting, out))
+        seen.extend((list(seq.token_ids), drafts) for (seq, _), (drafts, _, _) in zip(drafting, out))
         return out
 
     monkeypatch.setattr(spec.drafter, "propose", recording)
