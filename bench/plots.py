@@ -280,7 +280,11 @@ def plot_speed_quality(out: Path) -> bool:
     """Decode speedup against greedy agreement with the full model for every approximate setting
     measured (bench/results/early_exit.json, token_cascade.json, query_cascade.json), beside issue 28's
     target corner."""
-    exits, query, tokens = RESULTS / "early_exit.json", RESULTS / "query_cascade.json", RESULTS / "token_cascade.json"
+    exits, query = RESULTS / "early_exit.json", RESULTS / "query_cascade.json"
+    # the engine's cascade and the quantized self-drafts as last measured (Zen 4, since 2026-12-05)
+    tokens = next((p for p in (RESULTS / "token_cascade-zen4.json", RESULTS / "token_cascade.json") if p.exists()),
+                  RESULTS / "token_cascade.json")
+    selfspec = RESULTS / "self_speculation-zen4.json"
     if not exits.exists() and not query.exists() and not tokens.exists():
         return False
     series = []  # (label, color, marker, [(agreement %, speedup, threshold)])
@@ -301,6 +305,10 @@ def plot_speed_quality(out: Path) -> bool:
                 series.append((f"token cascade, {data['cheap']} (engine, batch {batch[1:]})", color, "s",
                                [(r[batch]["greedy_agreement_pct"], r[batch]["speedup"], r["threshold"])
                                 for r in data["rows"]]))
+    if selfspec.exists():
+        rows = json.loads(selfspec.read_text())["rows"]
+        series.append(("exact self-speculation, self:FORMAT copy (engine; label: the setting)", "black", "*",
+                       [(100.0, r["speedup"], r["setting"].removeprefix("self:")) for r in rows if r["setting"] != "plain"]))
     if query.exists():
         data = json.loads(query.read_text())
         for conc, color in ((1, "tab:red"), (max(r["concurrency"] for r in data["rows"]), "tab:orange")):

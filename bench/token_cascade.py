@@ -25,10 +25,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import describe  # noqa: E402
+from machine import describe, results_file  # noqa: E402
 from query_cascade import prompts as wiki_prompts  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def quality(engine, tokens: list[int], windows) -> dict:
@@ -57,7 +55,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--eval-chunks", type=int, default=4)
     ap.add_argument("--eval-ctx", type=int, default=256)
-    ap.add_argument("--json", default=None, help="default: bench/results/token_cascade[-MODEL].json")
+    ap.add_argument("--json", default=None, help="default: bench/results/token_cascade[-MODEL].json (machine.results_file)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from lowbit.data.text import load_text
@@ -104,7 +102,7 @@ def main() -> None:
               f"{row['eval_ppl']:.2f} |")
     suffix = ("" if args.model == "smollm2-135m" else "-" + Path(args.model).name) + \
         ("" if args.dtype in ("f32", "float32") else "-" + args.dtype)
-    out = Path(args.json) if args.json else ROOT / "bench" / "results" / f"token_cascade{suffix}.json"
+    out = Path(args.json) if args.json else results_file(f"token_cascade{suffix}")
     out.write_text(json.dumps(result, indent=1) + "\n")
 
 
