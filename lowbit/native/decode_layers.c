@@ -237,7 +237,7 @@ static int team_layers(const Chain *c, const ChainStep *s, int64_t first, int64_
     {
         const int parts = omp_get_num_threads();
         const int pt = parts > 1 ? LOWBIT_PART(omp_get_thread_num(), parts) : 1;
-        int rc = 0; /* this thread's kernels' codes, or-ed */
+        int rc = 0; /* this thread's kernels' codes, or-ed (0 when all succeeded) */
         const float *pending_norm = NULL;
         for (int64_t i = first; i < last; i++) {
             const ChainLayer *L = c->layers + i;
@@ -291,7 +291,7 @@ static int team_layers(const Chain *c, const ChainStep *s, int64_t first, int64_
             failed = rc;
         }
     }
-    return failed ? (failed < 0 ? failed : -2) : 0;
+    return failed; /* the or of the failing kernels' codes: non-zero */
 }
 
 /* Layers first..last-1 on x [rows, hidden] (float32, updated in place). With final_norm, out gets
