@@ -115,7 +115,7 @@ typedef struct {
     float eps, scale;
     int32_t unit_offset, act;
     int32_t pool_bf16;      /* 1: the KV pools hold bf16 (a float32 model's --kv-dtype bf16) */
-    int32_t team;           /* 1: a step without MoE layers runs in one OpenMP region (team_layers) */
+    int32_t team;           /* 1: on 2+ threads a step runs in one OpenMP region (team_layers) */
     const void *paged_write, *paged_attend; /* paged_decode.c's two halves (team_layers calls them apart) */
 } Chain;
 
@@ -215,10 +215,73 @@ static int run_moe(const Chain *c, const ChainMoE *e, const float *h, int64_t M,
 
 /* The step's buffers, shared by the team. */
 typedef struct {
-    float *h, *qkv, *att, *a, *r, *qn, *kn, *gu, *act;
+    float *h, *qkv, *att, *a, *r, *qn, *kn;
+    const Scratch *w;
 } TeamBuffers;
 
-/* lowbit_decode_layers' dense layers (no MoE block) in one OpenMP region: every thread calls every
+/* run_mlp's three kernels as parts, a barrier after each. */
+static int team_mlp(const Chain *c, const ChainMLP *m, const float *h, int64_t M, const Scratch *w, float *y, int pt) {
+    const int64_t H = c->hidden, I = m->gate_up.n / 2;
+    int rc = linear(&m->gate_up, h, H, M, w->gu, pt);
+#pragma omp barrier
+    rc |= ((act_mul_fn)c->act_mul)(w->gu, 2 * I, w->gu + I, 2 * I, M, I, c->act, 0, w->act, I, pt);
+#pragma omp barrier
+    rc |= linear(&m->down, w->act, I, M, y, pt);
+#pragma omp barrier
+    return rc;
+}
+
+/* run_moe inside the team: the routing, each expert's gather and its scatter-add on part 0 alone,
+   in run_moe's order (so r gets the same sums in the same order), each routed expert's MLP and the
+   shared expert's as parts. Every thread counts an expert's rows from the routing (read after a
+   barrier), so all skip the same experts and meet the same barriers. Ends with a barrier. */
+static int team_moe(const Chain *c, const ChainMoE *e, const float *h, int64_t M, const Scratch *w, float *r, int pt) {
+    const int64_t H = c->hidden, k = e->top_k;
+    const int lead = pt == 1 || -pt / LOWBIT_PART_LIMIT == 0; /* part 0, or the only thread */
+    int rc = 0;
+    if (lead) {
+        rc |= ((moe_route_fn)c->moe_route)(h, H, M, H, e->router, e->experts, k, e->norm_topk, w->wts, w->sel, 1);
+        for (int64_t i = 0; i < M * H; i++) r[i] = 0.0f;
+    }
+#pragma omp barrier
+    float scale[LOWBIT_MAX_ROWS_MOE]; /* part 0's: the gathered rows' weights */
+    for (int64_t ex = 0; ex < e->experts; ex++) {
+        int64_t n = 0;
+        for (int64_t t = 0; t < M; t++)
+            for (int64_t j = 0; j < k; j++)
+                if (w->sel[t * k + j] == ex) {
+                    if (lead) {
+                        w->idx[n] = t;
+                        scale[n] = w->wts[t * k + j];
+                    }
+                    n++;
+                }
+        if (n == 0) continue;
+        if (lead)
+            for (int64_t i = 0; i < n; i++) memcpy(w->xe + i * H, h + w->idx[i] * H, (size_t)H * sizeof(float));
+#pragma omp barrier
+        rc |= team_mlp(c, e->expert + ex, w->xe, n, w, w->ye, pt);
+        if (lead)
+            for (int64_t i = 0; i < n; i++) {
+                float *ri = r + w->idx[i] * H;
+                const float *yi = w->ye + i * H;
+                for (int64_t d = 0; d < H; d++) ri[d] += yi[d] * scale[i];
+            }
+    }
+    if (e->shared) {
+        if (lead) rc |= ((moe_shared_gate_fn)c->moe_shared_gate)(h, H, M, H, e->shared_gate, w->sig);
+        /* the shared MLP reads h and writes ye: the last expert's scatter (part 0) read ye */
+#pragma omp barrier
+        rc |= team_mlp(c, e->shared, h, M, w, w->ye, pt);
+        if (lead)
+            for (int64_t t = 0; t < M; t++)
+                for (int64_t d = 0; d < H; d++) r[t * H + d] = r[t * H + d] + w->sig[t] * w->ye[t * H + d];
+    }
+#pragma omp barrier
+    return rc;
+}
+
+/* lowbit_decode_layers' layers in one OpenMP region: every thread calls every
    kernel as a part (lowbit_native.h), computing the share the kernel's own team would have given
    it, and a barrier ends each kernel's phase. The same kernels, arguments and shares, so the same
    bits; what goes is the region each of ~10 calls a layer opened and closed (1-2 us each on 2 cores,
@@ -230,7 +293,6 @@ static int team_layers(const Chain *c, const ChainStep *s, int64_t first, int64_
     const int64_t qs = c->heads * D, kvs = c->kv_heads * D, qkv_n = qs + 2 * kvs;
     const rmsnorm_fn rmsnorm = (rmsnorm_fn)c->rmsnorm;
     const add_rmsnorm_fn add_rmsnorm = (add_rmsnorm_fn)c->add_rmsnorm;
-    const act_mul_fn act_mul = (act_mul_fn)c->act_mul;
     const paged_decode_fn paged_write = (paged_decode_fn)c->paged_write, paged_attend = (paged_decode_fn)c->paged_attend;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
@@ -241,8 +303,6 @@ static int team_layers(const Chain *c, const ChainStep *s, int64_t first, int64_
         const float *pending_norm = NULL;
         for (int64_t i = first; i < last; i++) {
             const ChainLayer *L = c->layers + i;
-            const ChainMLP *m = &L->mlp;
-            const int64_t I = m->gate_up.n / 2;
             if (i == first) rc |= rmsnorm(x, H, M, 1, H, L->norm_in, c->eps, c->unit_offset, 0, b->h, H, pt);
             else rc |= add_rmsnorm(x, H, b->r, H, pending_norm, M, H, L->norm_in, c->eps, c->unit_offset, 0, x, H, b->h, H, pt);
 #pragma omp barrier
@@ -276,12 +336,8 @@ static int team_layers(const Chain *c, const ChainStep *s, int64_t first, int64_
 #pragma omp barrier
             rc |= add_rmsnorm(x, H, b->a, H, L->post_attn, M, H, L->norm_mlp, c->eps, c->unit_offset, 0, x, H, b->h, H, pt);
 #pragma omp barrier
-            rc |= linear(&m->gate_up, b->h, H, M, b->gu, pt);
-#pragma omp barrier
-            rc |= act_mul(b->gu, 2 * I, b->gu + I, 2 * I, M, I, c->act, 0, b->act, I, pt);
-#pragma omp barrier
-            rc |= linear(&m->down, b->act, I, M, b->r, pt);
-#pragma omp barrier
+            if (L->moe) rc |= team_moe(c, L->moe, b->h, M, b->w, b->r, pt);
+            else rc |= team_mlp(c, &L->mlp, b->h, M, b->w, b->r, pt);
             pending_norm = L->post_ffn;
         }
         if (final_norm) rc |= add_rmsnorm(x, H, b->r, H, pending_norm, M, H, final_norm, c->eps, c->unit_offset, 0, x, H, out, H, pt);
@@ -337,17 +393,15 @@ int lowbit_decode_layers(const Chain *c, const ChainStep *s, int64_t first, int6
             for (int64_t d = 0; d < H; d++) x[t * H + d] = lowbit_load(s->embed, id * H + d, s->embed_bf16) * s->embed_scale;
         }
     }
-    int any_moe = 0;
     for (int64_t i = first; i < last; i++) {
         const ChainLayer *L = c->layers + i;
         if (L->qkv.n != qkv_n || (!L->moe && L->mlp.gate_up.n > 2 * I) || (L->moe && (L->moe->top_k > kk || !c->moe_route))
             || L->rope < 0 || L->rope >= MAX_ROPES || !cs[L->rope]
             || (L->q_norm && (L->q_norm_width <= 0 || qs % L->q_norm_width)) || (L->k_norm && (L->k_norm_width <= 0 || kvs % L->k_norm_width)))
             goto done; /* rc is -1 */
-        any_moe |= L->moe != NULL;
     }
-    if (c->team && threads > 1 && !any_moe && c->paged_write && c->paged_attend) {
-        const TeamBuffers b = {h, qkv, att, a, r, qn, kn, w.gu, w.act};
+    if (c->team && threads > 1 && c->paged_write && c->paged_attend) {
+        const TeamBuffers b = {h, qkv, att, a, r, qn, kn, &w};
         rc = team_layers(c, s, first, last, x, final_norm, out, &b, cs, sn, threads);
         goto done;
     }

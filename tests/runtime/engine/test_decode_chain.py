@@ -289,3 +289,39 @@ def test_the_one_region_step_equals_a_region_per_kernel(tiny_float_model, family
         assert 4 in rows and 1 in rows and (max(rows) > 4 or chained.chain.max_rows is not None)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("case, weights", [("mixtral", "int4"), ("qwen2_moe", "bf16-stored"), ("qwen3_moe", "bf16-stored")])
+def test_the_one_region_step_routes_moe_layers_alike(tmp_path, case, weights):
+    # team_moe: routing, gathers and scatter-adds on part 0, each routed expert's and the shared
+    # expert's MLP as parts: every step's bits equal the region-per-kernel step's
+    from tests.runtime.moe_models import save_moe
+
+    if weights == "int4" and not cpu_int4dot.available():
+        pytest.skip("no int4 kernel on this machine")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        save_moe(case, tmp_path)
+        engine = _engine(tmp_path, QUANTIZED.get(weights))
+        chained = engine.runner.chained
+        assert any(isinstance(spec.mlp, kernel_chain.MoESpec) for spec in chained.chain._keep)
+        real = chained.forward
+        rows: list[int] = []
+
+        def both(ids, positions, max_position, meta):
+            struct = chained.chain._chain
+            struct.team = 0
+            alone = real(ids, positions, max_position, meta).clone()
+            struct.team = 1
+            got = real(ids, positions, max_position, meta)
+            assert torch.equal(got, alone), f"the one-region step of {len(ids)} rows differs"
+            rows.append(len(ids))
+            return got
+
+        chained.forward = both
+        engine.generate(prompts(4), GREEDY)
+        engine.generate(prompts(1, seed=2), GREEDY)
+        assert 4 in rows and 1 in rows
+    finally:
+        torch.set_num_threads(threads)
