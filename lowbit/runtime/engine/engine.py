@@ -478,7 +478,8 @@ class Engine:
             for j in range(k) if unsure is not None else ():
                 if not unsure[j]:  # the draft's own distribution: accepted whatever u is drawn
                     target_probs[j] = (draft_probs[j] if draft_probs is not None
-                                       else torch.zeros_like(target_probs[j]).scatter_(0, torch.tensor([drafts[j]]), 1.0))
+                                       else torch.zeros_like(target_probs[j]).scatter_(
+                                           0, torch.tensor([drafts[j]], device=target_probs.device), 1.0))
             tokens, num_accepted = rejection_sample(
                 torch.tensor([drafts], device=logits.device), target_probs[None],
                 None if draft_probs is None else draft_probs[None],

@@ -249,79 +249,70 @@ def test_a_step_mixing_decodes_and_prefill_chunks_runs_whole_on_the_chain(tiny_f
                 assert (a is None) == (b is None) and (a is None or abs(a[1] - b[1]) < 1e-3), (k, a, b)
 
 
+@pytest.fixture
+def two_threads():
+    # the one-region step needs two threads (OpenMP runs them on one core too)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _team_checked(chained) -> list[int]:
+    """Make every chained step run twice, with a region per kernel (team off) and then in one
+    region, and compare bit for bit; returns a list that collects each checked step's row count."""
+    real = chained.forward
+    rows: list[int] = []
+
+    def both(ids, positions, max_position, meta):
+        struct = chained.chain._chain
+        assert struct.team == 1 and struct.paged_write and struct.paged_attend
+        struct.team = 0
+        alone = real(ids, positions, max_position, meta).clone()  # K/V written twice: the same values
+        struct.team = 1
+        got = real(ids, positions, max_position, meta)
+        assert torch.equal(got, alone), f"the one-region step of {len(ids)} rows differs"
+        rows.append(len(ids))
+        return got
+
+    chained.forward = both
+    return rows
+
+
 @pytest.mark.parametrize("family, weights", [("llama", "int4"), ("llama", "bf16-a16"), ("llama", "int8-g32"),
                                              ("llama", "float32"), ("gemma3", "int4"), ("gemma3", "kv-bf16")])
-def test_the_one_region_step_equals_a_region_per_kernel(tiny_float_model, family, weights, monkeypatch):
-    # native/decode_layers.c team_layers: on 2+ threads a step without MoE layers runs in one OpenMP
-    # region, every kernel called as a part (lowbit_native.h); each step, decodes, batched rows and
-    # prefill chunks, gives the very bits of the same step with a region per kernel (team off)
+def test_the_one_region_step_equals_a_region_per_kernel(tiny_float_model, family, weights, monkeypatch, two_threads):
+    # native/decode_layers.c team_layers: on 2+ threads a step runs in one OpenMP region, every
+    # kernel called as a part (lowbit_native.h); each step, decodes, batched rows and prefill
+    # chunks, gives the very bits of the same step with a region per kernel (team off)
     if weights == "int4" and not cpu_int4dot.available() or weights.startswith("int8") and not cpu_int8.available():
         pytest.skip(f"no {weights} kernel on this machine")
     if weights == "bf16-a16":
         if not cpu_f32.bf16_available():
             pytest.skip("no AVX512-BF16 here")
         monkeypatch.setenv("LOWBIT_DENSE_ACTIVATIONS", "bf16")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # the team needs two (OpenMP runs them on one core too)
-    try:
-        path = tiny_float_model(family=family, dtype=torch.float32 if weights == "float32" else torch.bfloat16, layers=3)
-        kw = {"kv_dtype": "bf16"} if weights == "kv-bf16" else {}
-        engine = _engine(path, QUANTIZED.get(weights), **kw)
-        chained = engine.runner.chained
-        real = chained.forward
-        rows: list[int] = []
-
-        def both(ids, positions, max_position, meta):
-            struct = chained.chain._chain
-            assert struct.team == 1 and struct.paged_write and struct.paged_attend
-            struct.team = 0
-            alone = real(ids, positions, max_position, meta).clone()  # K/V written twice: the same values
-            struct.team = 1
-            got = real(ids, positions, max_position, meta)
-            assert torch.equal(got, alone), f"the one-region step of {len(ids)} rows differs"
-            rows.append(len(ids))
-            return got
-
-        chained.forward = both
-        engine.generate([p * 3 for p in prompts(4)], GREEDY)  # prefill chunks, then 4 rows a step
-        engine.generate(prompts(1, seed=2), GREEDY)  # one row a step
-        # (grouped int8 weights send steps past their kernel's rows, prefill chunks, another way)
-        assert 4 in rows and 1 in rows and (max(rows) > 4 or chained.chain.max_rows is not None)
-    finally:
-        torch.set_num_threads(threads)
+    path = tiny_float_model(family=family, dtype=torch.float32 if weights == "float32" else torch.bfloat16, layers=3)
+    kw = {"kv_dtype": "bf16"} if weights == "kv-bf16" else {}
+    engine = _engine(path, QUANTIZED.get(weights), **kw)
+    rows = _team_checked(engine.runner.chained)
+    engine.generate([p * 3 for p in prompts(4)], GREEDY)  # prefill chunks, then 4 rows a step
+    engine.generate(prompts(1, seed=2), GREEDY)  # one row a step
+    # (grouped int8 weights send steps past their kernel's rows, prefill chunks, another way)
+    assert 4 in rows and 1 in rows and (max(rows) > 4 or engine.runner.chained.chain.max_rows is not None)
 
 
 @pytest.mark.parametrize("case, weights", [("mixtral", "int4"), ("qwen2_moe", "bf16-stored"), ("qwen3_moe", "bf16-stored")])
-def test_the_one_region_step_routes_moe_layers_alike(tmp_path, case, weights):
+def test_the_one_region_step_routes_moe_layers_alike(tmp_path, case, weights, two_threads):
     # team_moe: routing, gathers and scatter-adds on part 0, each routed expert's and the shared
     # expert's MLP as parts: every step's bits equal the region-per-kernel step's
     from tests.runtime.moe_models import save_moe
 
     if weights == "int4" and not cpu_int4dot.available():
         pytest.skip("no int4 kernel on this machine")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        save_moe(case, tmp_path)
-        engine = _engine(tmp_path, QUANTIZED.get(weights))
-        chained = engine.runner.chained
-        assert any(isinstance(spec.mlp, kernel_chain.MoESpec) for spec in chained.chain._keep)
-        real = chained.forward
-        rows: list[int] = []
-
-        def both(ids, positions, max_position, meta):
-            struct = chained.chain._chain
-            struct.team = 0
-            alone = real(ids, positions, max_position, meta).clone()
-            struct.team = 1
-            got = real(ids, positions, max_position, meta)
-            assert torch.equal(got, alone), f"the one-region step of {len(ids)} rows differs"
-            rows.append(len(ids))
-            return got
-
-        chained.forward = both
-        engine.generate(prompts(4), GREEDY)
-        engine.generate(prompts(1, seed=2), GREEDY)
-        assert 4 in rows and 1 in rows
-    finally:
-        torch.set_num_threads(threads)
+    save_moe(case, tmp_path)
+    engine = _engine(tmp_path, QUANTIZED.get(weights))
+    assert any(isinstance(spec.mlp, kernel_chain.MoESpec) for spec in engine.runner.chained.chain._keep)
+    rows = _team_checked(engine.runner.chained)
+    engine.generate(prompts(4), GREEDY)
+    engine.generate(prompts(1, seed=2), GREEDY)
+    assert 4 in rows and 1 in rows

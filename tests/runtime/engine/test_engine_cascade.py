@@ -125,3 +125,22 @@ def test_unsure_positions_share_the_models_passes(dirs):
     passes = engine.runner.num_forwards - before - 1  # less the prefill
     who = _who_answered(engine, PROMPTS[0], out, t)
     assert who.count("full") > passes and "cheap" in who
+
+
+def test_a_sampled_cascade_keeps_sure_drafts_and_samples_the_rest(dirs):
+    # sampling: sure drafts stand (their target row is the draft's own distribution, so the
+    # rejection rule keeps them whatever it draws); at threshold 0 every draft is sure, so runs of
+    # k cheap tokens then the model's, as greedy; at 0.5 the unsure ones go through the rule
+    sampled = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=24, ignore_eos=True)
+    engine = _engine(dirs, 0.0, k=3)
+    outs = [engine.generate([p], sampled)[0].token_ids for p in PROMPTS]
+    assert all(len(o) == sampled.max_tokens for o in outs)
+    stats = engine.stats()
+    assert stats.cascade_cheap_tokens == 3 * 17 and stats.cascade_full_tokens == 3 * 6
+    again = _engine(dirs, 0.0, k=3)
+    assert [again.generate([p], sampled)[0].token_ids for p in PROMPTS] == outs  # seeded: reproducible
+    middle = _engine(dirs, 0.5, k=3)
+    outs = [middle.generate([p], sampled)[0].token_ids for p in PROMPTS]
+    assert all(len(o) == sampled.max_tokens for o in outs)
+    stats = middle.stats()
+    assert stats.cascade_cheap_tokens + stats.cascade_full_tokens == 3 * (sampled.max_tokens - 1)
