@@ -34,8 +34,7 @@ from lowbit.runtime.engine.engine_model import load_engine_model
 from lowbit.runtime.engine.drafter import LayerPrefixDrafter, ModelDrafter, NgramDrafter, parse_draft
 from lowbit.runtime.engine.model_runner import ModelRunner, PromptLogprob, Work
 from lowbit.runtime.engine.paged_cache import PagedKVCache, kv_bytes_per_token
-from lowbit.runtime.engine.sampler import (Sampler, _logprobs, _uses_outputs, greedy, nonfinite, process_logits,
-                                           sample)
+from lowbit.runtime.engine.sampler import Sampler, _logprobs, _uses_outputs, greedy, nonfinite, process_logits
 from lowbit.runtime.engine.scheduler import Scheduler
 from lowbit.runtime.engine.sequence import SamplingParams, Sequence
 from lowbit.runtime.engine.speculative import AdaptiveK, SpecStats, rejection_sample
@@ -124,10 +123,10 @@ class Engine:
         prompt tokens (a lone prompt takes the whole max_num_batched_tokens); None: CPU_MAX_PREFILL_TOKENS
         on a CPU, no cap elsewhere. quantize_to: a format the model's Linears are RTN-quantized to as
         it loads (the `self:FORMAT` rule of drafts; serve --cascade self:int4 runs such a copy).
-        cascade: a token cascade instead of speculation: the draft is the cheap model, and its
-        tokens are emitted unverified while its confidence clears the threshold (_execute)."""
+        cascade: a token cascade instead of speculation: the draft is the cheap model, its tokens
+        stand unverified where its confidence clears the threshold and the others are verified
+        (_verify)."""
         from lowbit.formats.resolve import resolve_model
-        from lowbit.runtime.loader import load_model
         from lowbit.runtime.tokenizer import load_tokenizer
 
         self.dtype = parse_dtype(dtype)
