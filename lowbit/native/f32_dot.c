@@ -422,36 +422,20 @@ INLINE void dense_share(const int MODE, const void *w, int64_t N, int64_t K, int
     }
 }
 
-/* dense_share per MODE, compiled once and called from a region's threads and part calls alike
-   (inlined into the entry point for part calls, the bf16 x bf16 loop compiled to code that took
-   1.3x the time of the region's copy: SmolLM2 bf16, 2 Zen 4 cores). */
-#define DENSE_SHARE(MODE)                                                                                                  \
-    static __attribute__((noinline)) void dense_share_##MODE(const void *w, int64_t N, int64_t K, int64_t ldw,               \
-                                                             const float *bias, const void *x, int64_t ldx, int64_t M,       \
-                                                             void *y, int y_bf16, int64_t ldy, int64_t ta, int64_t tb) {     \
-        dense_share(MODE, w, N, K, ldw, bias, x, ldx, M, y, y_bf16, ldy, ta, tb);                                           \
-    }
-DENSE_SHARE(1)
-DENSE_SHARE(2)
-DENSE_SHARE(4)
-#undef DENSE_SHARE
-
 /* threads: a part call's (lowbit_native.h) share on this thread, else a region of `threads`. */
 INLINE void dense_matmul(const int MODE, const void *w, int64_t N, int64_t K, int64_t ldw, const float *bias, const void *x,
                          int64_t ldx, int64_t M, void *y, int y_bf16, int64_t ldy, int threads) {
     const int64_t tiles = (N + NT - 1) / NT;
-    void (*share)(const void *, int64_t, int64_t, int64_t, const float *, const void *, int64_t, int64_t, void *, int, int64_t,
-                  int64_t, int64_t) = MODE == 1 ? dense_share_1 : MODE == 2 ? dense_share_2 : dense_share_4;
     int64_t ta, tb;
     if (lowbit_part_share(tiles, &ta, &tb)) {
-        share(w, N, K, ldw, bias, x, ldx, M, y, y_bf16, ldy, ta, tb);
+        dense_share(MODE, w, N, K, ldw, bias, x, ldx, M, y, y_bf16, ldy, ta, tb);
         return;
     }
 #pragma omp parallel num_threads(threads)
     {
         int64_t lo, hi;
         lowbit_thread_share(tiles, &lo, &hi);
-        share(w, N, K, ldw, bias, x, ldx, M, y, y_bf16, ldy, lo, hi);
+        dense_share(MODE, w, N, K, ldw, bias, x, ldx, M, y, y_bf16, ldy, lo, hi);
     }
 }
 #endif

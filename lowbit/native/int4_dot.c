@@ -171,8 +171,6 @@ static void run_tiles(LowbitTileCall *c, int tt, int mb, int64_t t, int64_t m0) 
 }
 #endif
 
-/* x: [M, ldx_in] float32 (x_bf16 = 0) or bf16 (1); y: [M, ldy] float32 or bf16 (y_bf16).
-   Returns 0, or -1 when the build has no AVX512-BF16, -2 when out of memory. */
 #if HAVE_I4DOT
 /* Tiles ta..tb-1 of y on this thread (one thread's share of a call, or a part call's). Each thread
    converts x for itself: reading a buffer another core just wrote, line by line inside the
@@ -198,6 +196,9 @@ static int share(const I4Weight *w, const void *x, int x_bf16, int64_t ldx_in, i
 }
 #endif
 
+/* x: [M, ldx_in] float32 (x_bf16 = 0) or bf16 (1); y: [M, ldy] float32 or bf16 (y_bf16).
+   Returns 0, or -1 when the build has no AVX512-BF16, -2 when out of memory. A part call
+   (lowbit_native.h) computes its share of the tiles on the calling thread. */
 int lowbit_i4_matmul(const I4Weight *w, const void *x, int x_bf16, int64_t ldx_in, int64_t M, void *y, int y_bf16,
                      int64_t ldy, int threads) {
 #if !HAVE_I4DOT

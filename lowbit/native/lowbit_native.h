@@ -108,7 +108,7 @@ static inline float lowbit_hsum8(__m256 v) {
 /* ---- threads ------------------------------------------------------------------------------- */
 
 /* Parts: native/decode_layers.c runs a whole step inside one OpenMP region (opening a region per
-   kernel cost 1-2 us each, ~8 a layer) and calls each kernel from every thread of that team with
+   kernel cost 1-2 us each, ~10 a layer) and calls each kernel from every thread of that team with
    threads = LOWBIT_PART(part, parts). The kernel then computes, on the calling thread and without
    a region of its own (a nested one-thread region still cost ~0.8 us), the share that thread
    `part` of its own team of `parts` would have computed (the same items, so the same bits), and

@@ -607,11 +607,9 @@ int lowbit_paged_write(PAGED_ARGS) {
     if (bad_shape(dtype, H, KVH, D)) return -1;
     const int bf16 = dtype == 1, pool16 = dtype == 1 || dtype == 2;
     const int64_t half = D / 2, row = KVH * D, esize = bf16 ? 2 : 4, psize = pool16 ? 2 : 4;
+    lowbit_team(threads); /* no region here: only a part call's share of the rows matters */
     int64_t t0 = 0, t1 = T;
-    if (lowbit_team(threads) == 1 && lowbit_part_count) {
-        t0 = T * lowbit_part_id / lowbit_part_count;
-        t1 = T * (lowbit_part_id + 1) / lowbit_part_count;
-    }
+    lowbit_part_share(T, &t0, &t1);
     for (int64_t t = t0; t < t1; t++) {
         float buf[MAXD];
         for (int64_t h = 0; h < KVH; h++) {
