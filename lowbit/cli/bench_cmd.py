@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from lowbit.cli.common import CASCADE_RUN_OPTION, KV_DTYPE_OPTION, THREADS_OPTION, apply_threads, console, print_json
+from lowbit.cli.common import CASCADE_RUN_OPTION, DRAFT_VOCAB_OPTION, KV_DTYPE_OPTION, THREADS_OPTION, apply_threads, console, print_json
 from lowbit.cli.kernel_options import DENSE_ACTIVATIONS_OPTION, INT4_ACTIVATIONS_OPTION, INT8_ACTIVATIONS_OPTION, KERNEL_OPTION, kernel_line, kernel_settings, kernel_summary
 from lowbit.cli.main import app
 from lowbit.errors import UsageError
@@ -19,6 +19,7 @@ def bench(
         None, "--draft", help="Also measure speculative decoding with 'ngram', 'self:int4', "
         "'self:layers=N' (the model's first N layers + its head) or a draft model."),
     num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", help="Draft tokens per step (adapts)."),
+    draft_vocab: Optional[int] = DRAFT_VOCAB_OPTION,
     cascade: Optional[str] = typer.Option(
         None, "--cascade", help="Also measure a token cascade with this cheap model (self:int4, self:layers=N or a "
         "model with the same tokenizer) at every batch size: speedup, greedy agreement, cheap share."),
@@ -90,7 +91,8 @@ def bench(
     common = dict(dtype=dtype, kv_dtype=kv_dtype, kv_memory=kv_memory, max_num_seqs=max(sizes))
     with console.status("loading"), use_settings(settings):
         engine = Engine(model, **common)
-        spec_engine = Engine(model, draft=draft, num_speculative_tokens=num_speculative_tokens, **common) if draft else None
+        spec_engine = Engine(model, draft=draft, num_speculative_tokens=num_speculative_tokens,
+                             draft_vocab=draft_vocab, **common) if draft else None
         cascade_engine = Engine(model, draft=cascade, cascade=cascade_settings, **common) if cascade else None
         kernels = kernel_summary(engine.model)
     with console.status("measuring"):
@@ -125,7 +127,8 @@ def print_report(r: dict) -> None:
                   f"({100 * r['weight_bandwidth_gbs'] / r['stream_bandwidth_gbs']:.0f}%)")
     s = r.get("speculative")
     if s:
-        console.print(f"speculative ({s['draft']}): {s['tok_s']:.1f} vs {s['plain_tok_s']:.1f} tok/s plain = "
+        vocab = f", head over {s['draft_vocab']} tokens" if s.get("draft_vocab") else ""
+        console.print(f"speculative ({s['draft']}{vocab}): {s['tok_s']:.1f} vs {s['plain_tok_s']:.1f} tok/s plain = "
                       f"{s['speedup']:.2f}x, mean accepted length {s['mean_accepted_length']:.2f}, "
                       f"identical output: {s['identical_output']}")
     for c in r.get("cascade", []):

@@ -29,6 +29,10 @@ KV_DTYPE_OPTION = typer.Option(
     "against float32 queries; KLD ~1.5e-4 on SmolLM2), or int8 / fp8 (quantized, one scale per token and head). "
     "Default: the model's compute dtype.")
 # the default is runtime/cascade.DEFAULT_RUN (not imported here: it loads torch; a test keeps them equal)
+DRAFT_VOCAB_OPTION = typer.Option(
+    None, "--draft-vocab", metavar="N", show_default=False,
+    help="Tokens a quantized draft's head scores: the N most frequent in lowbit's calibration text (0 = all). "
+    "Default: 32768 where the vocabulary is larger than 65536, else all. Output unchanged (every draft is verified).")
 CASCADE_RUN_OPTION = typer.Option(7, "--cascade-run", metavar="N", help="Token cascade: most cheap tokens in a row; "
                                   "the model takes at least every (N+1)-th token, in one pass over the run.")
 

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from lowbit.cli.common import CASCADE_RUN_OPTION, KV_DTYPE_OPTION, THREADS_OPTION, apply_threads, console, print_json
+from lowbit.cli.common import CASCADE_RUN_OPTION, DRAFT_VOCAB_OPTION, KV_DTYPE_OPTION, THREADS_OPTION, apply_threads, console, print_json
 from lowbit.cli.kernel_options import DENSE_ACTIVATIONS_OPTION, INT4_ACTIVATIONS_OPTION, INT8_ACTIVATIONS_OPTION, KERNEL_OPTION, kernel_settings
 from lowbit.cli.main import app
 from lowbit.errors import UsageError
@@ -41,6 +41,7 @@ def generate(
         None, "--draft", help="Speculative decoding: 'ngram', 'self:int4' (quantized copy), 'self:layers=N' (the "
         "model's first N layers + its head, sharing the model's KV cache) or a draft model."),
     num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", help="Draft tokens per step (adapts)."),
+    draft_vocab: Optional[int] = DRAFT_VOCAB_OPTION,
     early_exit: Optional[str] = typer.Option(
         None, "--early-exit", help="Exit layers, e.g. 12,20: a token whose exit confidence is above --exit-threshold "
         "is emitted from that layer and the later layers are skipped (approximate; docs/early_exit.md)."),
@@ -94,7 +95,7 @@ def generate(
                                     exit_confidence, draft, json_out, settings)
     with use_settings(settings):
         engine = Engine(model, dtype=dtype, kv_dtype=kv_dtype, draft=draft, num_speculative_tokens=num_speculative_tokens,
-                        max_num_seqs=1, kv_memory=None, cascade=cascade_settings)
+                        max_num_seqs=1, kv_memory=None, cascade=cascade_settings, draft_vocab=draft_vocab)
     prompt_ids = encode_prompt(engine.tokenizer, text, chat, system)
     start = time.perf_counter()
     engine.add_request("generate", prompt_ids, params)
@@ -120,7 +121,7 @@ def generate(
         if cascade_settings is not None:
             result["cascade"] = cascade_info(cascade, cascade_settings, stats)
         elif draft:
-            result.update(draft=draft, spec_draft_tokens=stats.spec_draft_tokens,
+            result.update(draft=draft, draft_vocab=engine.draft_head_vocab, spec_draft_tokens=stats.spec_draft_tokens,
                           spec_accepted_tokens=stats.spec_accepted_tokens,
                           mean_accepted_length=stats.spec_mean_accepted_length)
         print_json(result)

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from lowbit.cli.common import KV_DTYPE_OPTION, console
+from lowbit.cli.common import DRAFT_VOCAB_OPTION, KV_DTYPE_OPTION, console
 from lowbit.cli.kernel_options import DENSE_ACTIVATIONS_OPTION, INT4_ACTIVATIONS_OPTION, INT8_ACTIVATIONS_OPTION, KERNEL_OPTION, kernel_settings
 from lowbit.cli.main import app
 from lowbit.errors import UsageError
@@ -26,6 +26,7 @@ def serve_command(
                                                     help="The model id clients send (default: MODEL as given)."),
     draft: Optional[str] = typer.Option(None, "--draft", help="Speculative decoding draft: another model, "
                                         "self:FORMAT (a quantized copy of MODEL), self:layers=N (its first N layers + its head) or ngram."),
+    draft_vocab: Optional[int] = DRAFT_VOCAB_OPTION,
     cascade: Optional[str] = typer.Option(
         None, "--cascade", help="Query cascade: every request runs on this cheap model first (same tokenizer: a "
         "quantized checkpoint, a distilled student, or self:FORMAT, MODEL's weights RTN-quantized on load) and "
@@ -95,7 +96,11 @@ def serve_command(
     kv_each = kv_bytes // 2 if cascade is not None and kv_bytes is not None else kv_bytes
     common = dict(dtype=dtype, kv_dtype=kv_dtype, kv_memory=kv_each, max_running=max_running, max_model_len=max_model_len,
                   threads=threads, kernel_settings=settings, max_prefill_tokens=max_prefill_tokens)
-    build = engine_factory(path, draft=draft, **common)
+    if draft_vocab is not None:
+        from lowbit.runtime.engine.draft_vocab import draft_vocab_size
+
+        draft_vocab_size(draft_vocab, 1 << 62)  # a negative count is refused before the server starts
+    build = engine_factory(path, draft=draft, draft_vocab=draft_vocab, **common)
     build_cheap = None
     if cascade is not None:
         cheap_path, quantize_to = cascade_model(cascade, path)

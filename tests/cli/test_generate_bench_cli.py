@@ -38,6 +38,8 @@ def test_generate_bad_input_is_one_line(model_dir, run_cli):
     assert code == 2 and err.count("\n") == 1 and "temperature" in err
     code, _, err = run_cli(["generate", str(model_dir / "missing"), "hi"])
     assert code == 1 and "not found" in err
+    code, _, err = run_cli(["generate", str(model_dir), "hi", "--draft", "self:int8", "--draft-vocab", "-5"])
+    assert code == 2 and err.count("\n") == 1 and "--draft-vocab -5" in err
 
 
 def test_bench_json(model_dir, run_cli):
@@ -49,7 +51,7 @@ def test_bench_json(model_dir, run_cli):
     # the roofline's bandwidth: the mean of the reads just before and just after the batch-1 decode
     before, after = r["stream_bandwidth_around_gbs"]
     assert r["stream_bandwidth_gbs"] == pytest.approx((before + after) / 2)
-    assert r["speculative"]["identical_output"] is True
+    assert r["speculative"]["identical_output"] is True and r["speculative"]["draft_vocab"] is None  # n-gram: no head
     if sys.platform == "linux":  # the process's memory: at least what it holds in KV cache, peak not below now
         assert r["kv_cache_bytes"] < r["resident_bytes_loaded"] <= r["resident_bytes_peak"]
 

@@ -164,6 +164,13 @@ def test_serve_refuses_a_prefill_cap_below_one(tiny_float_model, run_cli):
 
 
 @pytest.mark.parametrize("command", [["serve"], ["bench", "--batches", "1"], ["generate", "hi"]])
+def test_a_negative_draft_vocab_is_one_line(tiny_float_model, run_cli, command):
+    code, out, err = run_cli([command[0], str(tiny_float_model()), *command[1:], "--draft", "self:int8", "--draft-vocab", "-1"])
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert "--draft-vocab -1: give a token count (0 = the whole vocabulary)" in err
+
+
+@pytest.mark.parametrize("command", [["serve"], ["bench", "--batches", "1"], ["generate", "hi"]])
 def test_an_unknown_kv_dtype_is_one_line_before_loading(tiny_float_model, run_cli, command):
     code, out, err = run_cli([command[0], str(tiny_float_model()), *command[1:], "--kv-dtype", "f8"])
     assert code == 2 and out == "" and err.count("\n") == 1, err

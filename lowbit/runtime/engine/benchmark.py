@@ -251,6 +251,7 @@ def speculation(engine, baseline, prompt: list[int], gen_tokens: int) -> dict:
     plain_tok_s = gen_tokens / plain["total_s"]
     return {
         "draft": engine.draft_kind,
+        "draft_vocab": engine.draft_head_vocab,  # tokens the draft's head scores (None: all)
         "identical_output": spec["tokens"] == plain["tokens"],
         "tok_s": spec_tok_s,
         "plain_tok_s": plain_tok_s,

@@ -34,11 +34,12 @@ class RescoredHead(nn.Module):
 
     TOP = 16
 
-    def __init__(self, qt, bias: torch.Tensor | None, device, exact: torch.Tensor):
+    def __init__(self, qt, bias: torch.Tensor | None, device, exact: torch.Tensor, vocab: torch.Tensor | None = None):
         super().__init__()
         from lowbit.runtime.quant_linear import QuantLinear
 
-        self.fast = QuantLinear(qt, bias, device)
+        self.vocab = vocab  # sorted ids the quantized rows `qt` are (draft_vocab.py); None: every token
+        self.fast = QuantLinear(qt, bias if bias is None or vocab is None else bias[vocab], device)
         self.exact = exact.detach()  # [N, K] float32 or bf16 (a plain attribute: not a parameter)
         self.bias = bias
         self.label = qt.spec.label
@@ -48,11 +49,18 @@ class RescoredHead(nn.Module):
         flat = y.view(-1, y.shape[-1])
         xs = x.reshape(-1, x.shape[-1]).float()
         top = self._top(flat, min(self.TOP, flat.shape[-1]))
-        exact = torch.bmm(self.exact[top].float(), xs[:, :, None])[:, :, 0]  # [M, TOP]
+        ids = top if self.vocab is None else self.vocab[top]
+        exact = torch.bmm(self.exact[ids].float(), xs[:, :, None])[:, :, 0]  # [M, TOP]
         if self.bias is not None:
-            exact = exact + self.bias.float()[top]
+            exact = exact + self.bias.float()[ids]
         flat.scatter_(1, top, exact.to(flat.dtype))
-        return y
+        if self.vocab is None:
+            return y
+        # every token's column, -inf outside the vocabulary: samplers and the rejection rule see a
+        # distribution over the model's ids (a fresh tensor: callers may keep or change it)
+        full = torch.full((flat.shape[0], self.exact.shape[0]), float("-inf"), dtype=flat.dtype, device=flat.device)
+        full.index_copy_(1, self.vocab, flat)
+        return full.view(*y.shape[:-1], -1)
 
     @staticmethod
     def _top(flat: torch.Tensor, k: int) -> torch.Tensor:
@@ -64,7 +72,7 @@ class RescoredHead(nn.Module):
         return flat.topk(k, dim=-1).indices
 
 
-def _draft_head(weight: torch.Tensor, bias, device, fmt: str) -> RescoredHead:
+def _draft_head(weight: torch.Tensor, bias, device, fmt: str, vocab: torch.Tensor | None = None) -> RescoredHead:
     from lowbit.quant.rtn import quantize_rtn
     from lowbit.quant.spec import parse_spec
 
@@ -72,13 +80,18 @@ def _draft_head(weight: torch.Tensor, bias, device, fmt: str) -> RescoredHead:
         spec = parse_spec(fmt)
     except UsageError as e:
         raise UsageError(f"draft head format (LOWBIT_DRAFT_HEAD): {e}") from None
-    return RescoredHead(quantize_rtn(weight.detach().float(), spec), bias, device, weight)
+    if vocab is not None:
+        vocab = vocab[vocab < weight.shape[0]]  # a draft model's head may have fewer (padding) rows
+    rows = weight if vocab is None else weight[vocab]
+    return RescoredHead(quantize_rtn(rows.detach().float(), spec), bias, device, weight, vocab)
 
 
-def quantize_linears_(model: nn.Module, fmt: str, device, head_fmt: str | None = None, fuse: bool = True) -> nn.Module:
+def quantize_linears_(model: nn.Module, fmt: str, device, head_fmt: str | None = None, fuse: bool = True,
+                      head_vocab: torch.Tensor | None = None) -> nn.Module:
     """Replace every nn.Linear by its RTN-quantized `fmt` version, in place; lm_head too, in
-    `head_fmt` when given. fuse: join q/k/v and gate/up after (False: the caller joins them, as
-    engine_model.load_engine_model does once the weights' huge-page generation is set)."""
+    `head_fmt` when given, scoring only `head_vocab`'s tokens when given (draft_vocab.py). fuse:
+    join q/k/v and gate/up after (False: the caller joins them, as engine_model.load_engine_model
+    does once the weights' huge-page generation is set)."""
     from lowbit.quant.rtn import quantize_rtn
     from lowbit.quant.spec import parse_spec
     from lowbit.runtime.quant_linear import QuantLinear
@@ -89,7 +102,7 @@ def quantize_linears_(model: nn.Module, fmt: str, device, head_fmt: str | None =
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 if head_fmt and child is head:
-                    setattr(module, name, _draft_head(child.weight, child.bias, device, head_fmt))
+                    setattr(module, name, _draft_head(child.weight, child.bias, device, head_fmt, head_vocab))
                 else:
                     setattr(module, name, QuantLinear(quantize_rtn(child.weight.detach().float(), spec), child.bias, device))
     if fuse:
@@ -99,19 +112,22 @@ def quantize_linears_(model: nn.Module, fmt: str, device, head_fmt: str | None =
     return model
 
 
-def quantize_draft_head_(model: nn.Module, device) -> nn.Module:
-    """A draft model's float lm_head, on CPU, as DRAFT_HEAD_FORMAT (quantized heads stay)."""
+def quantize_draft_head_(model: nn.Module, device, vocab: torch.Tensor | None = None) -> nn.Module:
+    """A draft model's float lm_head, on CPU, as DRAFT_HEAD_FORMAT over `vocab`'s tokens (None: all;
+    quantized heads stay)."""
     head = getattr(model, "lm_head", None)
     if torch.device(device).type == "cpu" and isinstance(head, nn.Linear):
-        model.lm_head = _draft_head(head.weight, head.bias, device, DRAFT_HEAD_FORMAT)
+        model.lm_head = _draft_head(head.weight, head.bias, device, DRAFT_HEAD_FORMAT, vocab)
     return model
 
 
-def quantized_copy(path, fmt: str, dtype: torch.dtype, device, fuse: bool = True) -> nn.Module:
+def quantized_copy(path, fmt: str, dtype: torch.dtype, device, fuse: bool = True,
+                   head_vocab: torch.Tensor | None = None) -> nn.Module:
     from lowbit.runtime.loader import load_model
 
     head = DRAFT_HEAD_FORMAT if torch.device(device).type == "cpu" else None
-    return quantize_linears_(load_model(path, dtype, device), fmt, device, head_fmt=head, fuse=fuse)
+    return quantize_linears_(load_model(path, dtype, device), fmt, device, head_fmt=head, fuse=fuse,
+                             head_vocab=head_vocab if head else None)
 
 
 def check_same_tokenizer(path, target_tokenizer, what: str, whose: str = "the target's") -> None:
@@ -123,7 +139,8 @@ def check_same_tokenizer(path, target_tokenizer, what: str, whose: str = "the ta
         raise UsageError(f"{what} does not share {whose} tokenizer")
 
 
-def load_draft_model(arg: str, target_tokenizer, dtype: torch.dtype, device, role: str = "draft model") -> nn.Module:
+def load_draft_model(arg: str, target_tokenizer, dtype: torch.dtype, device, role: str = "draft model",
+                     head_vocab: torch.Tensor | None = None) -> nn.Module:
     from lowbit.formats.resolve import resolve_model
 
     path = resolve_model(arg)
@@ -131,7 +148,7 @@ def load_draft_model(arg: str, target_tokenizer, dtype: torch.dtype, device, rol
     from lowbit.runtime.engine.engine_model import load_engine_model
 
     # as the engine loads its target (invariant Linears, joined projections): the one-call decode step
-    return load_engine_model(path, dtype, torch.device(device), draft_head=True)
+    return load_engine_model(path, dtype, torch.device(device), draft_head=True, head_vocab=head_vocab)
 
 
 def layer_prefix(model: nn.Module, num_layers: int, adapter: nn.Module | None = None, option: str = "--draft") -> nn.Module:

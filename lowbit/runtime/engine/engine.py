@@ -31,6 +31,7 @@ from lowbit.runtime.cascade import CascadeSettings, CascadeStats
 from lowbit.runtime.engine.block_manager import BlockManager
 from lowbit.runtime.engine.detokenizer import IncrementalDetokenizer
 from lowbit.runtime.engine.engine_model import load_engine_model
+from lowbit.runtime.engine.draft_vocab import draft_vocab_size, draft_vocabulary
 from lowbit.runtime.engine.drafter import LayerPrefixDrafter, ModelDrafter, NgramDrafter, parse_draft
 from lowbit.runtime.engine.model_runner import ModelRunner, PromptLogprob, Work
 from lowbit.runtime.engine.paged_cache import PagedKVCache, kv_bytes_per_token
@@ -118,14 +119,16 @@ class Engine:
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, kv_dtype: str | None = None, draft: str | None = None,
                  num_speculative_tokens: int = 4, max_prefill_tokens: int | None = None,
-                 quantize_to: str | None = None, cascade: CascadeSettings | None = None):
+                 quantize_to: str | None = None, cascade: CascadeSettings | None = None,
+                 draft_vocab: int | None = None):
         """max_prefill_tokens: while other sequences run or wait, a step prefills at most this many
         prompt tokens (a lone prompt takes the whole max_num_batched_tokens); None: CPU_MAX_PREFILL_TOKENS
         on a CPU, no cap elsewhere. quantize_to: a format the model's Linears are RTN-quantized to as
         it loads (the `self:FORMAT` rule of drafts; serve --cascade self:int4 runs such a copy).
         cascade: a token cascade instead of speculation: the draft is the cheap model, its tokens
         stand unverified where its confidence clears the threshold and the others are verified
-        (_verify)."""
+        (_verify). draft_vocab: the tokens a draft's quantized head scores (draft_vocab.py; None:
+        automatic, 0: all, N: the N most frequent); a cascade's cheap model scores all."""
         from lowbit.formats.resolve import resolve_model
         from lowbit.runtime.tokenizer import load_tokenizer
 
@@ -154,6 +157,13 @@ class Engine:
         self.cascade = cascade
         self.cascade_stats = CascadeStats()
         draft_model = None
+        # a draft's head over the frequent tokens only (CPU drafts: the head a draft reads whole)
+        head_vocab = None
+        if cascade is None and draft_kind in ("self", "model") and self.device.type == "cpu":
+            head_vocab = draft_vocabulary(self.tokenizer, draft_vocab, self.config.vocab_size)
+        elif draft_vocab is not None:
+            draft_vocab_size(draft_vocab, self.config.vocab_size)  # a bad setting is refused all the same
+        self.draft_head_vocab = None if head_vocab is None else len(head_vocab)
         # A draft's precision only moves its acceptance rate, never the output (the target
         # verifies every token), so on a GPU a float32 target drafts in bf16, the fast kernels'
         # dtype. On the CPU the draft keeps the target's dtype: float32 compute is what runs the
@@ -175,12 +185,14 @@ class Engine:
             self.draft_dtype = self.dtype
         elif draft_kind == "self":
             # the target's weights RTN-quantized as they load, placed as the target's are
-            draft_model = load_engine_model(path, self.draft_dtype, self.device, quantize_to=draft_arg)
+            draft_model = load_engine_model(path, self.draft_dtype, self.device, quantize_to=draft_arg,
+                                            head_vocab=head_vocab)
         elif draft_kind == "model":
             from lowbit.runtime.engine.draft_models import load_draft_model
 
             draft_model = load_draft_model(draft_arg, self.tokenizer, self.draft_dtype, self.device,
-                                           role="--cascade model" if cascade is not None else "draft model")
+                                           role="--cascade model" if cascade is not None else "draft model",
+                                           head_vocab=head_vocab)
 
         bytes_per_token = kv_bytes_per_token(self.config, self.dtype, kv_dtype)
         if draft_model is not None and draft_kind != "layers":

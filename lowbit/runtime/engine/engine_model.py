@@ -14,10 +14,11 @@ from lowbit.runtime.models.fusion import fuse_projections
 
 
 def load_engine_model(path: str | Path, dtype: torch.dtype, device: torch.device, quantize_to: str | None = None,
-                      draft_head: bool = False):
+                      draft_head: bool = False, head_vocab: torch.Tensor | None = None):
     """Load the checkpoint at `path` for the engine. quantize_to: RTN-quantize its Linears to that
     format as they load (a `self:FORMAT` draft or cascade). draft_head: a draft model's head, read
-    in full at every draft step, quantized on the CPU (draft_models.quantize_draft_head_). The caller
+    in full at every draft step, quantized on the CPU (draft_models.quantize_draft_head_), scoring only
+    `head_vocab`'s tokens where given (a draft's, or quantize_to's head: draft_vocab.py). The caller
     frees the loaders' temporaries (hugepages.return_freed_memory) once everything it loads is placed."""
     from lowbit.runtime.loader import load_model
 
@@ -30,11 +31,11 @@ def load_engine_model(path: str | Path, dtype: torch.dtype, device: torch.device
             if draft_head:
                 from lowbit.runtime.engine.draft_models import quantize_draft_head_
 
-                quantize_draft_head_(model, device)
+                quantize_draft_head_(model, device, head_vocab)
         else:
             from lowbit.runtime.engine.draft_models import quantized_copy
 
-            model = quantized_copy(path, quantize_to, dtype, device, fuse=False)  # joined below, once
+            model = quantized_copy(path, quantize_to, dtype, device, fuse=False, head_vocab=head_vocab)  # joined below
         if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
             # batch-invariant float32 (and bf16) Linears: a verify of 1 + k rows computes each row
             # as a plain step does

@@ -16,11 +16,12 @@ def engine_factory(model_path: Path, *, dtype: str = "f32", kv_dtype: str | None
                    max_running: int = 64,
                    max_model_len: int | None = None, draft: str | None = None,
                    threads: int | None = None, kernel_settings=None,
-                   max_prefill_tokens: int | None = None, quantize_to: str | None = None) -> Callable[[], Any]:
+                   max_prefill_tokens: int | None = None, quantize_to: str | None = None,
+                   draft_vocab: int | None = None) -> Callable[[], Any]:
     """A zero-argument builder the engine thread calls: loading happens off the event loop.
     kernel_settings: a kernels.dispatch.KernelSettings in effect while the model loads (--kernel,
     --int4-activations, --dense-activations, --int8-activations), else the environment's. quantize_to: RTN-quantize the Linears as they load
-    (--cascade self:FORMAT)."""
+    (--cascade self:FORMAT). draft_vocab: --draft-vocab (Engine's draft_vocab)."""
     dtype = dtype_name(dtype, allowed=DTYPES)  # float32/bfloat16 spelled out are the same
 
     def build():
@@ -36,7 +37,7 @@ def engine_factory(model_path: Path, *, dtype: str = "f32", kv_dtype: str | None
         with use_settings(kernel_settings):  # None: KernelSettings(), the environment's choices
             return Engine(str(model_path), dtype=torch_dtype, kv_dtype=kv_dtype, kv_memory=kv_memory, max_num_seqs=max_running,
                           max_model_len=max_model_len, draft=draft, max_prefill_tokens=max_prefill_tokens,
-                          quantize_to=quantize_to)
+                          quantize_to=quantize_to, draft_vocab=draft_vocab)
 
     return build
 

@@ -72,7 +72,7 @@ def engine_gemma3_dir(tmp_path_factory):
 CHI2_3DOF_P001 = 16.27  # chi-square, 3 degrees of freedom, p = 0.001
 
 
-def assert_speculative_sampling_keeps_distribution(engine, prompt: list[int], top_k: int, requests: int) -> None:
+def assert_speculative_sampling_keeps_distribution(engine, prompt: list[int], top_k: int, requests: int) -> list:
     """Many seeded top-k requests through the engine's draft: the rank of each token a verify pass
     emitted (tokens 2 and 3 of each) under the exact target distribution (recomputed without
     cache) must follow that distribution (chi-square, 3 degrees of freedom, p = 0.001)."""
@@ -100,3 +100,4 @@ def assert_speculative_sampling_keeps_distribution(engine, prompt: list[int], to
                 expected += probs[ranked[:top_k]]
     chi2 = float(((observed.double() - expected) ** 2 / expected).sum())
     assert chi2 < CHI2_3DOF_P001, (observed.tolist(), expected.tolist(), chi2)
+    return completions
