@@ -56,6 +56,8 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--drafts", default="self:int4-g32", help="comma list of draft sources")
     ap.add_argument("--k", default="2,3,4,5", help="comma list of --num-speculative-tokens")
+    ap.add_argument("--draft-vocabs", default="auto", help="comma list of --draft-vocab settings: auto (the "
+                    "default), 0 (the whole head) or a token count")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--gen-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=5, help="rounds counted (one more warms up)")
@@ -68,9 +70,13 @@ def main() -> None:
 
     kv = 256 << 20
     engines = {"plain": Engine(args.model, kv_memory=kv)}
+    vocabs = args.draft_vocabs.split(",")
     for draft in args.drafts.split(","):
         for k in (int(x) for x in args.k.split(",")):
-            engines[f"{draft} k={k}"] = Engine(args.model, draft=draft, num_speculative_tokens=k, kv_memory=kv)
+            for vocab in vocabs:
+                name = f"{draft} k={k}" + (f" vocab={vocab}" if len(vocabs) > 1 else "")
+                engines[name] = Engine(args.model, draft=draft, num_speculative_tokens=k, kv_memory=kv,
+                                       draft_vocab=None if vocab == "auto" else int(vocab))
     tok = engines["plain"].tokenizer
     prompts = [tok.encode(t) for t in wiki_prompts(args.prompts)]
     params = SamplingParams(temperature=0, max_tokens=args.gen_tokens, ignore_eos=True)
@@ -104,6 +110,7 @@ def main() -> None:
                "speedup_rounds": ratios, "draft_share": sum(drafting[name]) / sum(seconds[name])}
         if name != "plain":
             row["mean_accepted_length"] = engine.spec_stats.mean_accepted_length
+            row["draft_vocab"] = engine.draft_head_vocab  # tokens the draft head scored (None: all)
         rows.append(row)
     result = {"model": args.model, "prompts": args.prompts, "gen_tokens": args.gen_tokens, "rounds": args.rounds,
               "threads": args.threads, "machine": describe(), "loadavg": load, "rows": rows}
