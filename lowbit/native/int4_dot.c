@@ -187,7 +187,7 @@ static int share(const I4Weight *w, const void *x, int x_bf16, int64_t ldx_in, i
         for (int64_t m = 0; m < M; m++) convert_row(w, x, x_bf16, ldx_in, m, kp, rows + m * kp, xsum);
         lowbit_chunks_by_row(xq, rows, M, C, kp * 2);
         LowbitTileCall call = {.w = w, .xq = xq, .xs = xsum, .M = M, .ldy = ldy, .y = y, .y_bf16 = y_bf16};
-        lowbit_tile_runs(ta, tb, run_tiles, &call, LOWBIT_PASS_ROWS);
+        lowbit_tile_runs(ta, tb, run_tiles, &call, LOWBIT_PASS_ROWS, 0);
     }
     free(rows);
     free(xq);

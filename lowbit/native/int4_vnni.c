@@ -67,9 +67,11 @@ int lowbit_i4v_available(void) { return HAVE_I4VNNI ? 1 : HAVE_I4AVX2 ? 2 : 0; }
 
 #if HAVE_I4VNNI
 #define ROWS 16
-/* x rows per pass: 8 (two tiles side by side, each x dword broadcast once for both) took
-   0.92-0.97x the time of 16 (one tile) at 16-256 rows, groups of 32 and 64, on 2 Zen 5 cores
-   (SmolLM2's layers, alternated C-call sweeps; one run of five at 16 rows, g64: 1.03x). */
+/* x rows per pass: 8. Two tiles side by side at 8 rows had taken 0.92-0.97x the time of 16 rows
+   at one tile (16-256 rows, groups of 32 and 64, 2 Zen 5 cores, SmolLM2's layers); both kept 32
+   registers of sums and totals, and GCC spilled sums inside the chunk loop. The lean pass shapes
+   (lowbit_tile_runs: one tile at 6-8 rows, two at 4-5) keep 16 at most: 17-30 % faster at 8-64
+   rows on 2 Zen 4 cores, each x dword broadcast (a load) for one tile only. */
 #define MAXMB 8
 #define TILE_CHUNK(BITS) ((BITS) * 16)    /* bytes of one tile's chunk of 8 k */
 #define STRIDE(BITS) (4 * TILE_CHUNK(BITS)) /* from one chunk of a tile to its next: four tiles interleaved */
@@ -420,7 +422,7 @@ static int vshare(const I4VWeight *w, const void *x, int x_bf16, int64_t ldx_in,
         lowbit_chunks_by_row(xq, rows, M, C, kp);
         LowbitTileCall call = {.w = w, .xq = xq, .xs = xs, .xa = xa, .M = M, .ldy = ldy, .y = y, .y_bf16 = y_bf16};
 #if HAVE_I4VNNI
-        lowbit_tile_runs(ta, tb, vrun_tiles, &call, MAXMB);
+        lowbit_tile_runs(ta, tb, vrun_tiles, &call, MAXMB, 1);
 #else
         vtile_runs2(ta, tb, &call);
 #endif

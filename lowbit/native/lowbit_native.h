@@ -208,11 +208,16 @@ typedef void (*lowbit_tile_run_fn)(LowbitTileCall *call, int tt, int mb, int64_t
 /* A thread's tiles ta..tb-1 against x rows 0..M-1: passes of up to pass_rows rows (at most
    LOWBIT_PASS_ROWS), each over runs of up to tt_max tiles side by side (enough independent
    accumulators to cover the dot product's latency, at most 16 in all), a run staying within its
-   group of four interleaved tiles. Blocks of LOWBIT_ROW_BLOCK rows run group by group, every pass
+   group of four interleaved tiles. lean: at most 8 or 9 runs of tiles x rows (one tile at 6-8 rows,
+   two at 4-5, three at 3), for a kernel that keeps a float total beside each integer sum in
+   registers (int4_vnni.c): at 16 of each GCC spilled sums to the stack inside the chunk loop, and
+   SmolLM2's int4 matmuls at 8-64 rows ran 17-30 % slower (Zen 4, alternated in one process; the
+   same bits). Blocks of LOWBIT_ROW_BLOCK rows run group by group, every pass
    of the block on a group before the next group. The passes are the same rows as pass after pass
    over everything (block starts are multiples of pass_rows), and each (tile, pass) is computed
    alone, so the order changes no output. */
-static inline void lowbit_tile_runs(int64_t ta, int64_t tb, lowbit_tile_run_fn run, LowbitTileCall *call, int pass_rows) {
+static inline void lowbit_tile_runs(int64_t ta, int64_t tb, lowbit_tile_run_fn run, LowbitTileCall *call, int pass_rows,
+                                    int lean) {
     const int64_t M = call->M;
     const int64_t block = LOWBIT_ROW_BLOCK > pass_rows ? LOWBIT_ROW_BLOCK / pass_rows * pass_rows : pass_rows;
     for (int64_t b0 = 0; b0 < M; b0 += block) {
@@ -221,7 +226,7 @@ static inline void lowbit_tile_runs(int64_t ta, int64_t tb, lowbit_tile_run_fn r
             const int64_t ge = (g / 4 + 1) * 4 < tb ? (g / 4 + 1) * 4 : tb; /* the rest of g's group of four */
             for (int64_t m0 = b0; m0 < be; m0 += pass_rows) {
                 const int mb = be - m0 >= pass_rows ? pass_rows : (int)(be - m0);
-                const int tt_max = mb <= 4 ? 4 : mb <= 8 ? 2 : 1;
+                const int tt_max = lean ? (mb <= 2 ? 4 : mb == 3 ? 3 : mb <= 5 ? 2 : 1) : mb <= 4 ? 4 : mb <= 8 ? 2 : 1;
                 for (int64_t t = g; t < ge;) {
                     const int tt = ge - t < tt_max ? (int)(ge - t) : tt_max;
                     run(call, tt, mb, t, m0);
