@@ -679,6 +679,28 @@ static void attend_item(const Attend *a, int64_t w, float *sc, float *qv, float 
    query heads), down to one head, so both threads get work. A head's result is the same whatever
    item computes it. A part call (lowbit_native.h) computes every parts-th item from its own on
    (at batch 1 an item per query head: neighbours cost alike), on the calling thread. */
+/* One thread's scratch for attend_item: scores [H, maxlen], a query and an accumulator [H, D];
+   all three or none (scores NULL). 0, or -2 when out of memory. */
+typedef struct {
+    float *scores, *q, *acc;
+} Scratch;
+
+static void scratch_free(Scratch *s) {
+    free(s->scores);
+    free(s->q);
+    free(s->acc);
+    s->scores = s->q = s->acc = NULL;
+}
+
+static int scratch_new(const Attend *a, Scratch *s) {
+    s->scores = malloc((size_t)(a->H * a->maxlen) * sizeof(float));
+    s->q = malloc((size_t)(a->H * a->D) * sizeof(float));
+    s->acc = malloc((size_t)(a->H * a->D) * sizeof(float));
+    if (s->scores && s->q && s->acc) return 0;
+    scratch_free(s);
+    return -2;
+}
+
 int lowbit_paged_attend(PAGED_ARGS) {
     (void)k, (void)ldk, (void)v, (void)ldv, (void)slots;
     if (bad_shape(dtype, H, KVH, D)) return -1;
@@ -694,31 +716,26 @@ int lowbit_paged_attend(PAGED_ARGS) {
     if (!a.whole_rows && T * KVH * ((a.group + a.hc - 1) / a.hc) < 4 * team) a.hc = 1;
     a.chunks = (a.group + a.hc - 1) / a.hc;
     const int64_t nwork = a.whole_rows ? T : T * KVH * a.chunks;
-    int fail = 0;
-    if (lowbit_part_count) {
-        float *sc = malloc((size_t)(H * a.maxlen) * sizeof(float));
-        float *qv = malloc((size_t)(H * D) * sizeof(float));
-        float *acc = malloc((size_t)(H * D) * sizeof(float));
-        if (sc && qv && acc)
-            for (int64_t w = lowbit_part_id; w < nwork; w += lowbit_part_count) attend_item(&a, w, sc, qv, acc);
-        else fail = 1;
-        free(sc);
-        free(qv);
-        free(acc);
-        return fail ? -2 : 0;
+    if (lowbit_part_count) { /* a part call: every part_count-th item, on this thread */
+        Scratch sc;
+        const int rc = scratch_new(&a, &sc);
+        if (rc == 0)
+            for (int64_t w = lowbit_part_id; w < nwork; w += lowbit_part_count) attend_item(&a, w, sc.scores, sc.q, sc.acc);
+        scratch_free(&sc);
+        return rc;
     }
+    int fail = 0;
 #pragma omp parallel num_threads(threads)
     {
-        float *sc = malloc((size_t)(H * a.maxlen) * sizeof(float));
-        float *qv = malloc((size_t)(H * D) * sizeof(float));
-        float *acc = malloc((size_t)(H * D) * sizeof(float));
-        if (!sc || !qv || !acc) fail = 1;
+        Scratch sc;
+        if (scratch_new(&a, &sc) != 0) {
+#pragma omp atomic write
+            fail = 1;
+        }
 #pragma omp for schedule(dynamic)
         for (int64_t w = 0; w < nwork; w++)
-            if (sc && qv && acc) attend_item(&a, w, sc, qv, acc);
-        free(sc);
-        free(qv);
-        free(acc);
+            if (sc.scores) attend_item(&a, w, sc.scores, sc.q, sc.acc);
+        scratch_free(&sc);
     }
     return fail ? -2 : 0;
 }
