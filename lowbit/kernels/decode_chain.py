@@ -27,8 +27,8 @@ from lowbit.kernels.prepared import PreparedWeight
 from lowbit.native import decode_layers, f32_dot, int4_dot, int4_vnni, int8_gemv, moe_route, paged_decode, rowops
 
 MAX_ROPES = 4  # decode_layers.c MAX_ROPES
-# "0": every kernel of a step opens its own OpenMP region, as before the one-region step (team_layers
-# in native/decode_layers.c); the same bits either way, so this is only for measuring it
+# "0": every kernel of a step opens its own OpenMP region, as before the one-region step (run_layers
+# in native/decode_layers.c); the same bits either way, so this is for measuring it and for the tests
 TEAM_ENV = "LOWBIT_CHAIN_TEAM"
 _INT4, _DENSE, _INT8F = 1, 2, 3
 
@@ -56,8 +56,7 @@ class ChainLayer(ctypes.Structure):
 
 
 class Chain(ctypes.Structure):
-    _fields_ = [("rmsnorm", c_void_p), ("add_rmsnorm", c_void_p), ("act_mul", c_void_p), ("paged_decode", c_void_p),
-                ("moe_route", c_void_p), ("moe_shared_gate", c_void_p),
+    _fields_ = [("rmsnorm", c_void_p), ("add_rmsnorm", c_void_p), ("act_mul", c_void_p), ("moe_route", c_void_p), ("moe_shared_gate", c_void_p),
                 ("layers", c_void_p), ("n_layers", c_int64), ("hidden", c_int64), ("heads", c_int64),
                 ("kv_heads", c_int64), ("head_dim", c_int64), ("inter", c_int64), ("max_top_k", c_int64),
                 ("block_size", c_int64), ("eps", c_float), ("scale", c_float), ("unit_offset", c_int32), ("act", c_int32),
@@ -229,7 +228,6 @@ class DecodeChain:
         route = moe_route.library() if top_k else None
         self._chain = Chain(
             _entry(rows, "lowbit_rmsnorm"), _entry(rows, "lowbit_add_rmsnorm"), _entry(rows, "lowbit_act_mul"),
-            _entry(paged, "lowbit_paged_decode"),
             route and _entry(route, "lowbit_moe_route"), route and _entry(route, "lowbit_moe_shared_gate"),
             ctypes.addressof(self._layers), len(layers), hidden, heads, kv_heads, head_dim, max(m.inter for m in mlps), top_k,
             block_size, eps, scale, int(unit_offset), act, int(layers[0].key_pool.dtype == torch.bfloat16),

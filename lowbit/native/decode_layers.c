@@ -105,7 +105,7 @@ typedef struct {
 } ChainLayer;
 
 typedef struct {
-    const void *rmsnorm, *add_rmsnorm, *act_mul, *paged_decode;
+    const void *rmsnorm, *add_rmsnorm, *act_mul;
     const void *moe_route, *moe_shared_gate; /* moe_route.c's entry points (MoE layers only) */
     const ChainLayer *layers;
     int64_t n_layers, hidden, heads, kv_heads, head_dim;
@@ -115,8 +115,8 @@ typedef struct {
     float eps, scale;
     int32_t unit_offset, act;
     int32_t pool_bf16;      /* 1: the KV pools hold bf16 (a float32 model's --kv-dtype bf16) */
-    int32_t team;           /* 1: on 2+ threads a step runs in one OpenMP region (team_layers) */
-    const void *paged_write, *paged_attend; /* paged_decode.c's two halves (team_layers calls them apart) */
+    int32_t team;           /* 1: on 2+ threads a step runs in one OpenMP region (run_layers) */
+    const void *paged_write, *paged_attend; /* paged_decode.c's two halves (a barrier between them) */
 } Chain;
 
 #define MAX_ROPES 4
@@ -147,11 +147,6 @@ static int linear(const ChainLinear *l, const float *x, int64_t ldx, int64_t M, 
     return -100;
 }
 
-#define CHECK(call)               \
-    do {                          \
-        rc = (call);              \
-        if (rc != 0) goto done;   \
-    } while (0)
 
 /* Rows of float32 activations, 64-byte aligned (a kernel's 16-float loads along a row are then
    whole cache lines; x converted to bf16 at 16-byte alignment had made the bf16 kernel's loads
@@ -168,58 +163,14 @@ typedef struct {
     int64_t *sel, *idx;    /* [M, top_k], [M] */
 } Scratch;
 
-/* y [M, H] = down(act(gate) * up) of rows h [M, H], as GatedMLP.forward with gate|up joined. */
-static int run_mlp(const Chain *c, const ChainMLP *m, const float *h, int64_t M, const Scratch *w, float *y, int threads) {
-    const int64_t H = c->hidden, I = m->gate_up.n / 2;
-    int rc = linear(&m->gate_up, h, H, M, w->gu, threads);
-    if (rc == 0) rc = ((act_mul_fn)c->act_mul)(w->gu, 2 * I, w->gu + I, 2 * I, M, I, c->act, 0, w->act, I, threads);
-    if (rc == 0) rc = linear(&m->down, w->act, I, M, y, threads);
-    return rc;
-}
-
-/* r [M, H] = the MoE block of rows h, as SparseMoE.forward computes it: route each row (the C
-   routing the model uses too), then per expert in order its rows gathered, its MLP, and
-   r[row] += y * weight for each (a token's experts are distinct: one add per expert); then the
-   shared expert, r = r + sigmoid(gate) * shared(h). */
-static int run_moe(const Chain *c, const ChainMoE *e, const float *h, int64_t M, const Scratch *w, float *r, int threads) {
-    const int64_t H = c->hidden, k = e->top_k;
-    int rc = ((moe_route_fn)c->moe_route)(h, H, M, H, e->router, e->experts, k, e->norm_topk, w->wts, w->sel, threads);
-    if (rc != 0) return rc;
-    for (int64_t i = 0; i < M * H; i++) r[i] = 0.0f;
-    for (int64_t ex = 0; ex < e->experts; ex++) {
-        int64_t n = 0;
-        float scale[LOWBIT_MAX_ROWS_MOE];
-        for (int64_t t = 0; t < M; t++)
-            for (int64_t j = 0; j < k; j++)
-                if (w->sel[t * k + j] == ex) {
-                    w->idx[n] = t;
-                    scale[n++] = w->wts[t * k + j];
-                }
-        if (n == 0) continue;
-        for (int64_t i = 0; i < n; i++) memcpy(w->xe + i * H, h + w->idx[i] * H, (size_t)H * sizeof(float));
-        if ((rc = run_mlp(c, e->expert + ex, w->xe, n, w, w->ye, threads)) != 0) return rc;
-        for (int64_t i = 0; i < n; i++) {
-            float *ri = r + w->idx[i] * H;
-            const float *yi = w->ye + i * H;
-            for (int64_t d = 0; d < H; d++) ri[d] += yi[d] * scale[i];
-        }
-    }
-    if (e->shared) {
-        if ((rc = ((moe_shared_gate_fn)c->moe_shared_gate)(h, H, M, H, e->shared_gate, w->sig)) != 0) return rc;
-        if ((rc = run_mlp(c, e->shared, h, M, w, w->ye, threads)) != 0) return rc;
-        for (int64_t t = 0; t < M; t++)
-            for (int64_t d = 0; d < H; d++) r[t * H + d] = r[t * H + d] + w->sig[t] * w->ye[t * H + d];
-    }
-    return 0;
-}
-
 /* The step's buffers, shared by the team. */
 typedef struct {
     float *h, *qkv, *att, *a, *r, *qn, *kn;
     const Scratch *w;
 } TeamBuffers;
 
-/* run_mlp's three kernels as parts, a barrier after each. */
+/* y [M, H] = down(act(gate) * up) of rows h [M, H], as GatedMLP.forward with gate|up joined: three
+   phases, a barrier after each (pt: see run_layers). */
 static int team_mlp(const Chain *c, const ChainMLP *m, const float *h, int64_t M, const Scratch *w, float *y, int pt) {
     const int64_t H = c->hidden, I = m->gate_up.n / 2;
     int rc = linear(&m->gate_up, h, H, M, w->gu, pt);
@@ -231,16 +182,20 @@ static int team_mlp(const Chain *c, const ChainMLP *m, const float *h, int64_t M
     return rc;
 }
 
-/* run_moe inside the team: the routing, each expert's gather and its scatter-add on part 0 alone,
-   in run_moe's order (so r gets the same sums in the same order), each routed expert's MLP and the
-   shared expert's as parts. Every thread counts an expert's rows from the routing (read after a
-   barrier), so all skip the same experts and meet the same barriers. Ends with a barrier. */
+/* r [M, H] = the MoE block of rows h, as SparseMoE.forward computes it: route each row (the C
+   routing the model uses too), then per expert in order its rows gathered, its MLP, and
+   r[row] += y * weight for each (a token's experts are distinct: one add per expert); then the
+   shared expert, r = r + sigmoid(gate) * shared(h). In a team (pt a part, run_layers) the routing,
+   each expert's gather and its scatter-add run on part 0 alone, in this order (so r gets the same
+   sums in the same order), each routed expert's MLP and the shared expert's as parts. Every thread
+   counts an expert's rows from the routing (read after a barrier), so all skip the same experts
+   and meet the same barriers. Ends with a barrier. */
 static int team_moe(const Chain *c, const ChainMoE *e, const float *h, int64_t M, const Scratch *w, float *r, int pt) {
     const int64_t H = c->hidden, k = e->top_k;
     const int lead = pt == 1 || -pt / LOWBIT_PART_LIMIT == 0; /* part 0, or the only thread */
     int rc = 0;
     if (lead) {
-        rc |= ((moe_route_fn)c->moe_route)(h, H, M, H, e->router, e->experts, k, e->norm_topk, w->wts, w->sel, 1);
+        rc |= ((moe_route_fn)c->moe_route)(h, H, M, H, e->router, e->experts, k, e->norm_topk, w->wts, w->sel, pt > 0 ? pt : 1);
         for (int64_t i = 0; i < M * H; i++) r[i] = 0.0f;
     }
 #pragma omp barrier
@@ -281,73 +236,66 @@ static int team_moe(const Chain *c, const ChainMoE *e, const float *h, int64_t M
     return rc;
 }
 
-/* lowbit_decode_layers' layers in one OpenMP region: every thread calls every
-   kernel as a part (lowbit_native.h), computing the share the kernel's own team would have given
-   it, and a barrier ends each kernel's phase. The same kernels, arguments and shares, so the same
-   bits; what goes is the region each of ~10 calls a layer opened and closed (1-2 us each on 2 cores,
-   and the attention call's write/attend split is its own barrier now). A kernel's failure (out of
-   memory) is noted and the phases go on, so every thread meets every barrier; the step returns it. */
-static int team_layers(const Chain *c, const ChainStep *s, int64_t first, int64_t last, float *x, const float *final_norm,
-                       float *out, const TeamBuffers *b, const float *const *cs, const float *const *sn, int threads) {
+/* lowbit_decode_layers' layers, each kernel called with pt: inside the step's one OpenMP region a
+   part (LOWBIT_PART, lowbit_native.h), every thread calling every kernel and computing, without a
+   region of its own, the share the kernel's own team would have given it, a barrier ending each
+   phase; outside any region (one thread, or LOWBIT_CHAIN_TEAM=0) the thread count, each kernel then
+   opening its own region, the barriers binding to no team and doing nothing. The same kernels,
+   arguments and shares either way, so the same bits; what the one region saves is the region each
+   of ~10 calls a layer opened and closed (1-2 us each on 2 cores). A kernel's failure (out of
+   memory) is noted and the phases go on, so every thread meets every barrier. Returns the or of
+   the kernels' codes (0 when all succeeded). */
+static int run_layers(const Chain *c, const ChainStep *s, int64_t first, int64_t last, float *x, const float *final_norm,
+                      float *out, const TeamBuffers *b, const float *const *cs, const float *const *sn, int pt) {
     const int64_t M = s->rows, H = c->hidden, D = c->head_dim;
     const int64_t qs = c->heads * D, kvs = c->kv_heads * D, qkv_n = qs + 2 * kvs;
     const rmsnorm_fn rmsnorm = (rmsnorm_fn)c->rmsnorm;
     const add_rmsnorm_fn add_rmsnorm = (add_rmsnorm_fn)c->add_rmsnorm;
     const paged_decode_fn paged_write = (paged_decode_fn)c->paged_write, paged_attend = (paged_decode_fn)c->paged_attend;
-    int failed = 0;
-#pragma omp parallel num_threads(threads)
-    {
-        const int parts = omp_get_num_threads();
-        const int pt = parts > 1 ? LOWBIT_PART(omp_get_thread_num(), parts) : 1;
-        int rc = 0; /* this thread's kernels' codes, or-ed (0 when all succeeded) */
-        const float *pending_norm = NULL;
-        for (int64_t i = first; i < last; i++) {
-            const ChainLayer *L = c->layers + i;
-            if (i == first) rc |= rmsnorm(x, H, M, 1, H, L->norm_in, c->eps, c->unit_offset, 0, b->h, H, pt);
-            else rc |= add_rmsnorm(x, H, b->r, H, pending_norm, M, H, L->norm_in, c->eps, c->unit_offset, 0, x, H, b->h, H, pt);
+    int rc = 0; /* this thread's kernels' codes, or-ed (0 when all succeeded) */
+    const float *pending_norm = NULL;
+    for (int64_t i = first; i < last; i++) {
+        const ChainLayer *L = c->layers + i;
+        if (i == first) rc |= rmsnorm(x, H, M, 1, H, L->norm_in, c->eps, c->unit_offset, 0, b->h, H, pt);
+        else rc |= add_rmsnorm(x, H, b->r, H, pending_norm, M, H, L->norm_in, c->eps, c->unit_offset, 0, x, H, b->h, H, pt);
 #pragma omp barrier
-            rc |= linear(&L->qkv, b->h, H, M, b->qkv, pt);
+        rc |= linear(&L->qkv, b->h, H, M, b->qkv, pt);
 #pragma omp barrier
-            const float *q = b->qkv, *k = b->qkv + qs;
-            int64_t ldq = qkv_n, ldk = qkv_n;
-            if (L->q_norm) {
-                rc |= rmsnorm(b->qkv, qkv_n, M, qs / L->q_norm_width, L->q_norm_width, L->q_norm, c->eps, c->unit_offset, 0, b->qn,
-                              qs, pt);
-                q = b->qn, ldq = qs;
-            }
-            if (L->k_norm) {
-                rc |= rmsnorm(b->qkv + qs, qkv_n, M, kvs / L->k_norm_width, L->k_norm_width, L->k_norm, c->eps, c->unit_offset, 0,
-                              b->kn, kvs, pt);
-                k = b->kn, ldk = kvs;
-            }
-            if (L->q_norm || L->k_norm) {
-#pragma omp barrier
-            }
-            const int dtype = c->pool_bf16 ? 2 : 0;
-            rc |= paged_write(q, ldq, k, ldk, b->qkv + qs + kvs, qkv_n, cs[L->rope], sn[L->rope], dtype, s->pos, s->slots, s->items,
-                              s->tables, s->nb, L->kpool, L->vpool, b->att, M, c->heads, c->kv_heads, D, c->block_size, L->window,
-                              c->scale, pt);
-#pragma omp barrier
-            rc |= paged_attend(q, ldq, k, ldk, b->qkv + qs + kvs, qkv_n, cs[L->rope], sn[L->rope], dtype, s->pos, s->slots,
-                               s->items, s->tables, s->nb, L->kpool, L->vpool, b->att, M, c->heads, c->kv_heads, D, c->block_size,
-                               L->window, c->scale, pt);
-#pragma omp barrier
-            rc |= linear(&L->o, b->att, qs, M, b->a, pt);
-#pragma omp barrier
-            rc |= add_rmsnorm(x, H, b->a, H, L->post_attn, M, H, L->norm_mlp, c->eps, c->unit_offset, 0, x, H, b->h, H, pt);
-#pragma omp barrier
-            if (L->moe) rc |= team_moe(c, L->moe, b->h, M, b->w, b->r, pt);
-            else rc |= team_mlp(c, &L->mlp, b->h, M, b->w, b->r, pt);
-            pending_norm = L->post_ffn;
+        const float *q = b->qkv, *k = b->qkv + qs;
+        int64_t ldq = qkv_n, ldk = qkv_n;
+        if (L->q_norm) {
+            rc |= rmsnorm(b->qkv, qkv_n, M, qs / L->q_norm_width, L->q_norm_width, L->q_norm, c->eps, c->unit_offset, 0, b->qn,
+                          qs, pt);
+            q = b->qn, ldq = qs;
         }
-        if (final_norm) rc |= add_rmsnorm(x, H, b->r, H, pending_norm, M, H, final_norm, c->eps, c->unit_offset, 0, x, H, out, H, pt);
-        else rc |= add_rmsnorm(x, H, b->r, H, pending_norm, M, H, NULL, c->eps, c->unit_offset, 0, x, H, NULL, H, pt);
-        if (rc) {
-#pragma omp atomic write
-            failed = rc;
+        if (L->k_norm) {
+            rc |= rmsnorm(b->qkv + qs, qkv_n, M, kvs / L->k_norm_width, L->k_norm_width, L->k_norm, c->eps, c->unit_offset, 0,
+                          b->kn, kvs, pt);
+            k = b->kn, ldk = kvs;
         }
+        if (L->q_norm || L->k_norm) {
+#pragma omp barrier
+        }
+        const int dtype = c->pool_bf16 ? 2 : 0;
+        rc |= paged_write(q, ldq, k, ldk, b->qkv + qs + kvs, qkv_n, cs[L->rope], sn[L->rope], dtype, s->pos, s->slots, s->items,
+                          s->tables, s->nb, L->kpool, L->vpool, b->att, M, c->heads, c->kv_heads, D, c->block_size, L->window,
+                          c->scale, pt);
+#pragma omp barrier
+        rc |= paged_attend(q, ldq, k, ldk, b->qkv + qs + kvs, qkv_n, cs[L->rope], sn[L->rope], dtype, s->pos, s->slots,
+                           s->items, s->tables, s->nb, L->kpool, L->vpool, b->att, M, c->heads, c->kv_heads, D, c->block_size,
+                           L->window, c->scale, pt);
+#pragma omp barrier
+        rc |= linear(&L->o, b->att, qs, M, b->a, pt);
+#pragma omp barrier
+        rc |= add_rmsnorm(x, H, b->a, H, L->post_attn, M, H, L->norm_mlp, c->eps, c->unit_offset, 0, x, H, b->h, H, pt);
+#pragma omp barrier
+        if (L->moe) rc |= team_moe(c, L->moe, b->h, M, b->w, b->r, pt);
+        else rc |= team_mlp(c, &L->mlp, b->h, M, b->w, b->r, pt);
+        pending_norm = L->post_ffn;
     }
-    return failed; /* the or of the failing kernels' codes: non-zero */
+    if (final_norm) rc |= add_rmsnorm(x, H, b->r, H, pending_norm, M, H, final_norm, c->eps, c->unit_offset, 0, x, H, out, H, pt);
+    else rc |= add_rmsnorm(x, H, b->r, H, pending_norm, M, H, NULL, c->eps, c->unit_offset, 0, x, H, NULL, H, pt);
+    return rc;
 }
 
 /* Layers first..last-1 on x [rows, hidden] (float32, updated in place). With final_norm, out gets
@@ -358,9 +306,6 @@ int lowbit_decode_layers(const Chain *c, const ChainStep *s, int64_t first, int6
     const int64_t M = s->rows, H = c->hidden, D = c->head_dim;
     const int64_t qs = c->heads * D, kvs = c->kv_heads * D, qkv_n = qs + 2 * kvs, I = c->inter;
     if (M <= 0 || first < 0 || last > c->n_layers || first >= last || (c->max_top_k && M > LOWBIT_MAX_ROWS_MOE)) return -1;
-    const rmsnorm_fn rmsnorm = (rmsnorm_fn)c->rmsnorm;
-    const add_rmsnorm_fn add_rmsnorm = (add_rmsnorm_fn)c->add_rmsnorm;
-    const paged_decode_fn paged_decode = (paged_decode_fn)c->paged_decode;
     const int64_t kk = c->max_top_k > 0 ? c->max_top_k : 1;
     float *h = rows_buffer(M, H), *qkv = rows_buffer(M, qkv_n), *att = rows_buffer(M, qs), *a = rows_buffer(M, H);
     float *r = rows_buffer(M, H), *qn = rows_buffer(M, qs), *kn = rows_buffer(M, kvs);
@@ -397,44 +342,27 @@ int lowbit_decode_layers(const Chain *c, const ChainStep *s, int64_t first, int6
         const ChainLayer *L = c->layers + i;
         if (L->qkv.n != qkv_n || (!L->moe && L->mlp.gate_up.n > 2 * I) || (L->moe && (L->moe->top_k > kk || !c->moe_route))
             || L->rope < 0 || L->rope >= MAX_ROPES || !cs[L->rope]
-            || (L->q_norm && (L->q_norm_width <= 0 || qs % L->q_norm_width)) || (L->k_norm && (L->k_norm_width <= 0 || kvs % L->k_norm_width)))
+            || (L->q_norm && (L->q_norm_width <= 0 || qs % L->q_norm_width)) || (L->k_norm && (L->k_norm_width <= 0 || kvs % L->k_norm_width))
+            || !c->paged_write || !c->paged_attend)
             goto done; /* rc is -1 */
     }
-    if (c->team && threads > 1 && c->paged_write && c->paged_attend) {
-        const TeamBuffers b = {h, qkv, att, a, r, qn, kn, &w};
-        rc = team_layers(c, s, first, last, x, final_norm, out, &b, cs, sn, threads);
-        goto done;
-    }
-    const float *pending_norm = NULL; /* the previous layer's post_ffn: applied to r in the next add */
-    for (int64_t i = first; i < last; i++) {
-        const ChainLayer *L = c->layers + i;
-        if (i == first) CHECK(rmsnorm(x, H, M, 1, H, L->norm_in, c->eps, c->unit_offset, 0, h, H, threads));
-        else CHECK(add_rmsnorm(x, H, r, H, pending_norm, M, H, L->norm_in, c->eps, c->unit_offset, 0, x, H, h, H, threads));
-        CHECK(linear(&L->qkv, h, H, M, qkv, threads));
-        const float *q = qkv, *k = qkv + qs;
-        int64_t ldq = qkv_n, ldk = qkv_n;
-        if (L->q_norm) {
-            CHECK(rmsnorm(qkv, qkv_n, M, qs / L->q_norm_width, L->q_norm_width, L->q_norm, c->eps, c->unit_offset, 0, qn, qs, threads));
-            q = qn, ldq = qs;
+    const TeamBuffers b = {h, qkv, att, a, r, qn, kn, &w};
+    if (c->team && threads > 1) {
+        int failed = 0;
+#pragma omp parallel num_threads(threads)
+        {
+            const int parts = omp_get_num_threads();
+            const int code = run_layers(c, s, first, last, x, final_norm, out, &b, cs, sn,
+                                        parts > 1 ? LOWBIT_PART(omp_get_thread_num(), parts) : 1);
+            if (code) {
+#pragma omp atomic write
+                failed = code;
+            }
         }
-        if (L->k_norm) {
-            CHECK(rmsnorm(qkv + qs, qkv_n, M, kvs / L->k_norm_width, L->k_norm_width, L->k_norm, c->eps, c->unit_offset, 0, kn, kvs,
-                          threads));
-            k = kn, ldk = kvs;
-        }
-        CHECK(paged_decode(q, ldq, k, ldk, qkv + qs + kvs, qkv_n, cs[L->rope], sn[L->rope], c->pool_bf16 ? 2 : 0, s->pos, s->slots, s->items,
-                           s->tables, s->nb, L->kpool, L->vpool, att, M, c->heads, c->kv_heads, D, c->block_size, L->window,
-                           c->scale, threads));
-        CHECK(linear(&L->o, att, qs, M, a, threads));
-        CHECK(add_rmsnorm(x, H, a, H, L->post_attn, M, H, L->norm_mlp, c->eps, c->unit_offset, 0, x, H, h, H, threads));
-        if (L->moe) CHECK(run_moe(c, L->moe, h, M, &w, r, threads));
-        else CHECK(run_mlp(c, &L->mlp, h, M, &w, r, threads));
-        pending_norm = L->post_ffn;
+        rc = failed;
+    } else {
+        rc = run_layers(c, s, first, last, x, final_norm, out, &b, cs, sn, threads);
     }
-    if (final_norm)
-        CHECK(add_rmsnorm(x, H, r, H, pending_norm, M, H, final_norm, c->eps, c->unit_offset, 0, x, H, out, H, threads));
-    else CHECK(add_rmsnorm(x, H, r, H, pending_norm, M, H, NULL, c->eps, c->unit_offset, 0, x, H, NULL, H, threads));
-    rc = 0;
 done:
     free(ropes);
     free(qn);

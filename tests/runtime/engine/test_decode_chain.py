@@ -282,7 +282,7 @@ def _team_checked(chained) -> list[int]:
 @pytest.mark.parametrize("family, weights", [("llama", "int4"), ("llama", "bf16-a16"), ("llama", "int8-g32"),
                                              ("llama", "float32"), ("gemma3", "int4"), ("gemma3", "kv-bf16")])
 def test_the_one_region_step_equals_a_region_per_kernel(tiny_float_model, family, weights, monkeypatch, two_threads):
-    # native/decode_layers.c team_layers: on 2+ threads a step runs in one OpenMP region, every
+    # native/decode_layers.c run_layers: on 2+ threads a step runs in one OpenMP region, every
     # kernel called as a part (lowbit_native.h); each step, decodes, batched rows and prefill
     # chunks, gives the very bits of the same step with a region per kernel (team off)
     if weights == "int4" and not cpu_int4dot.available() or weights.startswith("int8") and not cpu_int8.available():
