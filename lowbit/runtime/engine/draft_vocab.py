@@ -47,17 +47,32 @@ def draft_vocab_size(setting: int | None, vocab_size: int) -> int | None:
     return setting
 
 
-def frequent_tokens(tokenizer, size: int, vocab_size: int, text: str | Path | None = None) -> torch.Tensor:
+def _file_key(path: Path) -> list:
+    stat = path.stat()
+    return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
+
+
+def _tokenizer_key(tokenizer, model_path: str | Path | None) -> list:
+    """What names the tokenizer in the cache key: its tokenizer.json file (path, size, time; cheap),
+    else its whole vocabulary (~0.5 s for Gemma-3's 262144 tokens)."""
+    if model_path is not None:
+        file = Path(model_path) / "tokenizer.json"
+        if file.is_file():
+            return _file_key(file)
+    return sorted(tokenizer.backend.get_vocab().items())
+
+
+def frequent_tokens(tokenizer, size: int, vocab_size: int, text: str | Path | None = None,
+                    model_path: str | Path | None = None) -> torch.Tensor:
     """The `size` token ids most frequent in `text` (FREQUENCY_TEXT by default), the tokenizer's
     end-of-sequence ids always among them, filled up in id order where the text saw fewer; sorted,
-    int64. Cached under $LOWBIT_HOME/draft_vocab by tokenizer, text and size."""
+    int64. Cached under $LOWBIT_HOME/draft_vocab by tokenizer (model_path's tokenizer.json where
+    given), text and size."""
     from lowbit.data.text import load_text, resolve_text_path
 
     path = resolve_text_path(text or FREQUENCY_TEXT)
-    vocab = tokenizer.backend.get_vocab()
-    stat = path.stat()
-    key = hashlib.sha256(json.dumps([sorted(vocab.items()), str(path.resolve()), stat.st_size, stat.st_mtime_ns,
-                                     size, vocab_size]).encode()).hexdigest()[:24]
+    key = hashlib.sha256(json.dumps([_tokenizer_key(tokenizer, model_path), _file_key(path), size,
+                                     vocab_size]).encode()).hexdigest()[:24]
     cached = lowbit_home() / "draft_vocab" / f"{key}.json"
     try:
         ids = json.loads(cached.read_text())
@@ -85,7 +100,8 @@ def frequent_tokens(tokenizer, size: int, vocab_size: int, text: str | Path | No
     return torch.tensor(ids, dtype=torch.long)
 
 
-def draft_vocabulary(tokenizer, setting: int | None, vocab_size: int) -> torch.Tensor | None:
+def draft_vocabulary(tokenizer, setting: int | None, vocab_size: int,
+                     model_path: str | Path | None = None) -> torch.Tensor | None:
     """The ids a draft head scores (None: all): `setting` as draft_vocab_size reads it. Without the
     frequency text (`lowbit assets` not run) an automatic setting keeps the whole head; one asked
     for by number is an error."""
@@ -93,7 +109,7 @@ def draft_vocabulary(tokenizer, setting: int | None, vocab_size: int) -> torch.T
     if size is None:
         return None
     try:
-        return frequent_tokens(tokenizer, size, vocab_size)
+        return frequent_tokens(tokenizer, size, vocab_size, model_path=model_path)
     except LowbitError as e:
         if setting is None:
             return None

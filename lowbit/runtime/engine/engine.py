@@ -160,7 +160,7 @@ class Engine:
         # a draft's head over the frequent tokens only (CPU drafts: the head a draft reads whole)
         head_vocab = None
         if cascade is None and draft_kind in ("self", "model") and self.device.type == "cpu":
-            head_vocab = draft_vocabulary(self.tokenizer, draft_vocab, self.config.vocab_size)
+            head_vocab = draft_vocabulary(self.tokenizer, draft_vocab, self.config.vocab_size, path)
         elif draft_vocab is not None:
             draft_vocab_size(draft_vocab, self.config.vocab_size)  # a bad setting is refused all the same
         self.draft_head_vocab = None if head_vocab is None else len(head_vocab)

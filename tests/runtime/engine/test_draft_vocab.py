@@ -52,10 +52,13 @@ def test_most_frequent_tokens_with_eos_filled_in_id_order_and_cached(engine_llam
     # more than the text uses: every byte it saw, EOS, then the lowest unused ids
     many = draft_vocab.frequent_tokens(tok, len(counts) + 3, 256).tolist()
     assert set(many) == set(counts) | {0, 1, 2} and many == sorted(many)
+    # keyed by the model's tokenizer.json where given (cheap), else by the whole vocabulary
+    assert draft_vocab.frequent_tokens(tok, 6, 256, model_path=engine_llama_dir).tolist() == ids.tolist()
     cached = list((frequency_text.parent / "home" / "draft_vocab").glob("*.json"))
-    assert len(cached) == 2 and all(isinstance(json.loads(p.read_text()), list) for p in cached)
+    assert len(cached) == 3 and all(isinstance(json.loads(p.read_text()), list) for p in cached)
     monkeypatch.setattr(type(tok), "encode", lambda *a, **k: pytest.fail("counted again instead of reading the cache"))
     assert draft_vocab.frequent_tokens(tok, 6, 256).tolist() == ids.tolist()
+    assert draft_vocab.frequent_tokens(tok, 6, 256, model_path=engine_llama_dir).tolist() == ids.tolist()
 
 
 def test_without_the_text_auto_keeps_the_head_and_a_number_is_an_error(engine_llama_dir, tmp_path, monkeypatch):
