@@ -194,14 +194,18 @@ static inline void prefetch_row(const void *pool, int64_t elem, int64_t bytes, i
             if ((hc) == 1) CALL(8, 1); else CALL(8, 2);        \
             return;                                            \
         }                                                      \
-        CALL(16, 1);                                           \
-        return;                                                \
+        switch (hc) {                                          \
+        case 1: CALL(16, 1); return;                           \
+        case 2: CALL(16, 2); return;                           \
+        case 3: CALL(16, 3); return;                           \
+        default: CALL(16, 4); return;                          \
+        }                                                      \
     } while (0)
 
 /* Largest head count per scores_regs / values_regs call for head size D (0: no register version). */
 static int64_t regs_heads(int64_t D) {
 #ifdef HAVE_AVX512_ATTN
-    return D == 64 ? 5 : D == 128 ? 2 : D == 256 ? 1 : 0;
+    return D == 64 ? 5 : D == 128 ? 2 : D == 256 ? 4 : 0;
 #else
     (void)D;
     return 0;
@@ -384,7 +388,7 @@ static void scores(const float *qv, int64_t nk, int64_t hc, int64_t D, int64_t l
     if (regs_heads(D) >= hc) {
         /* several heads per KV head, or a bf16 pool: four positions at a time first (scores_regs4) */
         int64_t j0 = lo;
-        if ((hc > 1 || bf16) && !(bf16 && q_bf16))
+        if ((hc > 1 || bf16) && !(bf16 && q_bf16) && !(D > 128 && hc > 1))
             scores_blocks(D, hc, qv, nk, lo, p, bt, block_size, row, off, kpool, vpool, bf16, scale, sc, ml, fetch_values, &j0);
 #ifdef HAVE_BF16_SCORES
 #define SR(NV, HC)                                                                                                 \
@@ -497,9 +501,33 @@ static float softmax_numerators(float *sc, int64_t n) {
 static inline __attribute__((always_inline)) void values_regs(const int NV, const int HC, const float *e, int64_t ml,
                                                              int64_t lo, int64_t p, const int64_t *bt, int64_t block_size,
                                                              int64_t row, int64_t off, const void *vpool, int bf16, float *acc) {
+    const int64_t bytes = 16 * NV * (bf16 ? 2 : 4);
+    if (HC * NV > 24) {
+        /* D = 256 with several heads: 64 values of the row at a time, HC * 4 accumulators (the
+           same fused multiply-add per lane and position in order as below, so the same bits);
+           each row's slice read once for the HC heads */
+        for (int i0 = 0; i0 < NV; i0 += 4) {
+            __m512 c[4][4];
+            for (int g = 0; g < HC; g++)
+                for (int i = 0; i < 4; i++) c[g][i] = _mm512_setzero_ps();
+            for (int64_t j = lo; j <= p; j++) {
+                const int64_t base = slot_of(bt, j, block_size) * row + off + 16 * i0;
+                if (i0 == 0 && j + PREFETCH_AHEAD <= p)
+                    prefetch_row(vpool, slot_of(bt, j + PREFETCH_AHEAD, block_size) * row + off, bytes, bf16 ? 2 : 4);
+                __m512 v[4];
+                for (int i = 0; i < 4; i++) v[i] = load16(vpool, base + 16 * i, bf16);
+                for (int g = 0; g < HC; g++) {
+                    const __m512 ev = _mm512_set1_ps(e[g * ml + j - lo]);
+                    for (int i = 0; i < 4; i++) c[g][i] = _mm512_fmadd_ps(ev, v[i], c[g][i]);
+                }
+            }
+            for (int g = 0; g < HC; g++)
+                for (int i = 0; i < 4; i++) _mm512_storeu_ps(acc + g * 16 * NV + 16 * (i0 + i), c[g][i]);
+        }
+        return;
+    }
     __m512 a[24];
     for (int i = 0; i < HC * NV; i++) a[i] = _mm512_setzero_ps();
-    const int64_t bytes = 16 * NV * (bf16 ? 2 : 4);
     for (int64_t j = lo; j <= p; j++) {
         const int64_t base = slot_of(bt, j, block_size) * row + off;
         if (j + PREFETCH_AHEAD <= p) prefetch_row(vpool, slot_of(bt, j + PREFETCH_AHEAD, block_size) * row + off, bytes, bf16 ? 2 : 4);
