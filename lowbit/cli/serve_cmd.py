@@ -96,10 +96,9 @@ def serve_command(
     kv_each = kv_bytes // 2 if cascade is not None and kv_bytes is not None else kv_bytes
     common = dict(dtype=dtype, kv_dtype=kv_dtype, kv_memory=kv_each, max_running=max_running, max_model_len=max_model_len,
                   threads=threads, kernel_settings=settings, max_prefill_tokens=max_prefill_tokens)
-    if draft_vocab is not None:
-        from lowbit.runtime.engine.draft_vocab import draft_vocab_size
+    from lowbit.runtime.engine.draft_vocab import check_draft_vocab
 
-        draft_vocab_size(draft_vocab, 1 << 62)  # a negative count is refused before the server starts
+    check_draft_vocab(draft_vocab)  # before the server starts (the engine loads in its own thread)
     build = engine_factory(path, draft=draft, draft_vocab=draft_vocab, **common)
     build_cheap = None
     if cascade is not None:

@@ -70,7 +70,7 @@ int lowbit_i4v_available(void) { return HAVE_I4VNNI ? 1 : HAVE_I4AVX2 ? 2 : 0; }
 /* x rows per pass: 8. Two tiles side by side at 8 rows had taken 0.92-0.97x the time of 16 rows
    at one tile (16-256 rows, groups of 32 and 64, 2 Zen 5 cores, SmolLM2's layers); both kept 32
    registers of sums and totals, and GCC spilled sums inside the chunk loop. The lean pass shapes
-   (lowbit_tile_runs: one tile at 6-8 rows, two at 4-5) keep 16 at most: 17-30 % faster at 8-64
+   (lowbit_tile_runs: one tile at 6-8 rows, two at 4-5) keep at most 10 sums and 10 totals: 17-30 % faster at 8-64
    rows on 2 Zen 4 cores, each x dword broadcast (a load) for one tile only. */
 #define MAXMB 8
 #define TILE_CHUNK(BITS) ((BITS) * 16)    /* bytes of one tile's chunk of 8 k */

@@ -208,8 +208,8 @@ typedef void (*lowbit_tile_run_fn)(LowbitTileCall *call, int tt, int mb, int64_t
 /* A thread's tiles ta..tb-1 against x rows 0..M-1: passes of up to pass_rows rows (at most
    LOWBIT_PASS_ROWS), each over runs of up to tt_max tiles side by side (enough independent
    accumulators to cover the dot product's latency, at most 16 in all), a run staying within its
-   group of four interleaved tiles. lean: at most 8 or 9 runs of tiles x rows (one tile at 6-8 rows,
-   two at 4-5, three at 3), for a kernel that keeps a float total beside each integer sum in
+   group of four interleaved tiles. lean: at most 10 tiles x rows (one tile at 6-8 rows, two at
+   4-5, three at 3, four at 1-2), for a kernel that keeps a float total beside each integer sum in
    registers (int4_vnni.c): at 16 of each GCC spilled sums to the stack inside the chunk loop, and
    SmolLM2's int4 matmuls at 8-64 rows ran 17-30 % slower (Zen 4, alternated in one process; the
    same bits). Blocks of LOWBIT_ROW_BLOCK rows run group by group, every pass

@@ -701,12 +701,6 @@ static void attend_item(const Attend *a, int64_t w, float *sc, float *qv, float 
     }
 }
 
-/* 2. attention, once every row's k and v are in the pool. With enough rows, a work item is a
-   whole row: each position's keys and values for all KV heads are one contiguous run of the pool,
-   read once for all query heads. With few rows (batch 1), an item is (row, KV head, chunk of its
-   query heads), down to one head, so both threads get work. A head's result is the same whatever
-   item computes it. A part call (lowbit_native.h) computes every parts-th item from its own on
-   (at batch 1 an item per query head: neighbours cost alike), on the calling thread. */
 /* One thread's scratch for attend_item: scores [H, maxlen], a query and an accumulator [H, D];
    all three or none (scores NULL). 0, or -2 when out of memory. */
 typedef struct {
@@ -729,6 +723,12 @@ static int scratch_new(const Attend *a, Scratch *s) {
     return -2;
 }
 
+/* 2. attention, once every row's k and v are in the pool. With enough rows, a work item is a
+   whole row: each position's keys and values for all KV heads are one contiguous run of the pool,
+   read once for all query heads. With few rows (batch 1), an item is (row, KV head, chunk of its
+   query heads), down to one head, so both threads get work. A head's result is the same whatever
+   item computes it. A part call (lowbit_native.h) computes every parts-th item from its own on
+   (at batch 1 an item per query head: neighbours cost alike), on the calling thread. */
 int lowbit_paged_attend(PAGED_ARGS) {
     (void)k, (void)ldk, (void)v, (void)ldv, (void)slots;
     if (bad_shape(dtype, H, KVH, D)) return -1;

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import itertools
 import json
 import os
 from pathlib import Path
@@ -35,13 +36,18 @@ AUTO_SIZE = 32768
 FREQUENCY_TEXT = "wiki-calib"
 
 
+def check_draft_vocab(setting: int | None) -> None:
+    """A one-line UsageError for a setting no vocabulary can take (a negative count)."""
+    if setting is not None and setting < 0:
+        raise UsageError(f"--draft-vocab {setting}: give a token count (0 = the whole vocabulary)")
+
+
 def draft_vocab_size(setting: int | None, vocab_size: int) -> int | None:
     """The number of tokens a draft head scores, or None for all of them. setting: None = auto
     (AUTO_SIZE where the vocabulary is larger than AUTO_ABOVE), 0 = all, N = the N most frequent."""
+    check_draft_vocab(setting)
     if setting is None:
         return AUTO_SIZE if vocab_size > AUTO_ABOVE else None
-    if setting < 0:
-        raise UsageError(f"--draft-vocab {setting}: give a token count (0 = the whole vocabulary)")
     if setting == 0 or setting >= vocab_size:
         return None
     return setting
@@ -83,16 +89,11 @@ def frequent_tokens(tokenizer, size: int, vocab_size: int, text: str | Path | No
     counts = collections.Counter(tokenizer.encode(load_text(path), add_bos=False))
     chosen = [i for i in sorted(tokenizer.eos_ids) if i < vocab_size][:size]
     seen = set(chosen)
-    for token, _ in counts.most_common():
+    # by count, then (a short text) the lowest ids the text did not use
+    for token in itertools.chain((t for t, _ in counts.most_common()), range(vocab_size)):
         if len(chosen) == size:
             break
         if token < vocab_size and token not in seen:
-            chosen.append(token)
-            seen.add(token)
-    for token in range(vocab_size):  # a short text: the lowest ids the text did not use
-        if len(chosen) == size:
-            break
-        if token not in seen:
             chosen.append(token)
             seen.add(token)
     ids = sorted(chosen)

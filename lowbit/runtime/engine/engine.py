@@ -31,7 +31,7 @@ from lowbit.runtime.cascade import CascadeSettings, CascadeStats
 from lowbit.runtime.engine.block_manager import BlockManager
 from lowbit.runtime.engine.detokenizer import IncrementalDetokenizer
 from lowbit.runtime.engine.engine_model import load_engine_model
-from lowbit.runtime.engine.draft_vocab import draft_vocab_size, draft_vocabulary
+from lowbit.runtime.engine.draft_vocab import check_draft_vocab, draft_vocabulary
 from lowbit.runtime.engine.drafter import LayerPrefixDrafter, ModelDrafter, NgramDrafter, parse_draft
 from lowbit.runtime.engine.model_runner import ModelRunner, PromptLogprob, Work
 from lowbit.runtime.engine.paged_cache import PagedKVCache, kv_bytes_per_token
@@ -158,12 +158,10 @@ class Engine:
         self.cascade_stats = CascadeStats()
         draft_model = None
         # a draft's head over the frequent tokens only (CPU drafts: the head a draft reads whole)
+        check_draft_vocab(draft_vocab)  # refused whatever the draft
         head_vocab = None
         if cascade is None and draft_kind in ("self", "model") and self.device.type == "cpu":
             head_vocab = draft_vocabulary(self.tokenizer, draft_vocab, self.config.vocab_size, path)
-        elif draft_vocab is not None:
-            draft_vocab_size(draft_vocab, self.config.vocab_size)  # a bad setting is refused all the same
-        self.draft_head_vocab = None if head_vocab is None else len(head_vocab)
         # A draft's precision only moves its acceptance rate, never the output (the target
         # verifies every token), so on a GPU a float32 target drafts in bf16, the fast kernels'
         # dtype. On the CPU the draft keeps the target's dtype: float32 compute is what runs the
@@ -193,6 +191,10 @@ class Engine:
             draft_model = load_draft_model(draft_arg, self.tokenizer, self.draft_dtype, self.device,
                                            role="--cascade model" if cascade is not None else "draft model",
                                            head_vocab=head_vocab)
+
+        # what the draft's head scores, as loaded (a draft checkpoint's own quantized head keeps every row)
+        scored = getattr(getattr(draft_model, "lm_head", None), "vocab", None)
+        self.draft_head_vocab = None if scored is None else len(scored)
 
         bytes_per_token = kv_bytes_per_token(self.config, self.dtype, kv_dtype)
         if draft_model is not None and draft_kind != "layers":

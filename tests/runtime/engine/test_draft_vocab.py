@@ -100,6 +100,15 @@ def test_speculation_over_a_small_draft_vocabulary_keeps_greedy_output(engine_ll
     assert Engine(engine_llama_dir, kv_memory=4 << 20, draft="self:int8").draft_head_vocab is None  # 256: all
 
 
+def test_a_draft_checkpoint_head_is_restricted_and_reported_as_loaded(engine_llama_dir, engine_llama_draft_dir,
+                                                                       frequency_text):
+    spec = Engine(engine_llama_dir, kv_memory=4 << 20, draft=str(engine_llama_draft_dir), draft_vocab=12)
+    head = spec.drafter.model.lm_head
+    assert isinstance(head, RescoredHead) and head.vocab.numel() == 12 == spec.draft_head_vocab
+    layers = Engine(engine_llama_dir, kv_memory=4 << 20, draft="self:layers=1", draft_vocab=12)
+    assert layers.draft_head_vocab is None  # the model's own head: nothing restricted, nothing reported
+
+
 def test_speculative_sampling_over_a_small_draft_vocabulary_keeps_the_distribution(engine_llama_dir, frequency_text):
     engine = Engine(engine_llama_dir, kv_memory=8 << 20, draft="self:int4", num_speculative_tokens=2, draft_vocab=24)
     assert engine.draft_head_vocab == 24
