@@ -279,6 +279,16 @@ class Engine:
     def reset_prefix_cache(self) -> None:
         self.block_manager.reset_prefix_cache()
 
+    def touch_kv(self, sequences: int, tokens: int) -> None:
+        """Fault in the KV pages that `sequences` sequences of `tokens` tokens will write (and a
+        draft model's), so a timed run does not pay first-touch page faults (PagedKVCache.touch)."""
+        size = self.cache.block_size
+        blocks = sequences * (-(-(tokens + self.num_speculative_tokens + 1) // size))
+        self.cache.touch(blocks)
+        draft_cache = getattr(getattr(self.drafter, "runner", None), "cache", None)
+        if draft_cache is not None and draft_cache is not self.cache:
+            draft_cache.touch(blocks)
+
     def stats(self) -> EngineStats:
         bm, s = self.block_manager, self.spec_stats
         return EngineStats(

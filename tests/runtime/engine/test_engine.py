@@ -211,3 +211,34 @@ def test_quantized_kv_cache_is_close_and_smaller(engine_llama_dir, llama_engine,
     ref = [c.token_ids for c in llama_engine.generate(ps, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))]
     agree = sum(a == b for g, r in zip(got, ref) for a, b in zip(g, r)) / sum(map(len, ref))
     assert agree > 0.7
+
+
+def test_touch_kv_keeps_every_bit_and_covers_the_blocks_a_run_writes(engine_llama_dir):
+    """The bench faults in blocks 0..n-1 before timing: that must leave the cache's contents alone
+    (a cached prefix stays valid) and be the blocks a run of that size takes."""
+    engine = Engine(engine_llama_dir, kv_memory=2 << 20)
+    ps = prompts()
+    engine.generate(ps, GREEDY)  # the pool now holds real keys and values
+    before = [t.clone() for t in engine.cache.keys + engine.cache.values]
+    engine.cache.keys[0][0, 0, 0] = -0.0  # a write that must survive bit for bit
+    before[0][0, 0, 0] = -0.0
+    engine.touch_kv(len(ps), max(map(len, ps)) + GREEDY.max_tokens)
+    def bits(t):
+        return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+    for a, b in zip(before, engine.cache.keys + engine.cache.values):
+        assert torch.equal(bits(a), bits(b))
+    size = engine.cache.block_size
+    touched = len(ps) * -(-(max(map(len, ps)) + GREEDY.max_tokens + engine.num_speculative_tokens + 1) // size)
+    used = set()
+    original = engine.block_manager._take_free_block
+
+    def take():
+        block = original()
+        used.add(block)
+        return block
+
+    engine.block_manager._take_free_block = take
+    engine.reset_prefix_cache()
+    engine.generate(ps, GREEDY)
+    assert used and max(used) < touched
