@@ -51,12 +51,13 @@ ROOT = Path(__file__).resolve().parents[1]
 class Case:
     """One comparison: lowbit's quantize format (None: the float model), the GGUF type its exact
     export holds, the checkpoint it shares with other cases (default its own), and extra
-    `lowbit bench` options."""
+    `lowbit bench` and `lowbit quantize` options."""
 
     fmt: str | None
     gguf_type: str
     ckpt: str | None = None
     bench_args: tuple[str, ...] = ()
+    quantize_args: tuple[str, ...] = ()
 
 
 # int4-g64 → Q4_0 is exact too (each 32-block repeats its group's scale); both int4 cases run lowbit's
@@ -65,10 +66,15 @@ class Case:
 # int8 per 32, Q8_0's own arithmetic); int8-a32 the same checkpoint with float32 activations. bf16
 # runs the model with the default activations (bf16 where the CPU has AVX512-BF16: llama.cpp BF16's
 # arithmetic; float32 elsewhere); bf16-a16 the same files with --dense-activations bf16 named (AVX512-BF16
-# only), bf16-a32 with --dense-activations f32 (float32 x, exact products).
+# only), bf16-a32 with --dense-activations f32 (float32 x, exact products). int4-int8head quantizes
+# the (tied) head too, int8 g32 → a Q8_0 token_embd that llama.cpp reads as its output matrix as
+# well (bench/recipes/int4-g32-int8-head.yaml): Gemma-3-270M's bf16 head is 335 MB of a 390 MB step,
+# so with it both tools time mostly one bf16 GEMV.
 CASES = {"int4": Case("int4-g32", "Q4_0"), "int4-g64": Case("int4-g64", "Q4_0"), "int8": Case("int8-g32", "Q8_0"),
          "int8-a32": Case("int8-g32", "Q8_0", ckpt="int8", bench_args=("--int8-activations", "f32")),
          "int4-kv16": Case("int4-g32", "Q4_0", ckpt="int4", bench_args=("--kv-dtype", "bf16")),
+         "int4-int8head": Case("int4-g32", "Q4_0 + Q8_0 head", quantize_args=(
+             "--quantize-head", "--recipe", str(ROOT / "bench" / "recipes" / "int4-g32-int8-head.yaml"))),
          "bf16": Case(None, "BF16"), "bf16-a16": Case(None, "BF16", ckpt="bf16", bench_args=("--dense-activations", "bf16")),
          "bf16-a32": Case(None, "BF16", ckpt="bf16", bench_args=("--dense-activations", "f32"))}
 TOOLS = ("llama-bench", "llama-batched-bench", "llama-perplexity", "llama-server")
@@ -126,7 +132,7 @@ def prepare(model: str, case: str, work: Path) -> tuple[str, Path]:
     else:
         ckpt = str(work / name)
         if not Path(ckpt).is_dir():
-            lowbit("quantize", model, "--format", spec.fmt, "-o", ckpt)
+            lowbit("quantize", model, "--format", spec.fmt, *spec.quantize_args, "-o", ckpt)
     gguf = work / f"{name}.gguf"
     if not gguf.is_file():
         summary = json.loads(lowbit("convert", ckpt, "-o", str(gguf), "--to", "gguf", "--json"))
