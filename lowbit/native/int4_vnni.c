@@ -75,8 +75,8 @@ int lowbit_i4v_available(void) { return HAVE_I4VNNI ? 1 : HAVE_I4AVX2 ? 2 : 0; }
 #define MAXMB 8
 #define TILE_CHUNK(BITS) ((BITS) * 16)    /* bytes of one tile's chunk of 8 k */
 #define STRIDE(BITS) (4 * TILE_CHUNK(BITS)) /* from one chunk of a tile to its next: four tiles interleaved */
-/* How far ahead of a pass's stream to prefetch (PREFETCH_HINT: into L1), 0 for none: the hardware
-   prefetchers alone, which follow the one contiguous stream of a group of four tiles across the
+/* 4-bit codes: how far ahead of a pass's stream to prefetch (PREFETCH_HINT: into L1), 0 for none:
+   the hardware prefetchers alone, which follow the one contiguous stream of a group of four tiles across the
    2 MB pages the engine places weights on (kernels/hugepages.py). On 2 Zen 4 cores, one row, 48
    matrices of the synthetic MoE's expert shapes (117 MB, int4 g32, huge pages, C calls): none
    30 GB/s on one core against 20-21 at 4096 and 22-23 at 16384 into L2 (streaming read 34), 41.5

@@ -223,6 +223,7 @@ def test_touch_kv_keeps_every_bit_and_covers_the_blocks_a_run_writes(engine_llam
     engine.cache.keys[0][0, 0, 0] = -0.0  # a write that must survive bit for bit
     before[0][0, 0, 0] = -0.0
     engine.touch_kv(len(ps), max(map(len, ps)) + GREEDY.max_tokens)
+
     def bits(t):
         return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 
