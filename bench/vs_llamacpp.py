@@ -69,10 +69,12 @@ class Case:
 # only), bf16-a32 with --dense-activations f32 (float32 x, exact products). int4-int8head quantizes
 # the (tied) head too, int8 g32 → a Q8_0 token_embd that llama.cpp reads as its output matrix as
 # well (bench/recipes/int4-g32-int8-head.yaml): Gemma-3-270M's bf16 head is 335 MB of a 390 MB step,
-# so with it both tools time mostly one bf16 GEMV.
+# so with it both tools time mostly one bf16 GEMV. Every checkpoint here is saved in bf16, so lowbit's
+# KV cache is bf16 by default (--kv-dtype auto; llama.cpp's is f16, the same bytes); int4-kv32 runs
+# the int4 checkpoint over a float32 cache (--kv-dtype f32), twice the bytes.
 CASES = {"int4": Case("int4-g32", "Q4_0"), "int4-g64": Case("int4-g64", "Q4_0"), "int8": Case("int8-g32", "Q8_0"),
          "int8-a32": Case("int8-g32", "Q8_0", ckpt="int8", bench_args=("--int8-activations", "f32")),
-         "int4-kv16": Case("int4-g32", "Q4_0", ckpt="int4", bench_args=("--kv-dtype", "bf16")),
+         "int4-kv32": Case("int4-g32", "Q4_0", ckpt="int4", bench_args=("--kv-dtype", "f32")),
          "int4-int8head": Case("int4-g32", "Q4_0 + Q8_0 head", quantize_args=(
              "--quantize-head", "--recipe", str(ROOT / "bench" / "recipes" / "int4-g32-int8-head.yaml"))),
          "bf16": Case(None, "BF16"), "bf16-a16": Case(None, "BF16", ckpt="bf16", bench_args=("--dense-activations", "bf16")),

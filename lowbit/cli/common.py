@@ -23,11 +23,12 @@ if not console.is_terminal:
 # --threads, the same in every command that computes: unset leaves torch's default (one per core).
 THREADS_OPTION = typer.Option(None, "--threads", metavar="N", help="CPU threads for torch (default: torch's, one per core).")
 KV_DTYPE_OPTION = typer.Option(
-    None, "--kv-dtype", metavar="bf16|int8|fp8", show_default=False,
-    help="KV cache storage: bf16 (a float32 model's keys and values rounded to bf16: half the memory and half the "
-    "bytes a long context reads each step, as llama.cpp's default f16 cache; the fused CPU attention reads them "
-    "against float32 queries; KLD ~1.5e-4 on SmolLM2), or int8 / fp8 (quantized, one scale per token and head). "
-    "Default: the model's compute dtype.")
+    None, "--kv-dtype", metavar="auto|f32|bf16|int8|fp8", show_default=False,
+    help="KV cache storage. auto (the default): bf16 for a checkpoint saved in bf16 that runs in float32 on a CPU "
+    "(vLLM's auto is the model's dtype, llama.cpp's cache f16), else the compute dtype. bf16: keys and values "
+    "rounded to bf16 (half the memory and half the bytes a long context reads each step; the fused CPU attention "
+    "reads them against float32 queries; KLD ~1.5e-4 on SmolLM2). f32: the float32 pool (a float32 model). "
+    "int8 / fp8: quantized, one scale per token and head.")
 # the default is runtime/cascade.DEFAULT_RUN (not imported here: it loads torch; a test keeps them equal)
 DRAFT_VOCAB_OPTION = typer.Option(
     None, "--draft-vocab", metavar="N", show_default=False,

@@ -89,7 +89,7 @@ def generate(
         cascade_settings = CascadeSettings(cascade_threshold, exit_confidence, cascade_run)  # checked before loading
         draft = cascade
     if early_exit is not None:
-        if kv_dtype is not None:
+        if kv_dtype not in (None, "auto"):
             raise UsageError("--kv-dtype does not combine with --early-exit (it decodes over a float KV cache)")
         return _generate_early_exit(model, text, params, chat, system, dtype, early_exit, exit_threshold,
                                     exit_confidence, draft, json_out, settings)

@@ -93,6 +93,15 @@ class ModelConfig:
         """Tokens a query of this layer sees (itself included), or None for the whole past."""
         return self.sliding_window if self.layer_types[layer] == SLIDING else None
 
+    @property
+    def stored_dtype(self) -> str | None:
+        """The dtype config.json says the weights were saved in ("bfloat16", "float16", ...), or None."""
+        for key in ("torch_dtype", "dtype"):
+            value = self.raw.get(key)
+            if isinstance(value, str):
+                return value.removeprefix("torch.")
+        return None
+
     def layer_rope(self, layer: int) -> RopeConfig:
         if self.layer_types[layer] == SLIDING and self.rope_local is not None:
             return self.rope_local

@@ -174,7 +174,7 @@ def test_a_negative_draft_vocab_is_one_line(tiny_float_model, run_cli, command):
 def test_an_unknown_kv_dtype_is_one_line_before_loading(tiny_float_model, run_cli, command):
     code, out, err = run_cli([command[0], str(tiny_float_model()), *command[1:], "--kv-dtype", "f8"])
     assert code == 2 and out == "" and err.count("\n") == 1, err
-    assert "unknown KV cache dtype 'f8' (choose from bf16, int8, fp8)" in err
+    assert "unknown KV cache dtype 'f8' (choose from auto, bf16, f32, int8, fp8)" in err
 
 
 def test_serve_builds_its_engine_over_the_kv_dtype(tiny_float_model):

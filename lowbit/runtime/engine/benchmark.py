@@ -173,6 +173,7 @@ def run_bench(engine, batches=(1, 4, 16, 64), prompt_tokens: int = 32, gen_token
         "prefill_first_tok_s": prefill_len / prefill_times[0],
         "weight_bytes": weight_bytes(engine.model),
         "kv_cache_bytes": engine.cache.nbytes,
+        "kv_dtype": str(engine.cache.store_dtype).replace("torch.", "") if engine.cache.kv_dtype != "fp8" else "fp8",
         "kv_blocks": engine.cache.num_blocks,
         "decode": [],
     }

@@ -34,7 +34,7 @@ from lowbit.runtime.engine.engine_model import load_engine_model
 from lowbit.runtime.engine.draft_vocab import check_draft_vocab, draft_vocabulary
 from lowbit.runtime.engine.drafter import LayerPrefixDrafter, ModelDrafter, NgramDrafter, parse_draft
 from lowbit.runtime.engine.model_runner import ModelRunner, PromptLogprob, Work
-from lowbit.runtime.engine.paged_cache import PagedKVCache, kv_bytes_per_token
+from lowbit.runtime.engine.paged_cache import PagedKVCache, kv_bytes_per_token, resolve_kv_dtype
 from lowbit.runtime.engine.sampler import Sampler, _logprobs, _uses_outputs, greedy, nonfinite, process_logits
 from lowbit.runtime.engine.scheduler import Scheduler
 from lowbit.runtime.engine.sequence import SamplingParams, Sequence
@@ -196,6 +196,8 @@ class Engine:
         scored = getattr(getattr(draft_model, "lm_head", None), "vocab", None)
         self.draft_head_vocab = None if scored is None else len(scored)
 
+        # the cache's storage: a bf16 checkpoint's keys and values in bf16 unless asked otherwise
+        self.kv_dtype = kv_dtype = resolve_kv_dtype(kv_dtype, self.dtype, self.device, self.config)
         bytes_per_token = kv_bytes_per_token(self.config, self.dtype, kv_dtype)
         if draft_model is not None and draft_kind != "layers":
             bytes_per_token += kv_bytes_per_token(draft_model.config, self.draft_dtype, None)

@@ -37,13 +37,33 @@ from lowbit.runtime.config import ModelConfig
 from lowbit.runtime.engine import paged_attention as pa
 
 KV_DTYPES = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
-FLOAT_KV_DTYPES = {"bf16": torch.bfloat16}  # a float pool of its own dtype: no scales
+FLOAT_KV_DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}  # a float pool of its own dtype: no scales
+AUTO = "auto"
 
 
 def check_kv_dtype(kv_dtype: str | None) -> None:
     """A one-line usage error for a --kv-dtype this cache does not store."""
-    if kv_dtype is not None and kv_dtype not in KV_DTYPES and kv_dtype not in FLOAT_KV_DTYPES:
-        raise UsageError(f"unknown KV cache dtype '{kv_dtype}' (choose from {', '.join([*FLOAT_KV_DTYPES, *KV_DTYPES])})")
+    if kv_dtype not in (None, AUTO) and kv_dtype not in KV_DTYPES and kv_dtype not in FLOAT_KV_DTYPES:
+        raise UsageError(f"unknown KV cache dtype '{kv_dtype}' "
+                         f"(choose from {', '.join([AUTO, *FLOAT_KV_DTYPES, *KV_DTYPES])})")
+
+
+def resolve_kv_dtype(kv_dtype: str | None, dtype: torch.dtype, device: torch.device, config: ModelConfig) -> str | None:
+    """--kv-dtype as the engine's cache stores it: None (or "auto") is the dtype the checkpoint was
+    saved in where that is bf16 and the model computes in float32 on a CPU, else the compute dtype's
+    own pool (None). vLLM's "auto" is the model's dtype and llama.cpp's default cache is f16: a bf16
+    checkpoint's float32 cache held twice their bytes, and at depth attention reads all of them every
+    step (SmolLM2 int4 beside llama.cpp at 1024 positions: 1.16x with float32 keys and values, 1.41x
+    with bf16; docs/kv-cache.md). Only the CPU's fused attention is measured with a bf16 pool under a
+    float32 model, so elsewhere auto keeps the compute dtype. "f32" asks for the float32 pool."""
+    check_kv_dtype(kv_dtype)
+    if kv_dtype in (None, AUTO):
+        stored_bf16 = config.stored_dtype == "bfloat16"
+        return "bf16" if stored_bf16 and dtype == torch.float32 and torch.device(device).type == "cpu" else None
+    if kv_dtype == "f32" and dtype != torch.float32:
+        raise UsageError(f"--kv-dtype f32 needs a float32 model (--dtype f32); this one computes in "
+                         f"{str(dtype).removeprefix('torch.')}")
+    return kv_dtype
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype, kv_dtype: str | None = None) -> int:

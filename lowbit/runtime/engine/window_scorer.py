@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lowbit.runtime.engine.model_runner import ModelRunner, Work
-from lowbit.runtime.engine.paged_cache import PagedKVCache
+from lowbit.runtime.engine.paged_cache import PagedKVCache, resolve_kv_dtype
 
 BLOCK_SIZE = 16  # the engine's default block (Engine(block_size=16))
 
@@ -24,14 +24,17 @@ class WindowScorer(nn.Module):
     """Calls like CausalLM.forward for one window: (ids [1, T], logits_start) -> logits
     [1, T - logits_start, V] (float32). The window's cache is reused window after window."""
 
-    def __init__(self, model: nn.Module, max_tokens: int):
+    def __init__(self, model: nn.Module, max_tokens: int, kv_dtype: str | None = None):
         super().__init__()
         self.lm = model  # a child: parameters(), modules() and kernel summaries see the model
         self.config = model.config
         num_blocks = -(-max_tokens // BLOCK_SIZE)
         dtype = model.model.norm.weight.dtype  # the compute dtype (as CausalLM.new_cache reads it)
         device = model.model.norm.weight.device
-        self.cache = PagedKVCache(model.config, num_blocks, BLOCK_SIZE, dtype, device)
+        # the engine's cache storage (resolve_kv_dtype: a bf16 checkpoint's keys and values in bf16),
+        # so a window's scores stay the ones generate and serve compute
+        kv_dtype = resolve_kv_dtype(kv_dtype, dtype, device, model.config)
+        self.cache = PagedKVCache(model.config, num_blocks, BLOCK_SIZE, dtype, device, kv_dtype)
         self.runner = ModelRunner(model, self.cache)
         self.block_table = list(range(num_blocks))
 

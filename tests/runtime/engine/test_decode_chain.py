@@ -47,13 +47,13 @@ def _engine(path, quantize: str | None = None, **kw) -> Engine:
 
 
 QUANTIZED = {"int4": "int4-g32", "int8": "int8", "int8-g32": "int8-g32", "int8-w8a8": "int8-g32"}
-KINDS = {"int4": 1, "bf16-stored": 2, "float32": 2, "int8": 3, "int8-g32": 3, "int8-w8a8": 1, "bf16-a16": 2, "kv-bf16": 2}
+KINDS = {"int4": 1, "bf16-stored": 2, "float32": 2, "int8": 3, "int8-g32": 3, "int8-w8a8": 1, "bf16-a16": 2, "kv-f32": 2}
 
 
 @pytest.mark.parametrize("family, weights", [("llama", "bf16-stored"), ("llama", "float32"), ("llama", "int4"),
                                              ("llama", "int8"), ("llama", "int8-g32"), ("llama", "int8-w8a8"),
                                              ("llama", "bf16-a16"), ("gemma3", "bf16-stored"), ("gemma3", "int4"),
-                                             ("gemma3", "bf16-a16"), ("llama", "kv-bf16"), ("gemma3", "kv-bf16")])
+                                             ("gemma3", "bf16-a16"), ("llama", "kv-f32"), ("gemma3", "kv-f32")])
 def test_chained_steps_equal_the_model_forward(tiny_float_model, family, weights, monkeypatch):
     # Gemma-3: (1 + w) norms, q/k norms, post-norms, GeGLU, embedding scale, sliding and global layers
     if weights == "int4" and not cpu_int4dot.available() or weights.startswith("int8") and not cpu_int8.available():
@@ -67,10 +67,12 @@ def test_chained_steps_equal_the_model_forward(tiny_float_model, family, weights
             pytest.skip("no AVX512-BF16 here")
         monkeypatch.setenv("LOWBIT_DENSE_ACTIVATIONS", "bf16")
     path = tiny_float_model(family=family, dtype=torch.float32 if weights == "float32" else torch.bfloat16, layers=3)
-    kw = {"kv_dtype": "bf16"} if weights == "kv-bf16" else {}  # a float32 model over bf16-stored keys and values
+    # a bf16 checkpoint's cache is bf16 by default (keys and values rounded, read against float32
+    # queries); kv-f32 asks for the float32 pool
+    kw = {"kv_dtype": "f32"} if weights == "kv-f32" else {}
     engine = _engine(path, QUANTIZED.get(weights), **kw)
     assert decode_chain.why_not(engine.model, engine.cache) is None
-    assert engine.cache.keys[0].dtype == (torch.bfloat16 if kw else torch.float32)
+    assert engine.cache.keys[0].dtype == (torch.float32 if weights in ("float32", "kv-f32") else torch.bfloat16)
     rows = _checked(engine.runner)
     outs = engine.generate(prompts(4), GREEDY)
     # (quantized: rebuilt after the in-place quantization)
@@ -280,7 +282,7 @@ def _team_checked(chained) -> list[int]:
 
 
 @pytest.mark.parametrize("family, weights", [("llama", "int4"), ("llama", "bf16-a16"), ("llama", "int8-g32"),
-                                             ("llama", "float32"), ("gemma3", "int4"), ("gemma3", "kv-bf16")])
+                                             ("llama", "float32"), ("gemma3", "int4"), ("gemma3", "kv-f32")])
 def test_the_one_region_step_equals_a_region_per_kernel(tiny_float_model, family, weights, monkeypatch, two_threads):
     # native/decode_layers.c run_layers: on 2+ threads a step runs in one OpenMP region, every
     # kernel called as a part (lowbit_native.h); each step, decodes, batched rows and prefill
@@ -292,7 +294,7 @@ def test_the_one_region_step_equals_a_region_per_kernel(tiny_float_model, family
             pytest.skip("no AVX512-BF16 here")
         monkeypatch.setenv("LOWBIT_DENSE_ACTIVATIONS", "bf16")
     path = tiny_float_model(family=family, dtype=torch.float32 if weights == "float32" else torch.bfloat16, layers=3)
-    kw = {"kv_dtype": "bf16"} if weights == "kv-bf16" else {}
+    kw = {"kv_dtype": "f32"} if weights == "kv-f32" else {}  # (a bf16 checkpoint's default pool is bf16)
     engine = _engine(path, QUANTIZED.get(weights), **kw)
     rows = _team_checked(engine.runner.chained)
     engine.generate([p * 3 for p in prompts(4)], GREEDY)  # prefill chunks, then 4 rows a step

@@ -213,6 +213,27 @@ def test_quantized_kv_cache_is_close_and_smaller(engine_llama_dir, llama_engine,
     assert agree > 0.7
 
 
+def test_a_bf16_checkpoint_keeps_its_kv_cache_in_bf16_unless_asked(tiny_float_model):
+    """auto (the default): a checkpoint saved in bf16 and run in float32 stores keys and values in
+    bf16 (vLLM's auto; llama.cpp's f16 cache), half the bytes a token; f32 asks for the float32 pool,
+    which a float32 checkpoint gets anyway; a bf16 model has no float32 pool to ask for."""
+    bf16_ckpt = tiny_float_model(dtype=torch.bfloat16, name="bf16")
+    f32_ckpt = tiny_float_model(dtype=torch.float32, name="f32")
+    auto = Engine(bf16_ckpt, kv_memory=1 << 20)
+    wide = Engine(bf16_ckpt, kv_memory=1 << 20, kv_dtype="f32")
+    assert auto.kv_dtype == "bf16" and auto.cache.keys[0].dtype == torch.bfloat16 and auto.cache.fused_decode
+    assert wide.cache.keys[0].dtype == torch.float32 and wide.cache.kv_dtype is None
+    assert auto.cache.num_blocks in (2 * wide.cache.num_blocks, 2 * wide.cache.num_blocks + 1)
+    assert Engine(bf16_ckpt, kv_memory=1 << 20, kv_dtype="auto").cache.keys[0].dtype == torch.bfloat16
+    assert Engine(f32_ckpt, kv_memory=1 << 20).cache.keys[0].dtype == torch.float32
+    assert Engine(bf16_ckpt, kv_memory=1 << 20, dtype=torch.bfloat16).cache.keys[0].dtype == torch.bfloat16
+    with pytest.raises(UsageError, match="--kv-dtype f32 needs a float32 model"):
+        Engine(bf16_ckpt, kv_memory=1 << 20, dtype=torch.bfloat16, kv_dtype="f32")
+    # both pools decode the same greedy tokens here (a tiny random model; SmolLM2's KLD: docs/kv-cache.md)
+    ps = prompts()
+    assert ([c.token_ids for c in auto.generate(ps, GREEDY)] == [c.token_ids for c in wide.generate(ps, GREEDY)])
+
+
 def test_touch_kv_keeps_every_bit_and_covers_the_blocks_a_run_writes(engine_llama_dir):
     """The bench faults in blocks 0..n-1 before timing: that must leave the cache's contents alone
     (a cached prefix stays valid) and be the blocks a run of that size takes."""
