@@ -200,7 +200,10 @@ class Engine:
         self.kv_dtype = kv_dtype = resolve_kv_dtype(kv_dtype, self.dtype, self.device, self.config)
         bytes_per_token = kv_bytes_per_token(self.config, self.dtype, kv_dtype)
         if draft_model is not None and draft_kind != "layers":
-            bytes_per_token += kv_bytes_per_token(draft_model.config, self.draft_dtype, None)
+            # a draft's own cache by the same rule, whatever --kv-dtype says of the model's (its
+            # precision only moves acceptance; a cascade's cheap model is the checkpoint's own copy)
+            draft_kv = resolve_kv_dtype(None, self.draft_dtype, self.device, draft_model.config)
+            bytes_per_token += kv_bytes_per_token(draft_model.config, self.draft_dtype, draft_kv)
         limit = self.config.max_position_embeddings
         if kv_memory is None:
             # a share of free memory, but no more than max_num_seqs sequences of full length need
@@ -230,7 +233,7 @@ class Engine:
         elif draft_kind == "layers":
             self.drafter = LayerPrefixDrafter(draft_model, self.cache)
         elif draft_model is not None:
-            draft_cache = PagedKVCache(draft_model.config, num_blocks, block_size, self.draft_dtype, self.device)
+            draft_cache = PagedKVCache(draft_model.config, num_blocks, block_size, self.draft_dtype, self.device, draft_kv)
             self.drafter = ModelDrafter(draft_model, draft_cache)
         else:
             self.drafter = None
