@@ -60,6 +60,10 @@ typedef struct {
        sections read them (the same values, converted exactly by vcvtph2ps): a group-32 weight's
        bytes fall by a tenth, 4.5 instead of 5 bits a weight. */
     const uint16_t *scales16;
+    /* x's groups per weight scale group (scales and zeros have G / gps columns): 1, or more where the
+       weight has coarser scales than x is quantized in (a per-channel weight: x rounded per 32, as
+       Q8_0 rounds it, not by one scale over the whole row). The integer sums stay per x group. */
+    int32_t gps;
 } I4VWeight;
 
 /* 1: 4- and 8-bit codes (AVX512-VNNI); 2: 4-bit codes only (AVX2); 0: neither. */
@@ -156,7 +160,7 @@ INLINE void vtiles(const int BITS, const int TT, const int MB, const I4VWeight *
             }
         }
         for (int t = 0; t < TT; t++) {
-            const int64_t at = ((t0 + t) * G + j) * ROWS;
+            const int64_t at = ((t0 + t) * (G / w->gps) + j / w->gps) * ROWS;
             /* float16 scales where exact (the same values, a tenth fewer bytes at group 32) */
             const __m512 s = w->scales16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->scales16 + at)))
                                          : _mm512_loadu_ps(w->scales + at);
@@ -311,7 +315,7 @@ INLINE void vtiles2(const int TT, const int MB, const I4VWeight *w, int64_t t0, 
         }
         for (int t = 0; t < TT; t++)
             for (int h = 0; h < 2; h++) {
-                const int64_t at = ((t0 + t) * G + j) * ROWS + h * HALF;
+                const int64_t at = ((t0 + t) * (G / w->gps) + j / w->gps) * ROWS + h * HALF;
                 const __m256 s = w->scales16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->scales16 + at)))
                                              : _mm256_loadu_ps(w->scales + at);
                 const __m256i z = w->zeros ? _mm256_loadu_si256((const __m256i *)(w->zeros + at)) : _mm256_setzero_si256();

@@ -14,11 +14,12 @@ LABELS = ["int4", "int4-g32", "int4-g64", "int4-asym-g32", "int4-asym-g64", "int
 
 
 def quantize_activations(x: torch.Tensor, qt) -> torch.Tensor:
-    """x as the kernel sees it: per weight group, round_half_even(x * (127 / max|x|)) * (max|x| / 127),
-    each step in float32 exactly as the C code does it."""
+    """x as the kernel sees it: per weight group (per 32 for a per-channel weight, as Q8_0 blocks
+    it), round_half_even(x * (127 / max|x|)) * (max|x| / 127), each step in float32 exactly as the
+    C code does it."""
     k = x.shape[1]
     g = layout.group_scales(qt).group_size
-    g = k if g >= k else g
+    g = 32 if g >= k else g
     out = torch.empty_like(x)
     for k0 in range(0, k, g):
         block = x[:, k0 : k0 + g].float()
@@ -251,7 +252,7 @@ def test_the_avx2_build_gives_the_avx512_bits(label, tmp_path):
     assert avx2.lowbit_i4v_matmul(pw8.params["ref"], torch.randn(1, 64).data_ptr(), 0, 64, 1, y.data_ptr(), 0, 32, 1) == -1
 
 
-@pytest.mark.parametrize("label", ["int4-g32", "int4-asym-g64", "int4"])
+@pytest.mark.parametrize("label", ["int4-g32", "int4-asym-g64", "int4", "int4-channel"])
 def test_avx2_float16_scales_give_the_float32_scales_bits(label, tmp_path):
     # Where every scale is exactly a float16 (RTN's are), the AVX2 build streams them as float16:
     # the same values, so the same outputs bit for bit, from a tenth fewer bytes at group 32.
@@ -275,7 +276,7 @@ def test_avx2_float16_scales_give_the_float32_scales_bits(label, tmp_path):
     structs = [cpu_int4dot.I4VWeightStruct(
         codes.data_ptr(), codes.shape[1] // 4, None if s16 else wide.data_ptr(), None if zeros is None else zeros.data_ptr(),
         70, 576, codes.shape[1] // 256, pw.params["groups"], pw.params["cpg"], int(t["offset"]), 4,
-        half.data_ptr() if s16 else None) for s16 in (False, True)]
+        half.data_ptr() if s16 else None, pw.params["gps"]) for s16 in (False, True)]
     for m in (1, 3, 17):
         x = torch.randn(m, 576)
         ys = []
