@@ -16,13 +16,14 @@ from lowbit.errors import UsageError
 def bench(
     model: str = typer.Argument(..., help="Model: a directory, a demo name (smollm2-135m) or a hub id."),
     draft: Optional[str] = typer.Option(
-        None, "--draft", help="Also measure speculative decoding with 'ngram', 'self:int4', "
-        "'self:layers=N' (the model's first N layers + its head) or a draft model."),
+        None, "--draft", help="Also measure speculative decoding with 'ngram', 'self:FORMAT' (an RTN copy of the "
+        "model: self:int8-g32 drafts best on a CPU), 'self:layers=N' (the model's first N layers + its head) or a "
+        "draft model."),
     num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", help="Draft tokens per step (adapts)."),
     draft_vocab: Optional[int] = DRAFT_VOCAB_OPTION,
     cascade: Optional[str] = typer.Option(
-        None, "--cascade", help="Also measure a token cascade with this cheap model (self:int4, self:layers=N or a "
-        "model with the same tokenizer) at every batch size: speedup, greedy agreement, cheap share."),
+        None, "--cascade", help="Also measure a token cascade with this cheap model (self:FORMAT such as "
+        "self:int8-g32, self:layers=N or a model with the same tokenizer) at every batch size: speedup, greedy agreement, cheap share."),
     cascade_threshold: float = typer.Option(0.9, "--cascade-threshold", help="Cascade confidence (top-1 "
                                             "probability) threshold in [0, 1]."),
     cascade_run: int = CASCADE_RUN_OPTION,

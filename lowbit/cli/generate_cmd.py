@@ -38,8 +38,8 @@ def generate(
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for reproducible sampling."),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable); not included in the output."),
     draft: Optional[str] = typer.Option(
-        None, "--draft", help="Speculative decoding: 'ngram', 'self:int4' (quantized copy), 'self:layers=N' (the "
-        "model's first N layers + its head, sharing the model's KV cache) or a draft model."),
+        None, "--draft", help="Speculative decoding: 'ngram', 'self:FORMAT' (an RTN copy of the model: "
+        "self:int8-g32 drafts best on a CPU), 'self:layers=N' (the model's first N layers + its head, sharing the model's KV cache) or a draft model."),
     num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", help="Draft tokens per step (adapts)."),
     draft_vocab: Optional[int] = DRAFT_VOCAB_OPTION,
     early_exit: Optional[str] = typer.Option(
@@ -50,8 +50,8 @@ def generate(
     exit_confidence: str = typer.Option("top1", "--exit-confidence", help="top1 or margin (top-1 minus top-2); for "
                                         "--early-exit and --cascade."),
     cascade: Optional[str] = typer.Option(
-        None, "--cascade", help="Token cascade: a cheap model (self:int4, self:layers=N, or a model with the same "
-        "tokenizer) generates; where its confidence is not above --cascade-threshold the model takes that token, "
+        None, "--cascade", help="Token cascade: a cheap model (self:FORMAT such as self:int8-g32, self:layers=N, "
+        "or a model with the same tokenizer) generates; where its confidence is not above --cascade-threshold the model takes that token, "
         "catching up on the cheap ones in one pass (approximate; docs/early_exit.md)."),
     cascade_threshold: float = typer.Option(0.9, "--cascade-threshold", help="Cascade confidence threshold in [0, 1] "
                                             "(1 = the model alone)."),
