@@ -147,6 +147,24 @@ def top_indices(logits: torch.Tensor, k: int) -> torch.Tensor:
     return out
 
 
+def rescore(logits: torch.Tensor, top: torch.Tensor, weight: torch.Tensor, x: torch.Tensor,
+            vocab: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> bool:
+    """In place: logits[r, top[r, j]] = x[r] . weight[id] (+ bias[id]) in float32, id = vocab[top]
+    where given (a draft head over part of the vocabulary) else top; False (nothing written) where
+    the C call does not take these tensors (the caller rescores in torch)."""
+    if not (logits_usable(logits) and logits.stride(-1) == 1 and x.dtype is torch.float32 and x.is_contiguous()
+            and weight.dtype in (torch.float32, torch.bfloat16) and weight.is_contiguous() and weight.is_cpu
+            and top.dtype is torch.long and top.is_contiguous() and x.shape == (logits.shape[0], weight.shape[1])
+            and (vocab is None or vocab.dtype is torch.long and vocab.is_contiguous())
+            and (bias is None or bias.dtype is torch.float32 and bias.is_contiguous())):
+        return False
+    _check(_lib().lowbit_rescore_rows(logits.data_ptr(), logits.stride(0), logits.shape[0], top.data_ptr(), top.shape[1],
+                                      None if vocab is None else vocab.data_ptr(), weight.data_ptr(),
+                                      int(weight.dtype is torch.bfloat16), weight.shape[1], x.data_ptr(), x.shape[1],
+                                      None if bias is None else bias.data_ptr()), "lowbit_rescore_rows")
+    return True
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """torch.argmax(logits, dim=-1) of finite `logits_usable` rows (the first index among ties),
     about twenty times faster on a 49152-logit row."""

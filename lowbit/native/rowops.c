@@ -322,3 +322,38 @@ int lowbit_top_rows(const float *x, int64_t ld, int64_t rows, int64_t n, int64_t
     }
     return 0;
 }
+
+/* A draft head's rescoring (RescoredHead): each row's k candidates idx [rows, k] (columns of y)
+   get y[r, c] = dot(x[r], w[vocab ? vocab[c] : c]) + (bias ? bias[id] : 0) in float32, w's rows
+   float32 (w_bf16 = 0) or bf16 (1, widened exactly), K long, contiguous. One call instead of a
+   gather, a batched matmul and a scatter in torch (~0.12 ms a draft step on SmolLM2's 16 candidates
+   of 576; this loop takes a few microseconds). Eight partial sums in a fixed order: the same bits
+   for a row whatever the other rows are. */
+int lowbit_rescore_rows(float *y, int64_t ldy, int64_t rows, const int64_t *idx, int64_t k, const int64_t *vocab,
+                        const void *w, int w_bf16, int64_t K, const float *x, int64_t ldx, const float *bias) {
+    if (rows < 0 || k < 0 || K <= 0) return 1;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * ldx;
+        for (int64_t j = 0; j < k; j++) {
+            const int64_t c = idx[r * k + j];
+            const int64_t id = vocab ? vocab[c] : c;
+            float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            if (w_bf16) {
+                const uint16_t *wr = (const uint16_t *)w + id * K;
+                for (int64_t i = 0; i < K; i++) {
+                    const uint32_t bits = (uint32_t)wr[i] << 16;
+                    float v;
+                    memcpy(&v, &bits, 4);
+                    part[i & 7] += v * xr[i];
+                }
+            } else {
+                const float *wr = (const float *)w + id * K;
+                for (int64_t i = 0; i < K; i++) part[i & 7] += wr[i] * xr[i];
+            }
+            float s = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+            if (bias) s += bias[id];
+            y[r * ldy + c] = s;
+        }
+    }
+    return 0;
+}

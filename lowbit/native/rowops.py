@@ -1,5 +1,5 @@
 """ctypes bindings of native/rowops.c: RMSNorm, residual add + RMSNorm and act(gate) * up, one
-call per op, and the logit rows' argmax, finiteness and top-k indices (kernels/cpu_rowops.py)."""
+call per op, and the logit rows' argmax, finiteness and top-k indices, and a draft head's rescoring (kernels/cpu_rowops.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ SIGNATURES = {
     "lowbit_act_mul": [P, I64, P, I64, I64, I64, INT, INT, P, I64, INT],
     "lowbit_logit_rows": [P, I64, I64, I64, P],
     "lowbit_top_rows": [P, I64, I64, I64, I64, P],
+    "lowbit_rescore_rows": [P, I64, I64, P, I64, P, P, INT, I64, P, I64, P],
 }
 
 library = build.binding("rowops", SIGNATURES)

@@ -49,11 +49,13 @@ class RescoredHead(nn.Module):
         flat = y.view(-1, y.shape[-1])
         xs = x.reshape(-1, x.shape[-1]).float()
         top = self._top(flat, min(self.TOP, flat.shape[-1]))
-        ids = top if self.vocab is None else self.vocab[top]
-        exact = torch.bmm(self.exact[ids].float(), xs[:, :, None])[:, :, 0]  # [M, TOP]
-        if self.bias is not None:
-            exact = exact + self.bias.float()[ids]
-        flat.scatter_(1, top, exact.to(flat.dtype))
+        xs = xs.contiguous()
+        if not cpu_rowops.rescore(flat, top, self.exact, xs, self.vocab, self.bias):  # one C call where it can
+            ids = top if self.vocab is None else self.vocab[top]
+            exact = torch.bmm(self.exact[ids].float(), xs[:, :, None])[:, :, 0]  # [M, TOP]
+            if self.bias is not None:
+                exact = exact + self.bias.float()[ids]
+            flat.scatter_(1, top, exact.to(flat.dtype))
         if self.vocab is None:
             return y
         # every token's column, -inf outside the vocabulary: samplers and the rejection rule see a

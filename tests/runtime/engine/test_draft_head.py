@@ -57,3 +57,34 @@ def test_a_bad_draft_head_format_names_the_variable(monkeypatch):
     model.lm_head = nn.Linear(64, 300, bias=False)
     with pytest.raises(UsageError, match=r"draft head format \(LOWBIT_DRAFT_HEAD\): unknown format 'bogus'"):
         draft_models.quantize_draft_head_(model, "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_vocab", [False, True])
+def test_the_c_rescoring_matches_the_torch_rescoring(dtype, with_vocab, monkeypatch):
+    # one C call (cpu_rowops.rescore) replaces gather + bmm + scatter: the same candidates, values
+    # within float32 rounding of the torch ones, the float64 dot products' order kept
+    from lowbit.kernels import cpu_rowops
+
+    torch.manual_seed(1)
+    w = torch.randn(3000, 160).to(dtype)
+    bias = torch.randn(3000)
+    vocab = torch.sort(torch.randperm(3000)[:1200]).values if with_vocab else None
+    head = _draft_head(w, bias, "cpu", "int4-g32", vocab)
+    x = torch.randn(5, 160)
+    calls = []
+    real = cpu_rowops.rescore
+    monkeypatch.setattr(cpu_rowops, "rescore", lambda *a: calls.append(real(*a)) or calls[-1])
+    got = head(x)
+    assert calls == [True]  # the C call took them
+    monkeypatch.setattr(cpu_rowops, "rescore", lambda *a: False)
+    want = head(x)
+    finite = want.isfinite()
+    assert torch.equal(finite, got.isfinite())
+    assert (got[finite] - want[finite]).abs().max() <= 1e-5 * want[finite].abs().max()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    ids = torch.arange(3000) if vocab is None else vocab
+    ref = (x.double() @ w.double()[ids].T + bias.double()[ids])
+    top = got[:, ids].double()
+    rescored = (top - ref).abs() < 1e-4 * ref.abs().max()  # the 16 candidates of each row at least
+    assert (rescored.sum(-1) >= RescoredHead.TOP).all()
