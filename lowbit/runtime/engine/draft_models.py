@@ -47,9 +47,8 @@ class RescoredHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.fast(x)
         flat = y.view(-1, y.shape[-1])
-        xs = x.reshape(-1, x.shape[-1]).float()
+        xs = x.reshape(-1, x.shape[-1]).float().contiguous()
         top = self._top(flat, min(self.TOP, flat.shape[-1]))
-        xs = xs.contiguous()
         if not cpu_rowops.rescore(flat, top, self.exact, xs, self.vocab, self.bias):  # one C call where it can
             ids = top if self.vocab is None else self.vocab[top]
             exact = torch.bmm(self.exact[ids].float(), xs[:, :, None])[:, :, 0]  # [M, TOP]

@@ -24,7 +24,7 @@ class WindowScorer(nn.Module):
     """Calls like CausalLM.forward for one window: (ids [1, T], logits_start) -> logits
     [1, T - logits_start, V] (float32). The window's cache is reused window after window."""
 
-    def __init__(self, model: nn.Module, max_tokens: int, kv_dtype: str | None = None):
+    def __init__(self, model: nn.Module, max_tokens: int):
         super().__init__()
         self.lm = model  # a child: parameters(), modules() and kernel summaries see the model
         self.config = model.config
@@ -33,7 +33,7 @@ class WindowScorer(nn.Module):
         device = model.model.norm.weight.device
         # the engine's cache storage (resolve_kv_dtype: a bf16 checkpoint's keys and values in bf16),
         # so a window's scores stay the ones generate and serve compute
-        kv_dtype = resolve_kv_dtype(kv_dtype, dtype, device, model.config)
+        kv_dtype = resolve_kv_dtype(None, dtype, device, model.config)
         self.cache = PagedKVCache(model.config, num_blocks, BLOCK_SIZE, dtype, device, kv_dtype)
         self.runner = ModelRunner(model, self.cache)
         self.block_table = list(range(num_blocks))

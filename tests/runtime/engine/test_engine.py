@@ -231,7 +231,7 @@ def test_a_bf16_checkpoint_keeps_its_kv_cache_in_bf16_unless_asked(tiny_float_mo
         Engine(bf16_ckpt, kv_memory=1 << 20, dtype=torch.bfloat16, kv_dtype="f32")
     # both pools decode the same greedy tokens here (a tiny random model; SmolLM2's KLD: docs/kv-cache.md)
     ps = prompts()
-    assert ([c.token_ids for c in auto.generate(ps, GREEDY)] == [c.token_ids for c in wide.generate(ps, GREEDY)])
+    assert [c.token_ids for c in auto.generate(ps, GREEDY)] == [c.token_ids for c in wide.generate(ps, GREEDY)]
 
 
 def test_touch_kv_keeps_every_bit_and_covers_the_blocks_a_run_writes(engine_llama_dir):
