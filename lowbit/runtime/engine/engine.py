@@ -199,9 +199,11 @@ class Engine:
         # the cache's storage: a bf16 checkpoint's keys and values in bf16 unless asked otherwise
         self.kv_dtype = kv_dtype = resolve_kv_dtype(kv_dtype, self.dtype, self.device, self.config)
         bytes_per_token = kv_bytes_per_token(self.config, self.dtype, kv_dtype)
+        # a draft model's own cache dtype (a layer prefix shares the model's cache), by the same
+        # rule whatever --kv-dtype says of the model's (its precision only moves acceptance; a
+        # cascade's cheap model is the checkpoint's own copy)
+        draft_kv = None
         if draft_model is not None and draft_kind != "layers":
-            # a draft's own cache by the same rule, whatever --kv-dtype says of the model's (its
-            # precision only moves acceptance; a cascade's cheap model is the checkpoint's own copy)
             draft_kv = resolve_kv_dtype(None, self.draft_dtype, self.device, draft_model.config)
             bytes_per_token += kv_bytes_per_token(draft_model.config, self.draft_dtype, draft_kv)
         limit = self.config.max_position_embeddings
