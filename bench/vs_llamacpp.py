@@ -8,7 +8,12 @@ then `llama-bench -p 512 -n 128` with `llama-batched-bench -npp 8 -ntg 128 -npl 
 decoding at once: its S_TG) and `lowbit bench` (prefill 512, decode 128 at batch 1 and of 16
 sequences, 8-token prompts) run alternately `--pairs` times with the same thread count. Reported: the medians
 and the median of the paired ratios (this VM drifts 10-20 % between runs, so pairs are compared
-minutes apart, not hours).
+minutes apart, not hours). Each side's batch-1 decode is also set against the streaming read
+measured around it (`lowbit bench` measures its own; this script measures llama.cpp's just before
+and after its llama-bench, the same way): "÷ roofline" is a token's time over (bytes a token reads ÷
+that bandwidth) for each tool, and the "at equal bandwidth" ratio divides each pair's tok/s by its
+own side's bandwidth first, which shows which tool uses the memory better when the VM's bandwidth
+moved between the two halves of a pair (the plain ratio stays the measure the targets name).
 
 llama.cpp is built once from the llama-cpp-python sdist on PyPI (its vendor/llama.cpp) into
 $LOWBIT_HOME/llamacpp, with cmake and a C++ compiler (Debian's). Not part of CI: the download and
@@ -162,6 +167,54 @@ def run_llama_batched(binary: Path, gguf: Path, threads: int, sequences: int = 1
     return rows[-1]["speed_tg"]
 
 
+def stream_gbs(threads: int) -> float:
+    """The streaming read `lowbit bench` measures (the best of five sums of 256 MB), here, with the
+    peers' thread count: the bandwidth llama.cpp's half of a pair met."""
+    import torch
+
+    from lowbit.runtime.engine.benchmark import stream_bandwidth_gbs
+
+    torch.set_num_threads(threads)
+    return stream_bandwidth_gbs(torch.device("cpu"))
+
+
+def run_llama_pair_half(binary: Path, gguf: Path, threads: int) -> dict:
+    """llama.cpp's half of a pair: llama-bench and llama-batched-bench, with the streaming read
+    measured just before and just after llama-bench (their mean)."""
+    before = stream_gbs(threads)
+    theirs = run_llama_bench(binary, gguf, threads)
+    theirs["stream_bandwidth_gbs"] = (before + stream_gbs(threads)) / 2
+    theirs["decode16_tok_s"] = run_llama_batched(binary.parent / "llama-batched-bench", gguf, threads)
+    return theirs
+
+
+def summarize_case(case: str, pairs: list[tuple[dict, dict]], gguf_bytes: int) -> dict:
+    """One case's row from its (lowbit, llama.cpp) pairs: medians, the median paired ratio, each
+    tool's decode over its roofline (the bytes a token reads, lowbit's count of the same weights,
+    over the median of that tool's own bandwidth measurements) and the paired ratio at equal
+    bandwidth (each side's tok/s per GB/s of its own measurement)."""
+    med = lambda key, side: statistics.median(p[side][key] for p in pairs)  # noqa: E731
+    ratio = lambda key: statistics.median(p[0][key] / p[1][key] for p in pairs)  # noqa: E731
+    token_bytes = pairs[0][0]["decode_weight_bytes"]
+    roofline = lambda side: (1 / med("decode_tok_s", side)) / (token_bytes / (med("stream_bandwidth_gbs", side) * 1e9))  # noqa: E731
+    row = {
+        "case": case, "gguf_type": CASES[case].gguf_type, "lowbit_args": list(CASES[case].bench_args), "gguf_bytes": gguf_bytes,
+        "decode_tok_s": {"lowbit": med("decode_tok_s", 0), "llama.cpp": med("decode_tok_s", 1), "ratio": ratio("decode_tok_s")},
+        "prefill_tok_s": {"lowbit": med("prefill_tok_s", 0), "llama.cpp": med("prefill_tok_s", 1), "ratio": ratio("prefill_tok_s")},
+        "decode16_tok_s": med("decode16_tok_s", 0),
+        "decode16": {"lowbit": med("decode16_tok_s", 0), "llama.cpp": med("decode16_tok_s", 1), "ratio": ratio("decode16_tok_s")},
+        # s per token at the streaming bandwidth: the median of the pairs' own measurements (one
+        # measurement swung 34-55 GB/s within a run on a VM)
+        "decode_vs_roofline": roofline(0),
+        "pairs": [{"lowbit": o, "llama.cpp": t} for o, t in pairs],
+    }
+    if all("stream_bandwidth_gbs" in t for _, t in pairs):  # older results lack llama.cpp's measurement
+        row["llama_cpp_decode_vs_roofline"] = roofline(1)
+        row["decode_ratio_at_equal_bandwidth"] = statistics.median(
+            (o["decode_tok_s"] / o["stream_bandwidth_gbs"]) / (t["decode_tok_s"] / t["stream_bandwidth_gbs"]) for o, t in pairs)
+    return row
+
+
 def run_lowbit_bench(ckpt: str, threads: int, extra: tuple[str, ...] = ()) -> dict:
     out = json.loads(lowbit("bench", ckpt, "--batches", "1,16", "--prompt-tokens", "8", "--gen-tokens", "128",
                             "--prefill-tokens", "512", "--threads", str(threads), *extra, "--json"))
@@ -241,31 +294,14 @@ def main() -> None:
         ckpt, gguf = prepare(args.model, case, work)
         pairs = []
         for i in range(args.pairs):
-            theirs = run_llama_bench(binary, gguf, args.threads)
-            theirs["decode16_tok_s"] = run_llama_batched(binary.parent / "llama-batched-bench", gguf, args.threads)
+            theirs = run_llama_pair_half(binary, gguf, args.threads)
             ours = run_lowbit_bench(ckpt, args.threads, CASES[case].bench_args)
             pairs.append((ours, theirs))
-            log(f"{case} pair {i + 1}: decode {ours['decode_tok_s']:.1f} vs {theirs['decode_tok_s']:.1f} tok/s, "
+            log(f"{case} pair {i + 1}: decode {ours['decode_tok_s']:.1f} vs {theirs['decode_tok_s']:.1f} tok/s "
+                f"(streaming {ours['stream_bandwidth_gbs']:.0f} vs {theirs['stream_bandwidth_gbs']:.0f} GB/s), "
                 f"prefill {ours['prefill_tok_s']:.0f} vs {theirs['prefill_tok_s']:.0f} tok/s, "
                 f"16 sequences {ours['decode16_tok_s']:.0f} vs {theirs['decode16_tok_s']:.0f} tok/s")
-        med = lambda key, side: statistics.median(p[side][key] for p in pairs)  # noqa: E731
-        ratio = lambda key: statistics.median(p[0][key] / p[1][key] for p in pairs)  # noqa: E731
-        # s per token at the streaming bandwidth: the median of the pairs' own measurements (one
-        # measurement swung 34-55 GB/s within a run on a VM)
-        bandwidth = med("stream_bandwidth_gbs", 0)
-        roofline = pairs[0][0]["decode_weight_bytes"] / (bandwidth * 1e9)
-        rows.append({
-            "case": case, "gguf_type": CASES[case].gguf_type, "lowbit_args": list(CASES[case].bench_args), "gguf_bytes": gguf.stat().st_size,
-            "decode_tok_s": {"lowbit": med("decode_tok_s", 0), "llama.cpp": med("decode_tok_s", 1),
-                             "ratio": ratio("decode_tok_s")},
-            "prefill_tok_s": {"lowbit": med("prefill_tok_s", 0), "llama.cpp": med("prefill_tok_s", 1),
-                              "ratio": ratio("prefill_tok_s")},
-            "decode16_tok_s": med("decode16_tok_s", 0),
-            "decode16": {"lowbit": med("decode16_tok_s", 0), "llama.cpp": med("decode16_tok_s", 1),
-                         "ratio": ratio("decode16_tok_s")},
-            "decode_vs_roofline": (1 / med("decode_tok_s", 0)) / roofline,
-            "pairs": [{"lowbit": o, "llama.cpp": t} for o, t in pairs],
-        })
+        rows.append(summarize_case(case, pairs, gguf.stat().st_size))
     stamp = time.strftime("%Y-%m-%d %H:%M")
     for row in rows:
         row["date"] = stamp
@@ -281,14 +317,15 @@ def main() -> None:
     if save_results(path, result, args.json):
         return
     print(f"{args.model}, {args.threads} threads, {args.pairs} alternated pairs, {result['machine']}")
-    print("| case | GGUF | decode b1 lowbit | llama.cpp | ratio | prefill 512 lowbit | llama.cpp | ratio | "
-          "16 sequences lowbit | llama.cpp | ratio | decode ÷ roofline |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| case | GGUF | decode b1 lowbit | llama.cpp | ratio | at equal bandwidth | prefill 512 lowbit | llama.cpp | "
+          "ratio | 16 sequences lowbit | llama.cpp | ratio | decode ÷ roofline: lowbit | llama.cpp |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         d, p, b = r["decode_tok_s"], r["prefill_tok_s"], r["decode16"]
         print(f"| {r['case']} | {r['gguf_type']} | {d['lowbit']:.1f} | {d['llama.cpp']:.1f} | {d['ratio']:.2f}× | "
-              f"{p['lowbit']:.0f} | {p['llama.cpp']:.0f} | {p['ratio']:.2f}× | {b['lowbit']:.0f} | {b['llama.cpp']:.0f} | "
-              f"{b['ratio']:.2f}× | {r['decode_vs_roofline']:.2f} |")
+              f"{r['decode_ratio_at_equal_bandwidth']:.2f}× | {p['lowbit']:.0f} | {p['llama.cpp']:.0f} | {p['ratio']:.2f}× | "
+              f"{b['lowbit']:.0f} | {b['llama.cpp']:.0f} | {b['ratio']:.2f}× | {r['decode_vs_roofline']:.2f} | "
+              f"{r['llama_cpp_decode_vs_roofline']:.2f} |")
 
 
 def _results_file(model: str, stem: str = "vs_llamacpp") -> Path:

@@ -62,3 +62,20 @@ def test_an_inexact_export_is_refused(vs, tmp_path, monkeypatch):
     monkeypatch.setattr(vs, "lowbit", lambda *a, capture=True: json.dumps({"exact": False}) if a[0] == "convert" else "")
     with pytest.raises(SystemExit, match="not exact"):
         vs.prepare("smollm2-135m", "bf16", tmp_path)
+
+
+def test_a_case_row_sets_each_tool_against_its_own_bandwidth(vs):
+    # 1 GB a token; lowbit 40 tok/s at 50 GB/s (25 ms against a 20 ms roofline), llama.cpp 30 tok/s
+    # at 30 GB/s (33.3 ms against 33.3): lowbit is 1.33x faster, 0.8x at equal bandwidth
+    ours = {"decode_tok_s": 40.0, "prefill_tok_s": 100.0, "decode16_tok_s": 400.0, "decode_weight_bytes": 10**9,
+            "stream_bandwidth_gbs": 50.0}
+    theirs = {"decode_tok_s": 30.0, "prefill_tok_s": 50.0, "decode16_tok_s": 200.0, "stream_bandwidth_gbs": 30.0}
+    row = vs.summarize_case("int4", [(ours, theirs)] * 3, 123)
+    assert row["decode_tok_s"]["ratio"] == pytest.approx(4 / 3)
+    assert row["decode_vs_roofline"] == pytest.approx(1.25)
+    assert row["llama_cpp_decode_vs_roofline"] == pytest.approx(1.0)
+    assert row["decode_ratio_at_equal_bandwidth"] == pytest.approx(0.8)
+    assert row["prefill_tok_s"]["ratio"] == 2.0 and row["decode16"]["ratio"] == 2.0 and row["gguf_bytes"] == 123
+    # pairs from before llama.cpp's bandwidth was measured: no such fields, the rest the same
+    old = vs.summarize_case("int4", [(ours, {k: v for k, v in theirs.items() if k != "stream_bandwidth_gbs"})], 123)
+    assert "llama_cpp_decode_vs_roofline" not in old and old["decode_vs_roofline"] == pytest.approx(1.25)
