@@ -16,7 +16,8 @@ source did not build. Each C file has its binding module beside it (`lut_gemv.py
 A source that does not build (no compiler, a compile error, not an x86-64 machine) turns off only
 the paths that need it (`SOURCES` says which); lowbit then runs torch or the reference instead, and
 says so once per process in one line on stderr. The compiler's full output is kept beside the
-cache (`lib<name>_<key>.log`). `LOWBIT_NO_NATIVE=1` turns every C path off, silently.
+cache (`lib<name>_<key>.log`). `LOWBIT_NO_NATIVE=1` turns every C path off, silently. Each process
+loads a private copy of the library (`_load`: the cached file's own pages ran slower on a VM).
 `report()` says, per source, whether it built and why not.
 """
 
@@ -41,6 +42,7 @@ from lowbit.paths import lowbit_home
 SOURCE_DIR = Path(__file__).parent
 HEADER = "lowbit_native.h"
 NO_NATIVE_ENV = "LOWBIT_NO_NATIVE"
+SHARED_ENV = "LOWBIT_NATIVE_SHARED"  # 1: load the cached library file itself (see _load)
 
 # Each C source (without .c) and the fast paths that are off without it.
 SOURCES: dict[str, str] = {
@@ -85,6 +87,7 @@ class BuildError(Exception):
 _lock = threading.RLock()
 _outcomes: dict[tuple[str, bool], tuple[ctypes.CDLL | None, str, str]] = {}  # (lib, path, reason)
 _bound: dict[tuple[str, bool], ctypes.CDLL | None] = {}
+_private_fds: list[int] = []  # the memfds the loaded private copies came from (_load)
 _warned: set[bool] = set()
 
 
@@ -187,6 +190,36 @@ def _compile(name: str, portable: bool, cc: list[str], target: Path) -> Path:
     return target
 
 
+def _load(path: Path) -> ctypes.CDLL:
+    """The library at `path`, loaded from a private copy in anonymous memory (a memfd) where Linux
+    offers one, else from the file itself (and with LOWBIT_NATIVE_SHARED=1).
+
+    Why a copy: on the 2-core VMs lowbit is benchmarked on, the cached library's own file ran its
+    kernels 15-45 % slower than a byte-identical copy of it (Gemma-3-270M int4 decode 61-74 against
+    80-108 tok/s, SmolLM2 int4 214-225 against 242-268, processes alternated; the bf16 head alone
+    10-13 against 9 ms in one process), and the slowness followed the file's pages, not the code:
+    a fresh file written from the same bytes, or a memfd holding them, ran fast (docs/kernels.md).
+    A copy costs ~100 KB of memory per library and a copy of its bytes per process."""
+    if os.environ.get(SHARED_ENV) != "1" and hasattr(os, "memfd_create"):
+        try:
+            fd = os.memfd_create(path.name)
+        except OSError:
+            fd = -1
+        if fd >= 0:
+            try:
+                os.write(fd, path.read_bytes())
+                lib = ctypes.CDLL(f"/proc/self/fd/{fd}")
+            except OSError:  # no /proc, or a loader that refuses it: the file itself below
+                os.close(fd)
+            else:
+                # kept open: the loader knows a library by its path, and a closed fd's number (so
+                # its /proc path) would come back for the next library, which it would then take
+                # for this one
+                _private_fds.append(fd)
+                return lib
+    return ctypes.CDLL(str(path))
+
+
 def _outcome(name: str, portable: bool) -> tuple[ctypes.CDLL | None, str, str]:
     """(loaded library or None, its path or "", reason or ""), decided once per process."""
     key = (name, portable)
@@ -194,7 +227,7 @@ def _outcome(name: str, portable: bool) -> tuple[ctypes.CDLL | None, str, str]:
         if key not in _outcomes:
             try:
                 path = build(name, portable)
-                _outcomes[key] = (ctypes.CDLL(str(path)), str(path), "")
+                _outcomes[key] = (_load(path), str(path), "")
             except BuildError as e:
                 _outcomes[key] = (None, "", str(e))
             except OSError as e:  # built, but the loader refused it

@@ -99,6 +99,35 @@ def test_each_source_is_its_own_library_under_its_own_key(fresh, monkeypatch):
     assert all(build.cache_key(name) != key for name, key in before.items())
 
 
+def _mapped_from(lib_name: str) -> set[str]:
+    """What this process maps the library `lib_name` (lib<name>_<key>.so) from."""
+    return {" ".join(line.split()[5:]) for line in Path("/proc/self/maps").read_text().splitlines() if lib_name in line}
+
+
+@needs_compiler
+@pytest.mark.skipif(not hasattr(os, "memfd_create") or not Path("/proc/self/maps").exists(), reason="Linux only")
+def test_a_library_runs_from_a_private_copy_unless_asked_for_the_file(fresh, monkeypatch):
+    _, cache = fresh
+    monkeypatch.delenv(build.SHARED_ENV, raising=False)
+    lib = build.library("scale_search", scale_search.SIGNATURES)
+    name = build.library_path("scale_search").name
+    # the bytes of the cached file, mapped from an anonymous copy (a memfd), not from the file
+    mapped = _mapped_from(name)
+    assert f"/memfd:{name} (deleted)" in mapped and str(cache / name) not in mapped
+    assert Path(lib._name).read_bytes() == (cache / name).read_bytes()
+    # a second library gets its own copy, not the first one's (the loader knows each by its path)
+    other = build.library("gptq_columns", {})
+    assert hasattr(other, "lowbit_gptq_int_block") and not hasattr(other, "lowbit_int_scale_errors")
+    assert lib._name != other._name
+    # LOWBIT_NATIVE_SHARED=1 loads the cached file itself
+    monkeypatch.setattr(build, "_outcomes", {})
+    monkeypatch.setattr(build, "_bound", {})
+    monkeypatch.setenv(build.SHARED_ENV, "1")
+    shared = build.library("f32_dot", {})
+    assert shared._name == str(build.library_path("f32_dot"))
+    assert str(build.library_path("f32_dot")) in _mapped_from(build.library_path("f32_dot").name)
+
+
 @needs_compiler
 def test_a_source_that_does_not_compile_turns_off_its_paths_only(fresh, tmp_path, monkeypatch, capsys):
     _, cache = fresh
