@@ -40,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,9 +149,20 @@ def prepare(model: str, case: str, work: Path) -> tuple[str, Path]:
     return ckpt, gguf
 
 
+def run_llama(binary: Path, args: list[str]) -> subprocess.CompletedProcess:
+    """One llama.cpp tool run from a fresh copy of its build folder (the binary and its shared
+    libraries, found first through LD_LIBRARY_PATH): lowbit loads a private copy of each kernel
+    library per process (native/build.py `_load`; this VM ran code from long-lived library files
+    slower), so llama.cpp gets the same."""
+    with tempfile.TemporaryDirectory(prefix="llama-bin-") as tmp:
+        fresh = Path(tmp) / "bin"
+        shutil.copytree(binary.parent, fresh, symlinks=True)
+        env = {**os.environ, "LD_LIBRARY_PATH": f"{fresh}:{os.environ.get('LD_LIBRARY_PATH', '')}".rstrip(":")}
+        return subprocess.run([str(fresh / binary.name), *args], capture_output=True, text=True, check=True, env=env)
+
+
 def run_llama_bench(binary: Path, gguf: Path, threads: int) -> dict:
-    done = subprocess.run([str(binary), "-m", str(gguf), "-p", "512", "-n", "128", "-t", str(threads), "-r", "3",
-                           "-o", "json"], capture_output=True, text=True, check=True)
+    done = run_llama(binary, ["-m", str(gguf), "-p", "512", "-n", "128", "-t", str(threads), "-r", "3", "-o", "json"])
     rows = json.loads(done.stdout)
     prefill = next(r for r in rows if r["n_prompt"] > 0 and r["n_gen"] == 0)
     decode = next(r for r in rows if r["n_gen"] > 0 and r["n_prompt"] == 0)
@@ -160,9 +172,8 @@ def run_llama_bench(binary: Path, gguf: Path, threads: int) -> dict:
 def run_llama_batched(binary: Path, gguf: Path, threads: int, sequences: int = 16) -> float:
     """llama.cpp's decode tok/s with `sequences` sequences at once, as `lowbit bench --batches 16` runs
     them (8-token prompts, 128 tokens each): llama-batched-bench's S_TG."""
-    done = subprocess.run([str(binary), "-m", str(gguf), "-c", "4096", "-b", "2048", "-ub", "512", "-npp", "8",
-                           "-ntg", "128", "-npl", str(sequences), "-t", str(threads), "--output-format", "jsonl"],
-                          capture_output=True, text=True, check=True)
+    done = run_llama(binary, ["-m", str(gguf), "-c", "4096", "-b", "2048", "-ub", "512", "-npp", "8", "-ntg", "128",
+                              "-npl", str(sequences), "-t", str(threads), "--output-format", "jsonl"])
     rows = [json.loads(line) for line in (done.stdout + done.stderr).splitlines() if line.startswith('{"n_kv_max"')]
     return rows[-1]["speed_tg"]
 
@@ -227,8 +238,8 @@ DEPTH_TOKENS = 64
 
 
 def llama_at_depths(binary: Path, gguf: Path, threads: int, depths: list[int]) -> dict[int, float]:
-    done = subprocess.run([str(binary), "-m", str(gguf), "-p", "0", "-n", str(DEPTH_TOKENS), "-d", ",".join(map(str, depths)),
-                           "-t", str(threads), "-r", "3", "-o", "json"], capture_output=True, text=True, check=True)
+    done = run_llama(binary, ["-m", str(gguf), "-p", "0", "-n", str(DEPTH_TOKENS), "-d", ",".join(map(str, depths)),
+                              "-t", str(threads), "-r", "3", "-o", "json"])
     return {int(r["n_depth"]): r["avg_ts"] for r in json.loads(done.stdout) if r["n_gen"] > 0}
 
 

@@ -79,3 +79,19 @@ def test_a_case_row_sets_each_tool_against_its_own_bandwidth(vs):
     # pairs from before llama.cpp's bandwidth was measured: no such fields, the rest the same
     old = vs.summarize_case("int4", [(ours, {k: v for k, v in theirs.items() if k != "stream_bandwidth_gbs"})], 123)
     assert "llama_cpp_decode_vs_roofline" not in old and old["decode_vs_roofline"] == pytest.approx(1.25)
+
+
+def test_llama_cpp_runs_from_a_fresh_copy_of_its_build_folder(vs, tmp_path):
+    # a stand-in tool that prints where it runs from and where its libraries are looked up first
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "libggml.so.0").write_bytes(b"library bytes\n")
+    (bin_dir / "libggml.so").symlink_to("libggml.so.0")
+    tool = bin_dir / "llama-bench"
+    tool.write_text('#!/bin/sh\necho "$0"\necho "$LD_LIBRARY_PATH"\ncat "$(dirname "$0")/libggml.so"\necho "$@"\n')
+    tool.chmod(0o755)
+    ran_from, lib_path, lib_bytes, args = vs.run_llama(tool, ["-m", "x.gguf"]).stdout.splitlines()
+    copy = Path(ran_from).parent
+    assert copy != bin_dir and lib_path.split(":")[0] == str(copy)
+    assert lib_bytes == "library bytes" and args == "-m x.gguf"
+    assert not copy.exists()  # removed after the run
