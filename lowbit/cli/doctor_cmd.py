@@ -20,6 +20,7 @@ ENV_SWITCHES = (
     ("LOWBIT_DENSE_ACTIVATIONS", "f32 or bf16 activations for bf16 dense Linears (like --dense-activations)"),
     ("LOWBIT_INT8_ACTIVATIONS", "int8 or f32 activations for 8-bit integer weights (like --int8-activations)"),
     ("LOWBIT_NO_NATIVE", "any value: no C kernels (torch's int4/int8 ops or the reference path instead)"),
+    ("LOWBIT_NATIVE_SHARED", "1: the C kernels run from their cached library files, not from a private copy per process (for profilers)"),
     ("LOWBIT_NO_CHAIN", "any value: engine decode steps go layer by layer through Python, not in one C call (same numbers, slower)"),
     ("LOWBIT_HUGEPAGES", "0: the engine leaves its weights on 4 KB pages instead of copying them onto 2 MB transparent huge pages"),
     ("LOWBIT_DRAFT_HEAD", "a speculative draft's lm_head format on the CPU (default int4-g32, its top 16 logits rescored in float32)"),
