@@ -207,7 +207,9 @@ def _load(path: Path) -> ctypes.CDLL:
             fd = -1
         if fd >= 0:
             try:
-                os.write(fd, path.read_bytes())
+                data = memoryview(path.read_bytes())
+                while data:  # a write may take fewer bytes than it was given
+                    data = data[os.write(fd, data):]
                 lib = ctypes.CDLL(f"/proc/self/fd/{fd}")
             except OSError:  # no /proc, or a loader that refuses it: the file itself below
                 os.close(fd)

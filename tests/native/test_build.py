@@ -129,6 +129,20 @@ def test_a_library_runs_from_a_private_copy_unless_asked_for_the_file(fresh, mon
 
 
 @needs_compiler
+def test_without_a_private_copy_the_file_itself_loads(fresh, monkeypatch):
+    """A system that refuses memfd_create (an old kernel, a seccomp filter) still gets its kernels."""
+    monkeypatch.delenv(build.SHARED_ENV, raising=False)
+
+    def refused(name):
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(build.os, "memfd_create", refused, raising=False)
+    lib = build.library("scale_search", scale_search.SIGNATURES)
+    assert lib is not None and lib._name == str(build.library_path("scale_search"))
+    assert hasattr(lib, "lowbit_int_scale_errors")
+
+
+@needs_compiler
 def test_a_source_that_does_not_compile_turns_off_its_paths_only(fresh, tmp_path, monkeypatch, capsys):
     _, cache = fresh
     cc = tmp_path / "cc.sh"  # the real compiler, except for lut_gemv.c
