@@ -196,8 +196,9 @@ def _load(path: Path) -> ctypes.CDLL:
 
     Why a copy: on the 2-core VMs lowbit is benchmarked on, the cached library's own file ran its
     kernels 15-45 % slower than a byte-identical copy of it (Gemma-3-270M int4 decode 61-74 against
-    80-108 tok/s, SmolLM2 int4 214-225 against 242-268, processes alternated; the bf16 head alone
-    10-13 against 9 ms in one process), and the slowness followed the file's pages, not the code:
+    80-108 tok/s, SmolLM2 int4 214-225 against 242-268, processes alternated; Gemma's bf16 head
+    after the int4 layers 10.6-13.4 against 5.6-9.7 ms, alternated in one process), and the
+    slowness followed the file's pages, not the code:
     a fresh file written from the same bytes, or a memfd holding them, ran fast (docs/kernels.md).
     A copy costs ~100 KB of memory per library and a copy of its bytes per process."""
     if os.environ.get(SHARED_ENV) != "1" and hasattr(os, "memfd_create"):
