@@ -87,7 +87,6 @@ class BuildError(Exception):
 _lock = threading.RLock()
 _outcomes: dict[tuple[str, bool], tuple[ctypes.CDLL | None, str, str]] = {}  # (lib, path, reason)
 _bound: dict[tuple[str, bool], ctypes.CDLL | None] = {}
-_private_fds: list[int] = []  # the memfds the loaded private copies came from (_load)
 _warned: set[bool] = set()
 
 
@@ -198,9 +197,10 @@ def _load(path: Path) -> ctypes.CDLL:
     kernels 15-45 % slower than a byte-identical copy of it (Gemma-3-270M int4 decode 61-74 against
     80-108 tok/s, SmolLM2 int4 214-225 against 242-268, processes alternated; Gemma's bf16 head
     after the int4 layers 10.6-13.4 against 5.6-9.7 ms, alternated in one process), and the
-    slowness followed the file's pages, not the code:
-    a fresh file written from the same bytes, or a memfd holding them, ran fast (docs/kernels.md).
-    A copy costs ~100 KB of memory per library and a copy of its bytes per process."""
+    slowness followed the file's pages, not the code: a fresh file written from the same bytes, a
+    memfd holding them, or the cached file once its pages were dropped and read back ran fast
+    (docs/kernels.md). A copy costs ~100 KB of memory per library and a copy of its bytes per
+    process."""
     if os.environ.get(SHARED_ENV) != "1" and hasattr(os, "memfd_create"):
         try:
             fd = os.memfd_create(path.name)
@@ -215,10 +215,9 @@ def _load(path: Path) -> ctypes.CDLL:
             except OSError:  # no /proc, or a loader that refuses it: the file itself below
                 os.close(fd)
             else:
-                # kept open: the loader knows a library by its path, and a closed fd's number (so
-                # its /proc path) would come back for the next library, which it would then take
-                # for this one
-                _private_fds.append(fd)
+                # fd stays open for good: the loader knows a library by its path, and a closed fd's
+                # number (so its /proc path) would come back for the next library, which it would
+                # then take for this one
                 return lib
     return ctypes.CDLL(str(path))
 
