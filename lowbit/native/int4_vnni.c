@@ -93,18 +93,18 @@ int lowbit_i4v_available(void) { return HAVE_I4VNNI ? 1 : HAVE_I4AVX2 ? 2 : 0; }
 #ifndef PREFETCH_HINT
 #define PREFETCH_HINT _MM_HINT_T0
 #endif
-/* 4-bit codes at more than two rows: a pass covers fewer than the four interleaved tiles of a group,
-   so it reads one line in four of the group's stream (then the next tiles' passes the others), a
-   pattern the hardware prefetchers follow poorly from memory. The lead pass (the row block's first
-   over the group) prefetches all four lines of each chunk, LEAD_L1_BYTES ahead into L1 and
-   LEAD_L2_BYTES into L2, so every pass of the group finds them in cache. A C loop of that shape
-   (8-row passes, K = 576, 64 MB of codes on huge pages, 1 Zen 4 core): 67 % of the `vpdpbusd` peak
-   without, 81 % with L1 at 512-1024 B ahead, 88 % adding L2 at 8 KB. */
-#ifndef LEAD_L1_BYTES
-#define LEAD_L1_BYTES 1024
-#endif
-#ifndef LEAD_L2_BYTES
-#define LEAD_L2_BYTES 8192
+/* Beyond two rows a pass covers fewer than the four interleaved tiles of a group, so it reads one
+   line in four (4-bit codes; two in eight for 8-bit) of the group's stream, the next tiles' passes the
+   others: a pattern the hardware prefetchers follow poorly from memory, and the passes stalled on it.
+   So each pass of a row block's first rows prefetches its own tiles' lines of the NEXT group into L2,
+   spreading the next group's read over the current group's passes (the later rows' passes find them
+   in cache). SmolLM2's 30 layers' matmuls (2 Zen 4 cores, C calls, alternated builds): int4-g32 at 5
+   rows 4.3 -> 3.2-3.3 ms, at 16 rows 9.2 -> 7.5-7.8; int8-g32 at 5 rows 5.9-6.2 -> 5.1-5.3, at 16 rows
+   9.9-10.4 -> 8.8-9.3. (Prefetching the current group's four lines ahead in the first pass alone, the
+   whole group's read in an eighth of the time at 16 rows, had got int4 to 7.1-8.3 ms at 16 rows and did
+   not add to this.) */
+#ifndef NEXT_GROUP
+#define NEXT_GROUP 1
 #endif
 /* 8-bit codes (two lines a tile and chunk, twice the bytes per instruction) do gain from a
    prefetch into L2 2 KB ahead: SmolLM2 int8 decode layers (the engine's C chain, alternated
@@ -121,10 +121,10 @@ int lowbit_i4v_available(void) { return HAVE_I4VNNI ? 1 : HAVE_I4AVX2 ? 2 : 0; }
    tot[(t * MB + m) * 16 + lane]. xq: x as int8 interleaved by chunk, xq[(c * M + m) * 8 + i] =
    a[m, 8c + i]; xs / xa: [M, G] scales and integer sums. */
 INLINE void vtiles(const int BITS, const int TT, const int MB, const I4VWeight *w, int64_t t0, const int8_t *xq, int64_t M,
-                   const float *xs, const int32_t *xa, int64_t m0, float *tot, int lead) {
+                   const float *xs, const int32_t *xa, int64_t m0, float *tot, int ahead) {
     const __m512i low = _mm512_set1_epi8(15);
     const int64_t G = w->G, C = w->chunks;
-    const uint8_t *group = w->codes + (t0 / 4) * 4 * w->tile_bytes, *base = group + (t0 % 4) * TILE_CHUNK(BITS);
+    const uint8_t *base = w->codes + (t0 / 4) * 4 * w->tile_bytes + (t0 % 4) * TILE_CHUNK(BITS);
     /* the running totals in registers where they fit (the compiler spills the rest, as the stores
        to tot once did every group) */
     __m512 tv[4][MAXMB];
@@ -142,12 +142,11 @@ INLINE void vtiles(const int BITS, const int TT, const int MB, const I4VWeight *
         }
         for (; c < c_end; c++) {
             __m512i wl[4], wh[4];
-            if (BITS == 4 && LEAD_L1_BYTES && lead)
-                for (int l = 0; l < 4; l++) {
-                    const char *q = (const char *)(group + c * STRIDE(4) + 64 * l);
-                    _mm_prefetch(q + LEAD_L1_BYTES, _MM_HINT_T0);
-                    _mm_prefetch(q + LEAD_L2_BYTES, _MM_HINT_T1);
-                }
+            if (NEXT_GROUP && ahead)
+                for (int t = 0; t < TT; t++)
+                    for (int l = 0; l < BITS / 4; l++)
+                        _mm_prefetch((const char *)(base + 4 * w->tile_bytes + c * STRIDE(BITS) + t * TILE_CHUNK(BITS) + 64 * l),
+                                     _MM_HINT_T1);
             for (int t = 0; t < TT; t++) {
                 const uint8_t *p = base + c * STRIDE(BITS) + t * TILE_CHUNK(BITS);
                 if (BITS == 4) {
@@ -198,11 +197,11 @@ INLINE void vtiles(const int BITS, const int TT, const int MB, const I4VWeight *
 
 #define MB_CASE(TT, MB) \
     case MB: { \
-        if (w->bits == 8) vtiles(8, TT, MB, w, t0, xq, M, xs, xa, m0, tot, lead); \
-        else vtiles(4, TT, MB, w, t0, xq, M, xs, xa, m0, tot, lead); \
+        if (w->bits == 8) vtiles(8, TT, MB, w, t0, xq, M, xs, xa, m0, tot, ahead); \
+        else vtiles(4, TT, MB, w, t0, xq, M, xs, xa, m0, tot, ahead); \
     } break;
 static void vpass(int tt, int mb, const I4VWeight *w, int64_t t0, const int8_t *xq, int64_t M, const float *xs,
-                  const int32_t *xa, int64_t m0, float *tot, int lead) {
+                  const int32_t *xa, int64_t m0, float *tot, int ahead) {
     LOWBIT_TILE_PASSES_8(tt, mb, MB_CASE); /* passes of MAXMB = 8 rows */
 }
 #undef MB_CASE
@@ -265,10 +264,9 @@ static inline void vstore_tile(const float *v, void *y, int y_bf16, int64_t ldy,
 /* xq: x as int8 by chunk; xs, xa: the groups' scales and integer sums. */
 static void vrun_tiles(LowbitTileCall *c, int tt, int mb, int64_t t, int64_t m0) {
     const I4VWeight *w = c->w;
-    /* the lead pass: the first of a row block's passes over a group of four tiles, when a pass covers
-       less than the group (see LEAD_L1_BYTES) */
-    const int lead = tt < 4 && t % 4 == 0 && m0 % LOWBIT_ROW_BLOCK == 0;
-    vpass(tt, mb, w, t, c->xq, c->M, c->xs, c->xa, m0, c->tot, lead);
+    /* a pass of a row block's first rows, narrower than a group: prefetches the next group (NEXT_GROUP) */
+    const int ahead = tt < 4 && m0 % LOWBIT_ROW_BLOCK == 0;
+    vpass(tt, mb, w, t, c->xq, c->M, c->xs, c->xa, m0, c->tot, ahead);
     for (int i = 0; i < tt; i++)
         for (int m = 0; m < mb; m++) vstore_tile(c->tot + (i * mb + m) * 16, c->y, c->y_bf16, c->ldy, m0 + m, t + i, w->N);
 }
