@@ -157,11 +157,18 @@ static float *rows_buffer(int64_t rows, int64_t n) {
 
 /* Scratch of one call: an MLP's gate|up and activation rows, and the MoE block's. */
 typedef struct {
-    float *gu, *act;       /* [M, 2 * inter], [M, inter] */
-    float *xe, *ye;        /* [M, hidden]: an expert's gathered rows and its output */
+    float *gu, *act;       /* [cap, 2 * inter], [cap, inter] */
+    float *xe, *ye;        /* [cap, hidden]: a batch of experts' gathered rows and their outputs */
     float *wts, *sig;      /* [M, top_k], [M] */
-    int64_t *sel, *idx;    /* [M, top_k], [M] */
+    int64_t *sel, *idx;    /* [M, top_k], [cap]: each gathered row's token */
+    float *scale;          /* [cap]: each gathered row's routing weight */
+    int64_t cap;           /* rows of the buffers above: M, or M * top_k for a MoE step of few rows */
 } Scratch;
+
+/* Routed experts per batch (team_moe), and the rows a MoE step's scratch holds so that all of a
+   step's routed rows fit one batch: a decode step's k experts then run their phases together. */
+#define LOWBIT_MOE_BATCH 128
+#define LOWBIT_MOE_BATCH_ROWS 256
 
 /* The step's buffers, shared by the team. */
 typedef struct {
@@ -186,12 +193,16 @@ static int team_mlp(const Chain *c, const ChainMLP *m, const float *h, int64_t M
    routing the model uses too), then per expert in order its rows gathered, its MLP, and
    r[row] += y * weight for each (a token's experts are distinct: one add per expert); then the
    shared expert, r = r + sigmoid(gate) * shared(h). In a team (pt a part, run_layers) the routing,
-   each expert's gather and its scatter-add run on part 0 alone, in this order (so r gets the same
-   sums in the same order), each routed expert's MLP and the shared expert's as parts. Every thread
-   counts an expert's rows from the routing (read after a barrier), so all skip the same experts
-   and meet the same barriers. Ends with a barrier. */
+   the gathers and the scatter-adds run on part 0 alone, the scatter-adds in expert order (so r
+   gets the same sums in the same order), each routed expert's MLP and the shared expert's as
+   parts. The routed experts run in batches of up to w->cap rows: one gather for the batch, then its
+   experts' gate|up projections one after another with no barrier between them (each writes its own
+   rows), then their activations, then their down projections, a barrier after each phase; so a
+   decode step's k experts cost four barriers, not four each (the same calls on the same rows: the
+   same bits). Every thread forms the batches from the routing (read after a barrier), so all
+   meet the same barriers. Ends with a barrier. */
 static int team_moe(const Chain *c, const ChainMoE *e, const float *h, int64_t M, const Scratch *w, float *r, int pt) {
-    const int64_t H = c->hidden, k = e->top_k;
+    const int64_t H = c->hidden, k = e->top_k, I = c->inter;
     const int lead = pt == 1 || -pt / LOWBIT_PART_LIMIT == 0; /* part 0, or the only thread */
     int rc = 0;
     if (lead) {
@@ -199,33 +210,55 @@ static int team_moe(const Chain *c, const ChainMoE *e, const float *h, int64_t M
         for (int64_t i = 0; i < M * H; i++) r[i] = 0.0f;
     }
 #pragma omp barrier
-    float scale[LOWBIT_MAX_ROWS_MOE]; /* part 0's: the gathered rows' weights */
-    for (int64_t ex = 0; ex < e->experts; ex++) {
-        int64_t n = 0;
-        for (int64_t t = 0; t < M; t++)
-            for (int64_t j = 0; j < k; j++)
-                if (w->sel[t * k + j] == ex) {
-                    if (lead) {
-                        w->idx[n] = t;
-                        scale[n] = w->wts[t * k + j];
-                    }
-                    n++;
-                }
-        if (n == 0) continue;
-        if (lead)
-            for (int64_t i = 0; i < n; i++) memcpy(w->xe + i * H, h + w->idx[i] * H, (size_t)H * sizeof(float));
+    int64_t ex = 0;
+    while (ex < e->experts) {
+        /* the batch: experts ex..stop-1 with rows, whole, in at most cap rows (an expert has at
+           most M rows and cap >= M) */
+        int64_t first[LOWBIT_MOE_BATCH + 1], count[LOWBIT_MOE_BATCH], ids[LOWBIT_MOE_BATCH];
+        int64_t nb = 0, rows = 0;
+        for (; ex < e->experts && nb < LOWBIT_MOE_BATCH; ex++) {
+            int64_t n = 0;
+            for (int64_t i = 0; i < M * k; i++) n += w->sel[i] == ex;
+            if (n == 0) continue;
+            if (rows + n > w->cap) break;
+            if (lead) /* the expert's rows in token order, gathered after the batch's earlier rows */
+                for (int64_t t = 0, j = rows; t < M; t++)
+                    for (int64_t q = 0; q < k; q++)
+                        if (w->sel[t * k + q] == ex) {
+                            w->idx[j] = t;
+                            w->scale[j] = w->wts[t * k + q];
+                            memcpy(w->xe + j * H, h + t * H, (size_t)H * sizeof(float));
+                            j++;
+                        }
+            first[nb] = rows, count[nb] = n, ids[nb] = ex;
+            rows += n, nb++;
+        }
+        if (nb == 0) break; /* no expert left with rows */
 #pragma omp barrier
-        rc |= team_mlp(c, e->expert + ex, w->xe, n, w, w->ye, pt);
-        if (lead)
-            for (int64_t i = 0; i < n; i++) {
+        for (int64_t b = 0; b < nb; b++)
+            rc |= linear(&e->expert[ids[b]].gate_up, w->xe + first[b] * H, H, count[b], w->gu + first[b] * 2 * I, pt);
+#pragma omp barrier
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t Ie = e->expert[ids[b]].gate_up.n / 2;
+            float *gu = w->gu + first[b] * 2 * I;
+            rc |= ((act_mul_fn)c->act_mul)(gu, 2 * Ie, gu + Ie, 2 * Ie, count[b], Ie, c->act, 0, w->act + first[b] * I, Ie, pt);
+        }
+#pragma omp barrier
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t Ie = e->expert[ids[b]].gate_up.n / 2;
+            rc |= linear(&e->expert[ids[b]].down, w->act + first[b] * I, Ie, count[b], w->ye + first[b] * H, pt);
+        }
+#pragma omp barrier
+        if (lead) /* in expert order, each expert's rows in token order: the sums of one expert at a time */
+            for (int64_t i = 0; i < rows; i++) {
                 float *ri = r + w->idx[i] * H;
                 const float *yi = w->ye + i * H;
-                for (int64_t d = 0; d < H; d++) ri[d] += yi[d] * scale[i];
+                for (int64_t d = 0; d < H; d++) ri[d] += yi[d] * w->scale[i];
             }
     }
     if (e->shared) {
         if (lead) rc |= ((moe_shared_gate_fn)c->moe_shared_gate)(h, H, M, H, e->shared_gate, w->sig);
-        /* the shared MLP reads h and writes ye: the last expert's scatter (part 0) read ye */
+        /* the shared MLP reads h and writes ye: the last batch's scatter (part 0) read ye */
 #pragma omp barrier
         rc |= team_mlp(c, e->shared, h, M, w, w->ye, pt);
         if (lead)
@@ -309,15 +342,17 @@ int lowbit_decode_layers(const Chain *c, const ChainStep *s, int64_t first, int6
     const int64_t kk = c->max_top_k > 0 ? c->max_top_k : 1;
     float *h = rows_buffer(M, H), *qkv = rows_buffer(M, qkv_n), *att = rows_buffer(M, qs), *a = rows_buffer(M, H);
     float *r = rows_buffer(M, H), *qn = rows_buffer(M, qs), *kn = rows_buffer(M, kvs);
-    Scratch w = {rows_buffer(M, 2 * I), rows_buffer(M, I), rows_buffer(M, H), rows_buffer(M, H),
+    const int64_t cap = c->max_top_k > 0 && M * kk <= LOWBIT_MOE_BATCH_ROWS ? M * kk : M;
+    Scratch w = {rows_buffer(cap, 2 * I), rows_buffer(cap, I), rows_buffer(cap, H), rows_buffer(cap, H),
                  malloc((size_t)(M * kk) * sizeof(float)), malloc((size_t)M * sizeof(float)),
-                 malloc((size_t)(M * kk) * sizeof(int64_t)), malloc((size_t)M * sizeof(int64_t))};
+                 malloc((size_t)(M * kk) * sizeof(int64_t)), malloc((size_t)cap * sizeof(int64_t)),
+                 malloc((size_t)cap * sizeof(float)), cap};
     const int64_t half = D / 2;
     float *ropes = malloc((size_t)(MAX_ROPES * 2 * M * half) * sizeof(float));
     const float *cs[MAX_ROPES], *sn[MAX_ROPES];
     int rc = -3;
     if (!h || !qkv || !att || !a || !r || !qn || !kn || !ropes || !w.gu || !w.act || !w.xe || !w.ye || !w.wts || !w.sig || !w.sel
-        || !w.idx)
+        || !w.idx || !w.scale)
         goto done;
     rc = -1;
     for (int ri = 0; ri < MAX_ROPES; ri++) {
@@ -380,5 +415,6 @@ done:
     free(w.sig);
     free(w.sel);
     free(w.idx);
+    free(w.scale);
     return rc;
 }

@@ -318,3 +318,23 @@ def test_the_one_region_step_routes_moe_layers_alike(tmp_path, case, weights, tw
     engine.generate(prompts(4), GREEDY)
     engine.generate(prompts(1, seed=2), GREEDY)
     assert 4 in rows and 1 in rows
+
+
+def test_a_moe_step_with_more_routed_rows_than_one_batch_routes_alike(tmp_path):
+    # The routed experts of a step run in batches whose rows fit the step's scratch (decode_layers.c
+    # team_moe): all of them at once while rows x top-k <= 256, else batches of up to `rows` rows.
+    # A prefill of 170 tokens through the chain (340 routed rows) takes several batches: still the
+    # model's forward bit for bit, and the same tokens as the layer-by-layer path.
+    from tests.runtime.moe_models import save_moe
+
+    if not cpu_int4dot.available():
+        pytest.skip("no int4 kernel on this machine")
+    save_moe("mixtral", tmp_path)
+    engine = _engine(tmp_path, QUANTIZED.get("int4"), max_prefill_tokens=512)
+    rows = _checked(engine.runner)
+    long = [[3 + (i * 7) % 250 for i in range(90)], [5 + (i * 11) % 250 for i in range(80)]]
+    outs = engine.generate(long, GREEDY)
+    assert max(rows) * 2 > 256
+    plain = _engine(tmp_path, QUANTIZED.get("int4"), max_prefill_tokens=512)
+    plain.runner.chained = None
+    assert [o.token_ids for o in plain.generate(long, GREEDY)] == [o.token_ids for o in outs]
