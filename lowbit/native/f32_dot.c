@@ -42,6 +42,14 @@
 #define HAVE_F32AVX2 0
 #endif
 
+/* bf16 x bf16 in passes of four x rows over a 4 x 4 tile (bf16_tile16); 0: passes of MT rows */
+#if HAVE_BF16DOT && !defined(BF16_TILE16)
+#define BF16_TILE16 1
+#endif
+#ifndef BF16_TILE16
+#define BF16_TILE16 0
+#endif
+
 int lowbit_f32dot_available(void) { return HAVE_F32DOT || HAVE_F32AVX2; }
 int lowbit_bf16dot_available(void) { return HAVE_BF16DOT; }
 
@@ -53,7 +61,7 @@ int lowbit_bf16dot_available(void) { return HAVE_BF16DOT; }
    Into L2 beat no prefetch at 1 and 4 rows on SmolLM2's Linears; into L1 (_MM_HINT_T0) was slower
    at 4 rows, and two tiles ahead no better. */
 #define PREFETCH_TILE 1
-#define MT 6 /* x rows per pass: 24 accumulators, 6 x vectors, one weight vector (a verify of 1 + 4 or 1 + 5 rows is one pass) */
+#define MT 6 /* x rows per pass: 24 accumulators, 6 x vectors, one weight vector (a verify of 1 + 4 or 1 + 5 rows is one pass; bf16 x bf16 passes: pass_rows) */
 
 /* Sixteen weights as float32: WB = 4 reads float32, WB = 2 reads bfloat16 and widens it exactly
    (a bf16 is the top half of its float32), so a bf16 weight gives bit for bit the float32 result
@@ -163,7 +171,7 @@ INLINE float hsum16(__m512 a) {
    bf16 x bf16 at q|k|v, o, gate|up and down of SmolLM2 (2 Zen 4 cores, alternated C calls, the
    same bits as GCC's _mm512_reduce_add_ps per output): 0.85x the time at 16 rows, 0.92x at 64,
    0.96x at 512. Dropping the next tile's prefetch as well gained nothing. */
-INLINE void hsum16_many(const __m512 *acc, float *out) {
+INLINE __m512 hsum16_vec(const __m512 *acc) {
     __m512 t[8], v[4], x[2];
     for (int i = 0; i < 8; i++) /* lanes j + (j + 8): a's in lanes 0-7, b's in 8-15 */
         t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
@@ -174,8 +182,12 @@ INLINE void hsum16_many(const __m512 *acc, float *out) {
     for (int j = 0; j < 2; j++) /* + 2 apart */
         x[j] = _mm512_add_ps(_mm512_shuffle_ps(v[2 * j], v[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
                              _mm512_shuffle_ps(v[2 * j], v[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_ps(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+INLINE void hsum16_many(const __m512 *acc, float *out) {
+    const __m512 z = hsum16_vec(acc);
     float lanes[16];
     _mm512_storeu_ps(lanes, z);
     for (int k = 0; k < 4; k++)
@@ -189,13 +201,22 @@ INLINE void bf16_tile(const int NB, const int MB, const uint16_t *w, int64_t ldw
     __m512 acc[NT][MT];
     for (int nb = 0; nb < NB; nb++)
         for (int m = 0; m < MB; m++) acc[nb][m] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32) {
-        const __mmask32 mask = K - k >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (K - k)) - 1u);
+    const int64_t k32 = K / 32 * 32;
+    for (int64_t k = 0; k < k32; k += 32) { /* whole 32s unmasked, the tail alone masked: the same operands */
         __m512bh xv[MT];
-        for (int m = 0; m < MB; m++) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * ldx + k);
+        for (int m = 0; m < MB; m++) xv[m] = (__m512bh)_mm512_loadu_si512((const void *)(x + m * ldx + k));
         for (int nb = 0; nb < NB; nb++) {
             _mm_prefetch((const char *)(w + (PREFETCH_TILE * NT + nb) * ldw + k), _MM_HINT_T1);
-            const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + nb * ldw + k);
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(w + nb * ldw + k));
+            for (int m = 0; m < MB; m++) acc[nb][m] = _mm512_dpbf16_ps(acc[nb][m], wv, xv[m]);
+        }
+    }
+    if (k32 < K) {
+        const __mmask32 mask = (__mmask32)((1u << (K - k32)) - 1u);
+        __m512bh xv[MT];
+        for (int m = 0; m < MB; m++) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * ldx + k32);
+        for (int nb = 0; nb < NB; nb++) {
+            const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + nb * ldw + k32);
             for (int m = 0; m < MB; m++) acc[nb][m] = _mm512_dpbf16_ps(acc[nb][m], wv, xv[m]);
         }
     }
@@ -208,6 +229,53 @@ INLINE void bf16_tile(const int NB, const int MB, const uint16_t *w, int64_t ldw
     float sums[32];
     for (int i = 0; i < padded; i += 16) hsum16_many(flat + i, sums + i);
     for (int i = 0; i < count; i++) out[i] = sums[i];
+}
+
+/* bf16_tile's sums for four weight rows by four x rows, as one vector: lane 4m + nb holds (x row m,
+   weight row nb), each summed by hsum16's tree (its place among the sixteen changes none of its
+   additions). Four rows of x a pass rather than six: sixteen accumulators make one whole
+   hsum16_vec with no padding, and a row's four outputs leave as one 128-bit store, where six rows'
+   24 sums went through a padded pair of reductions, a copy and 24 scalar stores. */
+INLINE __m512 bf16_tile16(const uint16_t *w, int64_t ldw, int64_t K, const uint16_t *x, int64_t ldx) {
+    __m512 acc[16]; /* [nb * 4 + m] */
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    const int64_t k32 = K / 32 * 32;
+    for (int64_t k = 0; k < k32; k += 32) { /* whole 32s unmasked, the tail alone masked: the same operands */
+        __m512bh xv[4];
+        for (int m = 0; m < 4; m++) xv[m] = (__m512bh)_mm512_loadu_si512((const void *)(x + m * ldx + k));
+        for (int nb = 0; nb < 4; nb++) {
+            _mm_prefetch((const char *)(w + (PREFETCH_TILE * NT + nb) * ldw + k), _MM_HINT_T1);
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(w + nb * ldw + k));
+            for (int m = 0; m < 4; m++) acc[nb * 4 + m] = _mm512_dpbf16_ps(acc[nb * 4 + m], wv, xv[m]);
+        }
+    }
+    if (k32 < K) {
+        const __mmask32 mask = (__mmask32)((1u << (K - k32)) - 1u);
+        __m512bh xv[4];
+        for (int m = 0; m < 4; m++) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * ldx + k32);
+        for (int nb = 0; nb < 4; nb++) {
+            const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + nb * ldw + k32);
+            for (int m = 0; m < 4; m++) acc[nb * 4 + m] = _mm512_dpbf16_ps(acc[nb * 4 + m], wv, xv[m]);
+        }
+    }
+    return hsum16_vec(acc);
+}
+
+/* bf16_tile16's sums (+ bias) into y rows m0..m0+3, columns n0..n0+3: float32, or bf16 rounded as
+   lowbit_store rounds. */
+INLINE void store_tile16(__m512 z, const float *bias, void *y, int y_bf16, int64_t ldy, int64_t m0, int64_t n0) {
+    if (bias) z = _mm512_add_ps(z, _mm512_broadcast_f32x4(_mm_loadu_ps(bias + n0)));
+    if (y_bf16) {
+        uint64_t rows[4]; /* row m's four bf16 values */
+        _mm256_storeu_si256((__m256i *)rows, _mm512_cvtepi32_epi16(lowbit_bf16_bits16(z)));
+        for (int m = 0; m < 4; m++) memcpy((uint16_t *)y + (m0 + m) * ldy + n0, rows + m, 8);
+    } else {
+        float *yf = (float *)y;
+        _mm_storeu_ps(yf + (m0 + 0) * ldy + n0, _mm512_extractf32x4_ps(z, 0));
+        _mm_storeu_ps(yf + (m0 + 1) * ldy + n0, _mm512_extractf32x4_ps(z, 1));
+        _mm_storeu_ps(yf + (m0 + 2) * ldy + n0, _mm512_extractf32x4_ps(z, 2));
+        _mm_storeu_ps(yf + (m0 + 3) * ldy + n0, _mm512_extractf32x4_ps(z, 3));
+    }
 }
 
 /* One x row (a decode step): each weight row read front to back on its own with the row
@@ -394,22 +462,36 @@ INLINE void dense_pass(const int MODE, const int NB, int mb, const char *w, int6
    Zen 2 core's L2, and were read from L3 for every tile). The order of the work changes, not any
    output's arithmetic. */
 #define XBLOCK (192 * 1024)
+/* x rows of the next pass with `rem` left: bf16 x bf16 in fours (bf16_tile16), a last five or six in
+   one pass (a verify of 1 + 4 or 1 + 5 rows), else up to MT. */
+INLINE int pass_rows(const int MODE, int64_t rem) {
+    if (BF16_TILE16 && MODE == 1) return rem >= 8 || rem == 4 ? 4 : rem <= 6 ? (int)rem : 4;
+    return rem >= MT ? MT : (int)rem;
+}
 /* Tiles ta..tb-1 of y (one thread's share, or a part call's), x in blocks of rows. */
 INLINE void dense_share(const int MODE, const void *w, int64_t N, int64_t K, int64_t ldw, const float *bias, const void *x,
                         int64_t ldx, int64_t M, void *y, int y_bf16, int64_t ldy, int64_t ta, int64_t tb) {
     const int WB = MODE == 4 ? 4 : 2, XB = MODE == 1 ? 2 : 4; /* bytes of a weight, of an x element */
+    const int PR = BF16_TILE16 && MODE == 1 ? 4 : MT; /* x rows a pass */
     const char *wb = (const char *)w, *xb = (const char *)x;
-    int64_t mblock = XBLOCK / (K * XB) / MT * MT;
-    if (mblock < MT) mblock = MT;
+    int64_t mblock = XBLOCK / (K * XB) / PR * PR;
+    if (mblock < PR) mblock = PR;
     float out[NT * MT];
     for (int64_t mb0 = 0; mb0 < M; mb0 += mblock) {
         const int64_t me = mb0 + mblock < M ? mb0 + mblock : M;
         for (int64_t t = ta; t < tb; t++) {
             const int64_t n0 = t * NT;
             const int nb = N - n0 >= NT ? NT : (int)(N - n0);
-            for (int64_t m0 = mb0; m0 < me; m0 += MT) {
-                const int mb = me - m0 >= MT ? MT : (int)(me - m0);
+            for (int64_t m0 = mb0, mb; m0 < me; m0 += mb) {
+                mb = pass_rows(MODE, me - m0);
                 const char *xm = xb + m0 * ldx * XB;
+#if BF16_TILE16
+                if (MODE == 1 && nb == NT && mb == 4) {
+                    store_tile16(bf16_tile16((const uint16_t *)(wb + n0 * ldw * WB), ldw, K, (const uint16_t *)xm, ldx), bias,
+                                 y, y_bf16, ldy, m0, n0);
+                    continue;
+                }
+#endif
                 if (nb == NT) {
                     dense_pass(MODE, NT, mb, wb + n0 * ldw * WB, ldw, K, xm, ldx, out);
                 } else { /* the ragged last tile, one weight row at a time (same per-row arithmetic) */
