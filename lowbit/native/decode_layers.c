@@ -176,17 +176,33 @@ typedef struct {
     const Scratch *w;
 } TeamBuffers;
 
-/* y [M, H] = down(act(gate) * up) of rows h [M, H], as GatedMLP.forward with gate|up joined: three
-   phases, a barrier after each (pt: see run_layers). */
-static int team_mlp(const Chain *c, const ChainMLP *m, const float *h, int64_t M, const Scratch *w, float *y, int pt) {
-    const int64_t H = c->hidden, I = m->gate_up.n / 2;
-    int rc = linear(&m->gate_up, h, H, M, w->gu, pt);
+/* For each of n MLPs b: y rows first[b].. (count[b] of them) = down_b(act(gate_b) * up_b) of the
+   same rows of x [., H], as GatedMLP.forward with gate|up joined: three phases (every MLP's gate|up,
+   then their activations, then their down projections), a barrier after each (pt: see run_layers).
+   The MLPs write disjoint rows, so within a phase they need no barrier between them. */
+static int team_mlps(const Chain *c, const ChainMLP *const *m, int64_t n, const int64_t *first, const int64_t *count,
+                     const float *x, const Scratch *w, float *y, int pt) {
+    const int64_t H = c->hidden, I = c->inter; /* the scratch's row widths */
+    int rc = 0;
+    for (int64_t b = 0; b < n; b++)
+        rc |= linear(&m[b]->gate_up, x + first[b] * H, H, count[b], w->gu + first[b] * 2 * I, pt);
 #pragma omp barrier
-    rc |= ((act_mul_fn)c->act_mul)(w->gu, 2 * I, w->gu + I, 2 * I, M, I, c->act, 0, w->act, I, pt);
+    for (int64_t b = 0; b < n; b++) {
+        const int64_t Ib = m[b]->gate_up.n / 2;
+        float *gu = w->gu + first[b] * 2 * I;
+        rc |= ((act_mul_fn)c->act_mul)(gu, 2 * Ib, gu + Ib, 2 * Ib, count[b], Ib, c->act, 0, w->act + first[b] * I, Ib, pt);
+    }
 #pragma omp barrier
-    rc |= linear(&m->down, w->act, I, M, y, pt);
+    for (int64_t b = 0; b < n; b++)
+        rc |= linear(&m[b]->down, w->act + first[b] * I, m[b]->gate_up.n / 2, count[b], y + first[b] * H, pt);
 #pragma omp barrier
     return rc;
+}
+
+/* y [M, H] = one MLP of rows h [M, H] (team_mlps). */
+static int team_mlp(const Chain *c, const ChainMLP *m, const float *h, int64_t M, const Scratch *w, float *y, int pt) {
+    const int64_t first = 0;
+    return team_mlps(c, &m, 1, &first, &M, h, w, y, pt);
 }
 
 /* r [M, H] = the MoE block of rows h, as SparseMoE.forward computes it: route each row (the C
@@ -196,13 +212,11 @@ static int team_mlp(const Chain *c, const ChainMLP *m, const float *h, int64_t M
    the gathers and the scatter-adds run on part 0 alone, the scatter-adds in expert order (so r
    gets the same sums in the same order), each routed expert's MLP and the shared expert's as
    parts. The routed experts run in batches of up to w->cap rows: one gather for the batch, then its
-   experts' gate|up projections one after another with no barrier between them (each writes its own
-   rows), then their activations, then their down projections, a barrier after each phase; so a
-   decode step's k experts cost four barriers, not four each (the same calls on the same rows: the
-   same bits). Every thread forms the batches from the routing (read after a barrier), so all
+   experts' MLPs phase by phase (team_mlps); so a decode step's k experts cost four barriers, not
+   four each (the same calls on the same rows: the same bits). Every thread forms the batches from the routing (read after a barrier), so all
    meet the same barriers. Ends with a barrier. */
 static int team_moe(const Chain *c, const ChainMoE *e, const float *h, int64_t M, const Scratch *w, float *r, int pt) {
-    const int64_t H = c->hidden, k = e->top_k, I = c->inter;
+    const int64_t H = c->hidden, k = e->top_k;
     const int lead = pt == 1 || -pt / LOWBIT_PART_LIMIT == 0; /* part 0, or the only thread */
     int rc = 0;
     if (lead) {
@@ -212,9 +226,10 @@ static int team_moe(const Chain *c, const ChainMoE *e, const float *h, int64_t M
 #pragma omp barrier
     int64_t ex = 0;
     while (ex < e->experts) {
-        /* the batch: experts ex..stop-1 with rows, whole, in at most cap rows (an expert has at
+        /* the batch: the next experts with rows, each whole, in at most cap rows (an expert has at
            most M rows and cap >= M) */
-        int64_t first[LOWBIT_MOE_BATCH + 1], count[LOWBIT_MOE_BATCH], ids[LOWBIT_MOE_BATCH];
+        int64_t first[LOWBIT_MOE_BATCH], count[LOWBIT_MOE_BATCH];
+        const ChainMLP *mlps[LOWBIT_MOE_BATCH];
         int64_t nb = 0, rows = 0;
         for (; ex < e->experts && nb < LOWBIT_MOE_BATCH; ex++) {
             int64_t n = 0;
@@ -230,25 +245,12 @@ static int team_moe(const Chain *c, const ChainMoE *e, const float *h, int64_t M
                             memcpy(w->xe + j * H, h + t * H, (size_t)H * sizeof(float));
                             j++;
                         }
-            first[nb] = rows, count[nb] = n, ids[nb] = ex;
+            first[nb] = rows, count[nb] = n, mlps[nb] = e->expert + ex;
             rows += n, nb++;
         }
         if (nb == 0) break; /* no expert left with rows */
 #pragma omp barrier
-        for (int64_t b = 0; b < nb; b++)
-            rc |= linear(&e->expert[ids[b]].gate_up, w->xe + first[b] * H, H, count[b], w->gu + first[b] * 2 * I, pt);
-#pragma omp barrier
-        for (int64_t b = 0; b < nb; b++) {
-            const int64_t Ie = e->expert[ids[b]].gate_up.n / 2;
-            float *gu = w->gu + first[b] * 2 * I;
-            rc |= ((act_mul_fn)c->act_mul)(gu, 2 * Ie, gu + Ie, 2 * Ie, count[b], Ie, c->act, 0, w->act + first[b] * I, Ie, pt);
-        }
-#pragma omp barrier
-        for (int64_t b = 0; b < nb; b++) {
-            const int64_t Ie = e->expert[ids[b]].gate_up.n / 2;
-            rc |= linear(&e->expert[ids[b]].down, w->act + first[b] * I, Ie, count[b], w->ye + first[b] * H, pt);
-        }
-#pragma omp barrier
+        rc |= team_mlps(c, mlps, nb, first, count, w->xe, w, w->ye, pt);
         if (lead) /* in expert order, each expert's rows in token order: the sums of one expert at a time */
             for (int64_t i = 0; i < rows; i++) {
                 float *ri = r + w->idx[i] * H;

@@ -194,15 +194,12 @@ INLINE void hsum16_many(const __m512 *acc, float *out) {
         for (int p = 0; p < 4; p++) out[4 * p + k] = lanes[4 * k + p];
 }
 
-/* NB weight rows x MB x rows of bf16, 32 k per step; out[m * NB + nb] the float32 dot products,
-   each summed by hsum16's tree (sixteen at a time through hsum16_many). */
-INLINE void bf16_tile(const int NB, const int MB, const uint16_t *w, int64_t ldw, int64_t K, const uint16_t *x,
-                      int64_t ldx, float *out) {
-    __m512 acc[NT][MT];
-    for (int nb = 0; nb < NB; nb++)
-        for (int m = 0; m < MB; m++) acc[nb][m] = _mm512_setzero_ps();
+/* acc[nb][m] += the bf16 products of NB weight rows and MB x rows, 32 k per step: whole 32s loaded
+   unmasked, the tail alone masked (the same operands either way). */
+INLINE void bf16_accumulate(const int NB, const int MB, const uint16_t *w, int64_t ldw, int64_t K, const uint16_t *x,
+                            int64_t ldx, __m512 acc[NT][MT]) {
     const int64_t k32 = K / 32 * 32;
-    for (int64_t k = 0; k < k32; k += 32) { /* whole 32s unmasked, the tail alone masked: the same operands */
+    for (int64_t k = 0; k < k32; k += 32) {
         __m512bh xv[MT];
         for (int m = 0; m < MB; m++) xv[m] = (__m512bh)_mm512_loadu_si512((const void *)(x + m * ldx + k));
         for (int nb = 0; nb < NB; nb++) {
@@ -220,6 +217,16 @@ INLINE void bf16_tile(const int NB, const int MB, const uint16_t *w, int64_t ldw
             for (int m = 0; m < MB; m++) acc[nb][m] = _mm512_dpbf16_ps(acc[nb][m], wv, xv[m]);
         }
     }
+}
+
+/* NB weight rows x MB x rows of bf16; out[m * NB + nb] the float32 dot products, each summed by
+   hsum16's tree (sixteen at a time through hsum16_many). */
+INLINE void bf16_tile(const int NB, const int MB, const uint16_t *w, int64_t ldw, int64_t K, const uint16_t *x,
+                      int64_t ldx, float *out) {
+    __m512 acc[NT][MT];
+    for (int nb = 0; nb < NB; nb++)
+        for (int m = 0; m < MB; m++) acc[nb][m] = _mm512_setzero_ps();
+    bf16_accumulate(NB, MB, w, ldw, K, x, ldx, acc);
     /* in out's order, padded with zeros to whole sixteens */
     __m512 flat[32];
     const int count = NB * MB, padded = (count + 15) / 16 * 16;
@@ -237,28 +244,14 @@ INLINE void bf16_tile(const int NB, const int MB, const uint16_t *w, int64_t ldw
    hsum16_vec with no padding, and a row's four outputs leave as one 128-bit store, where six rows'
    24 sums went through a padded pair of reductions, a copy and 24 scalar stores. */
 INLINE __m512 bf16_tile16(const uint16_t *w, int64_t ldw, int64_t K, const uint16_t *x, int64_t ldx) {
-    __m512 acc[16]; /* [nb * 4 + m] */
-    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
-    const int64_t k32 = K / 32 * 32;
-    for (int64_t k = 0; k < k32; k += 32) { /* whole 32s unmasked, the tail alone masked: the same operands */
-        __m512bh xv[4];
-        for (int m = 0; m < 4; m++) xv[m] = (__m512bh)_mm512_loadu_si512((const void *)(x + m * ldx + k));
-        for (int nb = 0; nb < 4; nb++) {
-            _mm_prefetch((const char *)(w + (PREFETCH_TILE * NT + nb) * ldw + k), _MM_HINT_T1);
-            const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(w + nb * ldw + k));
-            for (int m = 0; m < 4; m++) acc[nb * 4 + m] = _mm512_dpbf16_ps(acc[nb * 4 + m], wv, xv[m]);
-        }
-    }
-    if (k32 < K) {
-        const __mmask32 mask = (__mmask32)((1u << (K - k32)) - 1u);
-        __m512bh xv[4];
-        for (int m = 0; m < 4; m++) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * ldx + k32);
-        for (int nb = 0; nb < 4; nb++) {
-            const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + nb * ldw + k32);
-            for (int m = 0; m < 4; m++) acc[nb * 4 + m] = _mm512_dpbf16_ps(acc[nb * 4 + m], wv, xv[m]);
-        }
-    }
-    return hsum16_vec(acc);
+    __m512 acc[NT][MT];
+    for (int nb = 0; nb < 4; nb++)
+        for (int m = 0; m < 4; m++) acc[nb][m] = _mm512_setzero_ps();
+    bf16_accumulate(4, 4, w, ldw, K, x, ldx, acc);
+    __m512 flat[16]; /* [nb * 4 + m]: row m's four outputs in lanes 4m..4m+3 of the sum */
+    for (int nb = 0; nb < 4; nb++)
+        for (int m = 0; m < 4; m++) flat[nb * 4 + m] = acc[nb][m];
+    return hsum16_vec(flat);
 }
 
 /* bf16_tile16's sums (+ bias) into y rows m0..m0+3, columns n0..n0+3: float32, or bf16 rounded as
@@ -472,7 +465,7 @@ INLINE int pass_rows(const int MODE, int64_t rem) {
 INLINE void dense_share(const int MODE, const void *w, int64_t N, int64_t K, int64_t ldw, const float *bias, const void *x,
                         int64_t ldx, int64_t M, void *y, int y_bf16, int64_t ldy, int64_t ta, int64_t tb) {
     const int WB = MODE == 4 ? 4 : 2, XB = MODE == 1 ? 2 : 4; /* bytes of a weight, of an x element */
-    const int PR = BF16_TILE16 && MODE == 1 ? 4 : MT; /* x rows a pass */
+    const int PR = pass_rows(MODE, MT + 8); /* the rows of a full pass */
     const char *wb = (const char *)w, *xb = (const char *)x;
     int64_t mblock = XBLOCK / (K * XB) / PR * PR;
     if (mblock < PR) mblock = PR;
