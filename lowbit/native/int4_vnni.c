@@ -207,47 +207,111 @@ static void vpass(int tt, int mb, const I4VWeight *w, int64_t t0, const int8_t *
 }
 #undef MB_CASE
 
-/* Row m of x quantized group by group into row (int8, K padded with zeros to kp), with the
-   group's scale and integer sum. A group whose max is not finite gets a NaN scale, so the row's
-   outputs are NaN rather than finite garbage. */
-static void quantize_row(const I4VWeight *w, const void *x, int x_bf16, int64_t ldx_in, int64_t m, int64_t kp,
-                         float *f, int8_t *row, float *xs, int32_t *xa) {
-    const int64_t K = w->K, G = w->G;
+/* The 16 reductions of a[0..15] (max, or int32 sum in float32 bits), lane j holding a[j]'s: pairs
+   of vectors share each shuffle, 4 x 16 vector operations where 16 separate reductions took ~8 x 16.
+   Either operation is exact in any order, so the values are those of a vector's own reduction. */
+INLINE __m512 vreduce16(const int ADD, const __m512 *a) {
+#define VRED(p, q) (ADD ? _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), _mm512_castps_si512(q))) : _mm512_max_ps(p, q))
+    __m512 t[8], v[4], u[2];
+    for (int i = 0; i < 8; i++) /* lanes l and l + 8: a[2i] in lanes 0-7, a[2i + 1] in 8-15 */
+        t[i] = VRED(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                    _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int j = 0; j < 4; j++) /* + 4 apart: quarter q is a[4j + q] */
+        v[j] = VRED(_mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                    _mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int j = 0; j < 2; j++) /* + 2 apart */
+        u[j] = VRED(_mm512_shuffle_ps(v[2 * j], v[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                    _mm512_shuffle_ps(v[2 * j], v[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 r = VRED(_mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+#undef VRED
+    /* lane 4k + p holds a[4p + k]: transpose the 4 x 4 */
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+}
+
+/* Group j's 16-value vectors of a row: [j * vpg, (j + 1) * vpg), the last group to the row's end
+   (kp / 16). NV: vpg when constant (groups of 32, 64, 128), 0 for any. */
+#define GROUP_VECTORS(NV, j) \
+    const int64_t v0 = (j) * vpg, v1 = (j) == G - 1 ? kp / 16 : v0 + ((NV) ? (NV) : vpg)
+
+/* Row m of x quantized group by group into row (int8, K padded with zeros to kp), with each
+   group's scale and integer sum times `mult` (see vshare). A group whose max is not finite gets a NaN
+   scale, so the row's outputs are NaN rather than finite garbage. Sixteen groups at a time: their
+   maxima, then their scales and sums, each reduced together (vreduce16), where a group's own two
+   reductions and loops of unknown length had made x cost ~3 of a thread's ~4.6 us in a 16-row,
+   K = 576 call of one tile. float32 x with K = kp is read in place. NV: see GROUP_VECTORS. */
+INLINE void quantize_row_nv(const int NV, const I4VWeight *w, const float *p, int64_t m, int64_t kp, int8_t *row, float *xs,
+                            int32_t *xa, int32_t mult) {
+    const int64_t G = w->G, vpg = w->cpg / 2;
+    for (int64_t j0 = 0; j0 < G; j0 += 16) {
+        const int n = G - j0 < 16 ? (int)(G - j0) : 16;
+        __m512 mx[16], sums[16];
+        __mmask16 nan = 0; /* max_ps drops NaN, so look for it separately */
+        for (int i = 0; i < 16; i++) {
+            mx[i] = sums[i] = _mm512_setzero_ps();
+            if (i >= n) continue;
+            GROUP_VECTORS(NV, j0 + i);
+            __mmask16 un = 0;
+            for (int64_t v = v0; v < v1; v++) {
+                const __m512 x = _mm512_loadu_ps(p + 16 * v);
+                un |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+                mx[i] = _mm512_max_ps(mx[i], _mm512_abs_ps(x));
+            }
+            if (un) nan |= (__mmask16)(1u << i);
+        }
+        const __m512 amax = _mm512_mask_mov_ps(vreduce16(0, mx), nan, _mm512_set1_ps(NAN));
+        /* the groups with a positive, finite max; the others (all zeros, or a NaN or an infinity)
+           get zero codes and the scale 0 (all zeros) or NaN */
+        const __mmask16 good = _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ)
+                               & _mm512_cmp_ps_mask(amax, _mm512_set1_ps(INFINITY), _CMP_LT_OQ);
+        float invs[16];
+        _mm512_storeu_ps(invs, _mm512_div_ps(_mm512_set1_ps(127.0f), amax));
+        for (int i = 0; i < n; i++) {
+            GROUP_VECTORS(NV, j0 + i);
+            if (!(good >> i & 1)) {
+                memset(row + 16 * v0, 0, (size_t)(16 * (v1 - v0)));
+                continue;
+            }
+            const __m512 s = _mm512_set1_ps(invs[i]);
+            __m512i sum = _mm512_setzero_si512();
+            for (int64_t v = v0; v < v1; v++) {
+                const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(p + 16 * v), s)); /* round half to even */
+                sum = _mm512_add_epi32(sum, q);
+                _mm_storeu_si128((__m128i *)(row + 16 * v), _mm512_cvtsepi32_epi8(q));
+            }
+            sums[i] = _mm512_castsi512_ps(sum);
+        }
+        const __mmask16 zero = _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_EQ_OQ);
+        const __m512 scale = _mm512_maskz_mov_ps(~zero, _mm512_mask_div_ps(_mm512_set1_ps(NAN), good, amax, _mm512_set1_ps(127.0f)));
+        const __m512i total = _mm512_maskz_mullo_epi32(good, _mm512_castps_si512(vreduce16(1, sums)), _mm512_set1_epi32(mult));
+        const __mmask16 lanes = (__mmask16)((1u << n) - 1u);
+        _mm512_mask_storeu_ps(xs + m * G + j0, lanes, scale);
+        _mm512_mask_storeu_epi32(xa + m * G + j0, lanes, total);
+    }
+}
+
+/* quantize_row_nv for row m of x (float32 or bf16, ldx_in apart); f: a row's float32 scratch [kp]. */
+static void quantize_row(const I4VWeight *w, const void *x, int x_bf16, int64_t ldx_in, int64_t m, int64_t kp, float *f,
+                         int8_t *row, float *xs, int32_t *xa, int32_t mult) {
+    const int64_t K = w->K;
+    const float *p = f;
     if (x_bf16) {
         const uint16_t *src = (const uint16_t *)x + m * ldx_in;
         for (int64_t k = 0; k < K; k += 16) {
             const __mmask16 mask = lowbit_lanes(K - k);
             _mm512_mask_storeu_ps(f + k, mask, lowbit_bf16_widen16(_mm256_maskz_loadu_epi16(mask, src + k)));
         }
+    } else if (K == kp) {
+        p = (const float *)x + m * ldx_in;
     } else {
         memcpy(f, (const float *)x + m * ldx_in, (size_t)K * sizeof(float));
     }
-    for (int64_t k = K; k < kp; k++) f[k] = 0.0f;
-    for (int64_t j = 0; j < G; j++) {
-        const int64_t k0 = j * w->cpg * 8, k1 = j == G - 1 ? kp : k0 + w->cpg * 8;
-        __m512 mx = _mm512_setzero_ps();
-        __mmask16 nan = 0;  /* max_ps drops NaN, so look for it separately */
-        for (int64_t k = k0; k < k1; k += 16) {
-            const __m512 v = _mm512_loadu_ps(f + k);
-            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-            mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
-        }
-        const float amax = nan ? NAN : _mm512_reduce_max_ps(mx);
-        if (!(amax > 0.0f) || !isfinite(amax)) {
-            memset(row + k0, 0, (size_t)(k1 - k0));
-            xs[m * G + j] = amax == 0.0f ? 0.0f : NAN;
-            xa[m * G + j] = 0;
-            continue;
-        }
-        const __m512 inv = _mm512_set1_ps(127.0f / amax);
-        __m512i sum = _mm512_setzero_si512();
-        for (int64_t k = k0; k < k1; k += 16) {
-            const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(f + k), inv)); /* round half to even */
-            sum = _mm512_add_epi32(sum, q);
-            _mm_storeu_si128((__m128i *)(row + k), _mm512_cvtsepi32_epi8(q));
-        }
-        xs[m * G + j] = amax / 127.0f;
-        xa[m * G + j] = _mm512_reduce_add_epi32(sum);
+    if (p == f)
+        for (int64_t k = K; k < kp; k++) f[k] = 0.0f;
+    switch (w->cpg) {
+    case 4: quantize_row_nv(2, w, p, m, kp, row, xs, xa, mult); break;
+    case 8: quantize_row_nv(4, w, p, m, kp, row, xs, xa, mult); break;
+    case 16: quantize_row_nv(8, w, p, m, kp, row, xs, xa, mult); break;
+    default: quantize_row_nv(0, w, p, m, kp, row, xs, xa, mult); break;
     }
 }
 
@@ -451,19 +515,25 @@ static int vshare(const I4VWeight *w, const void *x, int x_bf16, int64_t ldx_in,
                   int64_t ta, int64_t tb) {
     if (ta >= tb) return 0;
     const int64_t G = w->G, C = w->chunks, kp = C * 8;
-    int8_t *rows = malloc((size_t)(M * kp)), *xq = aligned_alloc(64, (size_t)((M * kp + 63) / 64 * 64));
-    float *xs = malloc((size_t)(M * G) * sizeof(float) + 4), *f = malloc((size_t)kp * sizeof(float));
-    int32_t *xa = malloc((size_t)(M * G) * sizeof(int32_t) + 4);
-    const int ok = rows && xq && xs && xa && f;
-    if (ok) {
-        for (int64_t m = 0; m < M; m++) quantize_row(w, x, x_bf16, ldx_in, m, kp, f, rows + m * kp, xs, xa);
+    /* one block: xq (chunk layout), xs, xa, a row of float32 x, and x's int8 rows */
+#define ROUND64(b) (((size_t)(b) + 63) / 64 * 64)
+    const size_t xq_b = ROUND64(M * kp), xs_b = ROUND64(M * G * 4), f_b = ROUND64(kp * 4);
+    char *block = aligned_alloc(64, 2 * xq_b + 2 * xs_b + f_b);
+#undef ROUND64
+    if (!block) return -2;
+    int8_t *xq = (int8_t *)block, *rows = (int8_t *)(block + xq_b + 2 * xs_b + f_b);
+    float *xs = (float *)(block + xq_b), *f = (float *)(block + xq_b + 2 * xs_b);
+    int32_t *xa = (int32_t *)(block + xq_b + xs_b);
+    {
 #if HAVE_I4VNNI
         /* Without zero codes a pass needs each group's sum only as its sums' start, -offset * sum:
            stored so, it is one broadcast from memory per row and group, where a multiply and a move
            from a general register had been (SmolLM2's int4-g32 gate|up, 3072 x 576, at 16 rows on
            one core from cache: 197 -> 185 us). */
-        if (!w->zeros)
-            for (int64_t i = 0; i < M * G; i++) xa[i] *= -w->offset;
+        const int32_t mult = w->zeros ? 1 : -w->offset;
+        for (int64_t m = 0; m < M; m++) quantize_row(w, x, x_bf16, ldx_in, m, kp, f, rows + m * kp, xs, xa, mult);
+#else
+        for (int64_t m = 0; m < M; m++) quantize_row(w, x, x_bf16, ldx_in, m, kp, f, rows + m * kp, xs, xa);
 #endif
         lowbit_chunks_by_row(xq, rows, M, C, kp);
         LowbitTileCall call = {.w = w, .xq = xq, .xs = xs, .xa = xa, .M = M, .ldy = ldy, .y = y, .y_bf16 = y_bf16};
@@ -473,12 +543,8 @@ static int vshare(const I4VWeight *w, const void *x, int x_bf16, int64_t ldx_in,
         vtile_runs2(ta, tb, &call);
 #endif
     }
-    free(rows);
-    free(xq);
-    free(xs);
-    free(xa);
-    free(f);
-    return ok ? 0 : -2;
+    free(block);
+    return 0;
 }
 #endif
 
