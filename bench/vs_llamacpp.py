@@ -206,8 +206,10 @@ def summarize_case(case: str, pairs: list[tuple[dict, dict]], gguf_bytes: int) -
     bandwidth (each side's tok/s per GB/s of its own measurement)."""
     med = lambda key, side: statistics.median(p[side][key] for p in pairs)  # noqa: E731
     ratio = lambda key: statistics.median(p[0][key] / p[1][key] for p in pairs)  # noqa: E731
-    token_bytes = pairs[0][0]["decode_weight_bytes"]
-    roofline = lambda side: (1 / med("decode_tok_s", side)) / (token_bytes / (med("stream_bandwidth_gbs", side) * 1e9))  # noqa: E731
+    # the bytes each tool reads a token: lowbit's own count (a packed head by its packed bytes), and
+    # for llama.cpp the same weights unpacked
+    token_bytes = (pairs[0][0]["decode_weight_bytes"], pairs[0][0].get("decode_weight_bytes_unpacked", pairs[0][0]["decode_weight_bytes"]))
+    roofline = lambda side: (1 / med("decode_tok_s", side)) / (token_bytes[side] / (med("stream_bandwidth_gbs", side) * 1e9))  # noqa: E731
     row = {
         "case": case, "gguf_type": CASES[case].gguf_type, "lowbit_args": list(CASES[case].bench_args), "gguf_bytes": gguf_bytes,
         "decode_tok_s": {"lowbit": med("decode_tok_s", 0), "llama.cpp": med("decode_tok_s", 1), "ratio": ratio("decode_tok_s")},
@@ -231,7 +233,8 @@ def run_lowbit_bench(ckpt: str, threads: int, extra: tuple[str, ...] = ()) -> di
                             "--prefill-tokens", "512", "--threads", str(threads), *extra, "--json"))
     by_batch = {d["batch"]: d["decode_tok_s"] for d in out["decode"]}
     return {"prefill_tok_s": out["prefill_tok_s"], "decode_tok_s": by_batch[1], "decode16_tok_s": by_batch[16],
-            "decode_weight_bytes": out["decode_weight_bytes"], "stream_bandwidth_gbs": out["stream_bandwidth_gbs"]}
+            "decode_weight_bytes": out["decode_weight_bytes"], "stream_bandwidth_gbs": out["stream_bandwidth_gbs"],
+            "decode_weight_bytes_unpacked": out.get("decode_weight_bytes_unpacked", out["decode_weight_bytes"])}
 
 
 DEPTH_TOKENS = 64

@@ -74,6 +74,8 @@ def kernel_summary(model) -> dict:
     bf16 = sum(1 for m in model.modules() if isinstance(m, InvariantLinear) and m.bf16_x)
     summary["dense_activations"] = "bf16" if bf16 else "f32"
     summary["dense_bf16_activation_linears"] = bf16
+    # bf16 weights read packed in 12 bits at decode steps (kernels/cpu_bf16pack.py: the head)
+    summary["packed_bf16_linears"] = sum(1 for m in model.modules() if isinstance(m, InvariantLinear) and m.packed is not None)
     return summary
 
 
@@ -81,9 +83,11 @@ def kernel_line(summary: dict) -> str | None:
     """One human line for a kernel_summary, or None for a model without quantized layers and no
     bf16 dense activations."""
     dense = summary.get("dense_bf16_activation_linears")
+    packed = summary.get("packed_bf16_linears")
+    dense_text = f"{dense} with bf16 activations" + (f" ({packed} read packed in 12 bits at decode steps)" if packed else "")
     if not summary["paths"]:
-        return f"dense Linears: {dense} with bf16 activations" if dense else None
+        return f"dense Linears: {dense_text}" if dense else None
     paths = ", ".join(f"{name} x{count}" for name, count in summary["paths"].items())
     act = summary["int4_activations"]
     return (f"kernels: {paths}" + (f" ({act} activations in the int4 decode kernel)" if act else "")
-            + (f"; {dense} dense Linears with bf16 activations" if dense else ""))
+            + (f"; {dense} dense Linears {dense_text.removeprefix(str(dense) + ' ')}" if dense else ""))

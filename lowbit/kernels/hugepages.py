@@ -133,6 +133,16 @@ def place(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized CPU tensor, on huge pages inside `arena()` (as place() would put it, without
+    the copy): for arrays a prepare step fills itself."""
+    t = torch.empty(0, dtype=dtype)
+    nbytes = math.prod(shape) * t.element_size()
+    if not _depth or nbytes < MIN_BYTES or not enabled():
+        return torch.empty(shape, dtype=dtype)
+    return _take(nbytes).view(dtype).view(shape)
+
+
 def place_weights(model: torch.nn.Module) -> None:
     """Every weight a decode step streams onto huge pages of this generation, inside `arena()`:
     the engine calls this once its model is loaded and its projections joined

@@ -435,6 +435,144 @@ INLINE void f32_pass(const int WB, const int NB, int mb, const void *w, int64_t 
 }
 #endif
 
+/* ---- bf16 weights packed in 12 bits, losslessly (lowbit_bf16p_*) --------------------------------
+   A bf16 is [sign | exponent 8 | mantissa 7]; its low byte (the exponent's last bit and the
+   mantissa) is kept whole and its high byte (the sign and the exponent's top 7 bits) becomes a
+   4-bit code into its row's table of 16 high bytes: either sign with the row's 7 largest values of
+   the exponent's top bits (14 binades below the row's largest weight), or 0 (zeros, and numbers
+   below 2^-125). A 32-weight block holding any other high byte is kept whole in a side list, which
+   the weights of trained models leave empty or nearly (SmolLM2's and Gemma-3's tied embeddings:
+   none; their only small values are exact zeros). Decoding gives back the very bf16 values, so a
+   matmul gives bit for bit lowbit_bf16xw_matmul's outputs from three quarters of the bytes: a
+   decode step reads a model's bf16 head (and a bf16 model's Linears) once per token, at the memory's
+   speed, so it takes about three quarters of the time.
+   Block layout (48 bytes): 32 low bytes, weight v of the block at place v for v < 8 and v >= 24,
+   v + 8 for 8 <= v < 16, v - 8 for 16 <= v < 24 (so that an in-lane byte interleave with the
+   high bytes yields the weights in order), then 16 bytes whose low nibble j is place j's code and
+   high nibble place j + 16's. */
+typedef struct {
+    const uint8_t *blocks;    /* [N / 2 rounded up, K / 32, 2, 48]: rows in pairs, block by block (PK_AT) */
+    const uint8_t *tables;    /* [N, 16] high byte by code */
+    const int32_t *esc_start; /* [N + 1]: row n's whole blocks are entries esc_start[n] .. esc_start[n + 1] - 1 */
+    const int32_t *esc_block; /* each entry's block within its row, ascending within a row */
+    const uint16_t *esc_raw;  /* [entries, 32] their bf16 values */
+    int64_t N, K;
+} Bf16Packed;
+
+#define PK_BLOCK 48
+/* Block b of row n: a pair of rows is one stream, block by block, so that pk_rows reads two rows
+   side by side (two chains of sums in flight) in one sequential stream. */
+#define PK_AT(blocks, n, b, nblk) ((blocks) + (((n) >> 1) * (nblk) + (b)) * 2 * PK_BLOCK + ((n) & 1) * PK_BLOCK)
+#ifndef PK_AHEAD
+#define PK_AHEAD 0
+#endif
+#ifndef PK_HINT
+#define PK_HINT _MM_HINT_T0
+#endif
+#ifndef PK_ROWS_AHEAD
+#define PK_ROWS_AHEAD 1
+#endif
+#ifndef PK_ROWS_HINT
+#define PK_ROWS_HINT _MM_HINT_T0
+#endif
+#define PK_ZERO 7 /* code & 7 of a zero high byte (code 15: the sign alone) */
+
+/* Place of block weight v (the layout above). */
+static inline int pk_place(int v) { return v < 8 || v >= 24 ? v : v < 16 ? v + 8 : v - 8; }
+
+/* The code of high byte h in a row whose largest exponent-top is top, or -1 when its table lacks it. */
+static inline int pk_code(int h, int top) {
+    const int s = h >> 7, e = h & 0x7F, d = top - e;
+    if (e == 0) return s * 8 + PK_ZERO;
+    return d >= 0 && d < PK_ZERO ? s * 8 + d : -1;
+}
+
+static int pk_top(const uint16_t *row, int64_t K) {
+    int top = 0;
+    for (int64_t k = 0; k < K; k++) {
+        const int e = (row[k] >> 8) & 0x7F;
+        top = e > top ? e : top;
+    }
+    return top;
+}
+
+/* Whether block b of a row (top: pk_top) needs the side list. */
+static int pk_escapes(const uint16_t *row, int64_t b, int top) {
+    for (int v = 0; v < 32; v++)
+        if (pk_code(row[32 * b + v] >> 8, top) < 0) return 1;
+    return 0;
+}
+
+#if HAVE_BF16DOT
+/* Block b of a packed row as 32 bf16 in order (the layout above). */
+static inline __m512i pk_decode(const uint8_t *q, __m256i table) {
+    const __m128i nib = _mm_set1_epi8(15), c = _mm_loadu_si128((const __m128i *)(q + 32));
+    const __m256i codes = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(c, nib)), _mm_and_si128(_mm_srli_epi16(c, 4), nib), 1);
+    const __m256i high = _mm256_shuffle_epi8(table, codes), low = _mm256_loadu_si256((const __m256i *)q);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi8(low, high)), _mm256_unpackhi_epi8(low, high), 1);
+}
+
+/* Rows n0..n0+nb-1 of p (n0 even) decoded into dst [nb, K] (bf16, exactly the packed values); the
+   next rows' blocks are prefetched as these decode. */
+static void pk_tile(const Bf16Packed *p, int64_t n0, int nb, uint16_t *dst) {
+    const int64_t K = p->K, nblk = K / 32;
+    const char *next = (const char *)PK_AT(p->blocks, n0 + NT, 0, nblk); /* the next tile's pairs */
+    for (int i = 0; i < nb; i++) {
+        const int64_t n = n0 + i;
+        const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p->tables + 16 * n)));
+        int32_t e = p->esc_start[n];
+        const int32_t e_end = p->esc_start[n + 1];
+        uint16_t *out = dst + i * K;
+        for (int64_t b = 0; b < nblk; b++) {
+            const int64_t at = i * nblk + b; /* this block's place in the tile's stream */
+            if ((at & 3) == 0) /* 4 blocks are 3 lines */
+                for (int l = 0; l < 3; l++) _mm_prefetch(next + at * PK_BLOCK + 64 * l, PK_HINT);
+            __m512i wv;
+            if (e < e_end && p->esc_block[e] == b) wv = _mm512_loadu_si512((const void *)(p->esc_raw + (int64_t)(e++) * 32));
+            else wv = pk_decode(PK_AT(p->blocks, n, b, nblk), table);
+            _mm512_storeu_si512((void *)(out + 32 * b), wv);
+        }
+    }
+}
+
+
+
+/* One x row against packed rows n0..n1-1 into out[0..]: bf16_rows' sums (one accumulator over k in
+   steps of 32, hsum16), each block decoded in registers (a decode step: no scratch). RB rows side
+   by side: a row's chain of `vdpbf16ps` waits on each sum (~6 cycles), and with a decode's dozen
+   instructions per block one row at a time left too few rows in flight to hide it. */
+INLINE void pk_rows(const int RB, const Bf16Packed *p, int64_t n0, const uint16_t *x, float *out) {
+    const int64_t nblk = p->K / 32;
+    const char *ahead = (const char *)PK_AT(p->blocks, n0 + 2 * PK_ROWS_AHEAD, 0, nblk); /* pairs ahead */
+    __m256i table[2];
+    int32_t e[2], e_end[2];
+    __m512 acc[2];
+    for (int r = 0; r < RB; r++) {
+        table[r] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p->tables + 16 * (n0 + r))));
+        e[r] = p->esc_start[n0 + r], e_end[r] = p->esc_start[n0 + r + 1];
+        acc[r] = _mm512_setzero_ps();
+    }
+    for (int64_t b = 0; b < nblk; b++) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + 32 * b));
+        if ((b & 1) == 0) /* two blocks of a pair are 3 lines */
+            for (int l = 0; l < 3; l++) _mm_prefetch(ahead + b * 2 * PK_BLOCK + 64 * l, PK_ROWS_HINT);
+        for (int r = 0; r < RB; r++) {
+            __m512i wv;
+            if (e[r] < e_end[r] && p->esc_block[e[r]] == b) wv = _mm512_loadu_si512((const void *)(p->esc_raw + (int64_t)(e[r]++) * 32));
+            else wv = pk_decode(PK_AT(p->blocks, n0 + r, b, nblk), table[r]);
+            acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)wv, xv);
+        }
+    }
+    for (int r = 0; r < RB; r++) out[r] = hsum16(acc[r]);
+}
+
+static void pk_rows1(const Bf16Packed *p, int64_t n0, int64_t n1, const uint16_t *x, float *out) {
+    int64_t n = n0;
+    for (; n + 2 <= n1; n += 2) pk_rows(2, p, n, x, out + (n - n0));
+    if (n < n1) pk_rows(1, p, n, x, out + (n - n0));
+}
+#endif
+
 #if HAVE_F32DOT || HAVE_F32AVX2
 /* One pass of NB weight rows against mb x rows. MODE 4: float32 w, 2: bf16 w (both with float32
    x), 1: bf16 w and bf16 x (vdpbf16ps). */
@@ -463,34 +601,56 @@ INLINE int pass_rows(const int MODE, int64_t rem) {
 }
 /* Tiles ta..tb-1 of y (one thread's share, or a part call's), x in blocks of rows. */
 INLINE void dense_share(const int MODE, const void *w, int64_t N, int64_t K, int64_t ldw, const float *bias, const void *x,
-                        int64_t ldx, int64_t M, void *y, int y_bf16, int64_t ldy, int64_t ta, int64_t tb) {
+                        int64_t ldx, int64_t M, void *y, int y_bf16, int64_t ldy, int64_t ta, int64_t tb, const void *pk,
+                        uint16_t *scratch) {
     const int WB = MODE == 4 ? 4 : 2, XB = MODE == 1 ? 2 : 4; /* bytes of a weight, of an x element */
     const int PR = pass_rows(MODE, MT + 8); /* the rows of a full pass */
     const char *wb = (const char *)w, *xb = (const char *)x;
     int64_t mblock = XBLOCK / (K * XB) / PR * PR;
     if (mblock < PR) mblock = PR;
     float out[NT * MT];
+#if HAVE_BF16DOT
+    if (MODE == 1 && pk && M == 1) { /* a decode step: each block decoded in registers */
+        const int64_t n0 = ta * NT, n1 = tb * NT < N ? tb * NT : N;
+        for (int64_t c0 = n0; c0 < n1; c0 += NT * MT) {
+            const int64_t c1 = c0 + NT * MT < n1 ? c0 + NT * MT : n1;
+            pk_rows1((const Bf16Packed *)pk, c0, c1, (const uint16_t *)x, out);
+            for (int64_t n = c0; n < c1; n++) lowbit_store(y, n, out[n - c0] + (bias ? bias[n] : 0.0f), y_bf16);
+        }
+        return;
+    }
+#endif
     for (int64_t mb0 = 0; mb0 < M; mb0 += mblock) {
         const int64_t me = mb0 + mblock < M ? mb0 + mblock : M;
         for (int64_t t = ta; t < tb; t++) {
             const int64_t n0 = t * NT;
             const int nb = N - n0 >= NT ? NT : (int)(N - n0);
+            const char *wt = wb + n0 * ldw * WB; /* the tile's rows, ld apart */
+            int64_t ld = ldw;
+#if HAVE_BF16DOT
+            if (MODE == 1 && pk) { /* a packed weight (pk_tile): the tile's rows decoded, then as any bf16 tile */
+                pk_tile((const Bf16Packed *)pk, n0, nb, scratch);
+                wt = (const char *)scratch, ld = K;
+            }
+#else
+            (void)pk, (void)scratch;
+#endif
             for (int64_t m0 = mb0, mb; m0 < me; m0 += mb) {
                 mb = pass_rows(MODE, me - m0);
                 const char *xm = xb + m0 * ldx * XB;
 #if BF16_TILE16
                 if (MODE == 1 && nb == NT && mb == 4) {
-                    store_tile16(bf16_tile16((const uint16_t *)(wb + n0 * ldw * WB), ldw, K, (const uint16_t *)xm, ldx), bias,
+                    store_tile16(bf16_tile16((const uint16_t *)wt, ld, K, (const uint16_t *)xm, ldx), bias,
                                  y, y_bf16, ldy, m0, n0);
                     continue;
                 }
 #endif
                 if (nb == NT) {
-                    dense_pass(MODE, NT, mb, wb + n0 * ldw * WB, ldw, K, xm, ldx, out);
+                    dense_pass(MODE, NT, mb, wt, ld, K, xm, ldx, out);
                 } else { /* the ragged last tile, one weight row at a time (same per-row arithmetic) */
                     for (int i = 0; i < nb; i++) {
                         float row[MT];
-                        dense_pass(MODE, 1, mb, wb + (n0 + i) * ldw * WB, ldw, K, xm, ldx, row);
+                        dense_pass(MODE, 1, mb, wt + i * ld * WB, ld, K, xm, ldx, row);
                         for (int m = 0; m < mb; m++) out[m * NT + i] = row[m];
                     }
                 }
@@ -502,21 +662,32 @@ INLINE void dense_share(const int MODE, const void *w, int64_t N, int64_t K, int
     }
 }
 
-/* threads: a part call's (lowbit_native.h) share on this thread, else a region of `threads`. */
-INLINE void dense_matmul(const int MODE, const void *w, int64_t N, int64_t K, int64_t ldw, const float *bias, const void *x,
-                         int64_t ldx, int64_t M, void *y, int y_bf16, int64_t ldy, int threads) {
+/* threads: a part call's (lowbit_native.h) share on this thread, else a region of `threads`. pk: a
+   packed weight (MODE 1; w unused), each thread decoding a tile at a time into a scratch of its own.
+   Returns 0, or -2 when that scratch cannot be had. */
+INLINE int dense_matmul(const int MODE, const void *w, int64_t N, int64_t K, int64_t ldw, const float *bias, const void *x,
+                        int64_t ldx, int64_t M, void *y, int y_bf16, int64_t ldy, int threads, const void *pk) {
     const int64_t tiles = (N + NT - 1) / NT;
+    const size_t scratch_bytes = pk ? (size_t)((NT * K * 2 + 63) / 64 * 64) : 0;
     int64_t ta, tb;
     if (lowbit_part_share(tiles, &ta, &tb)) {
-        dense_share(MODE, w, N, K, ldw, bias, x, ldx, M, y, y_bf16, ldy, ta, tb);
-        return;
+        uint16_t *scratch = pk ? aligned_alloc(64, scratch_bytes) : NULL;
+        if (pk && !scratch) return -2;
+        dense_share(MODE, w, N, K, ldw, bias, x, ldx, M, y, y_bf16, ldy, ta, tb, pk, scratch);
+        free(scratch);
+        return 0;
     }
+    int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
         int64_t lo, hi;
         lowbit_thread_share(tiles, &lo, &hi);
-        dense_share(MODE, w, N, K, ldw, bias, x, ldx, M, y, y_bf16, ldy, lo, hi);
+        uint16_t *scratch = pk ? aligned_alloc(64, scratch_bytes) : NULL;
+        if (pk && !scratch) failed = 1;
+        else dense_share(MODE, w, N, K, ldw, bias, x, ldx, M, y, y_bf16, ldy, lo, hi, pk, scratch);
+        free(scratch);
     }
+    return failed ? -2 : 0;
 }
 #endif
 
@@ -527,8 +698,7 @@ int lowbit_f32_matmul(const float *w, int64_t N, int64_t K, int64_t ldw, const f
     (void)w; (void)N; (void)K; (void)ldw; (void)bias; (void)x; (void)ldx; (void)M; (void)y; (void)ldy; (void)threads;
     return -1;
 #else
-    dense_matmul(4, w, N, K, ldw, bias, x, ldx, M, y, 0, ldy, lowbit_team(threads));
-    return 0;
+    return dense_matmul(4, w, N, K, ldw, bias, x, ldx, M, y, 0, ldy, lowbit_team(threads), NULL);
 #endif
 }
 
@@ -539,8 +709,7 @@ int lowbit_bf16w_matmul(const uint16_t *w, int64_t N, int64_t K, int64_t ldw, co
     (void)w; (void)N; (void)K; (void)ldw; (void)bias; (void)x; (void)ldx; (void)M; (void)y; (void)ldy; (void)threads;
     return -1;
 #else
-    dense_matmul(2, w, N, K, ldw, bias, x, ldx, M, y, 0, ldy, lowbit_team(threads));
-    return 0;
+    return dense_matmul(2, w, N, K, ldw, bias, x, ldx, M, y, 0, ldy, lowbit_team(threads), NULL);
 #endif
 }
 
@@ -553,8 +722,7 @@ int lowbit_bf16_matmul(const uint16_t *w, int64_t N, int64_t K, int64_t ldw, con
     (void)threads;
     return -1;
 #else
-    dense_matmul(1, w, N, K, ldw, bias, x, ldx, M, y, y_bf16, ldy, lowbit_team(threads));
-    return 0;
+    return dense_matmul(1, w, N, K, ldw, bias, x, ldx, M, y, y_bf16, ldy, lowbit_team(threads), NULL);
 #endif
 }
 
@@ -565,19 +733,16 @@ int lowbit_bf16_matmul(const uint16_t *w, int64_t N, int64_t K, int64_t ldw, con
    chain calls either. x's bf16 copy lives in a buffer per thread that only grows: a fresh
    allocation per prefill call would pay a page fault per 4 KB. Returns 0, -1 without AVX512-BF16,
    -2 when the buffer cannot grow. */
-int lowbit_bf16xw_matmul(const uint16_t *w, int64_t N, int64_t K, int64_t ldw, const float *bias, const float *x,
-                         int64_t ldx, int64_t M, float *y, int64_t ldy, int threads) {
-#if !HAVE_BF16DOT
-    (void)w; (void)N; (void)K; (void)ldw; (void)bias; (void)x; (void)ldx; (void)M; (void)y; (void)ldy; (void)threads;
-    return -1;
-#else
-    threads = lowbit_team(threads); /* a part call converts all of x for itself, then its share */
+#if HAVE_BF16DOT
+/* x [M, ldx] float32 rounded to bf16 into a buffer per thread that only grows (a fresh allocation
+   per prefill call would pay a page fault per 4 KB), rows K apart; NULL when it cannot grow. */
+static const uint16_t *bf16_copy(const float *x, int64_t ldx, int64_t M, int64_t K, int threads) {
     static __thread uint16_t *xbuf = NULL;
     static __thread int64_t xcap = 0;
     const int64_t need = M * K;
     if (need > xcap) { /* 64-byte aligned: every 32-value load of a row is then one cache line */
         uint16_t *grown = (uint16_t *)aligned_alloc(64, (size_t)((need * 2 + 63) / 64 * 64));
-        if (!grown) return -2;
+        if (!grown) return NULL;
         free(xbuf);
         xbuf = grown;
         xcap = need;
@@ -589,7 +754,91 @@ int lowbit_bf16xw_matmul(const uint16_t *w, int64_t N, int64_t K, int64_t ldw, c
     } else { /* a region costs ~1 us even when it runs on this thread alone */
         for (int64_t m = 0; m < M; m++) lowbit_bf16_row(x + m * ldx, xb + m * K, K);
     }
-    dense_matmul(1, w, N, K, ldw, bias, xb, K, M, y, 0, ldy, threads);
-    return 0;
+    return xb;
+}
 #endif
+
+int lowbit_bf16xw_matmul(const uint16_t *w, int64_t N, int64_t K, int64_t ldw, const float *bias, const float *x,
+                         int64_t ldx, int64_t M, float *y, int64_t ldy, int threads) {
+#if !HAVE_BF16DOT
+    (void)w; (void)N; (void)K; (void)ldw; (void)bias; (void)x; (void)ldx; (void)M; (void)y; (void)ldy; (void)threads;
+    return -1;
+#else
+    threads = lowbit_team(threads); /* a part call converts all of x for itself, then its share */
+    const uint16_t *xb = bf16_copy(x, ldx, M, K, threads);
+    if (!xb) return -2;
+    return dense_matmul(1, w, N, K, ldw, bias, xb, K, M, y, 0, ldy, threads, NULL);
+#endif
+}
+
+/* lowbit_bf16xw_matmul for a packed weight (w: its Bf16Packed; ldw unused): the same outputs, bit
+   for bit. The same signature, so the decode chain calls either. */
+int lowbit_bf16pxw_matmul(const void *w, int64_t N, int64_t K, int64_t ldw, const float *bias, const float *x, int64_t ldx,
+                          int64_t M, float *y, int64_t ldy, int threads) {
+    (void)ldw;
+#if !HAVE_BF16DOT
+    (void)w; (void)N; (void)K; (void)bias; (void)x; (void)ldx; (void)M; (void)y; (void)ldy; (void)threads;
+    return -1;
+#else
+    const Bf16Packed *p = (const Bf16Packed *)w;
+    if (p->N != N || p->K != K || K % 32) return -1;
+    threads = lowbit_team(threads);
+    const uint16_t *xb = bf16_copy(x, ldx, M, K, threads);
+    if (!xb) return -2;
+    return dense_matmul(1, NULL, N, K, K, bias, xb, K, M, y, 0, ldy, threads, p);
+#endif
+}
+
+/* Packing (any CPU). esc_start [N + 1] gets each row's first entry in the side list (the last: the
+   entries in all); returns that count, or -1 when K is not a multiple of 32. */
+int lowbit_bf16p_escapes(const uint16_t *w, int64_t N, int64_t K, int64_t ldw, int32_t *esc_start, int threads) {
+    if (K % 32 || K <= 0) return -1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint16_t *row = w + n * ldw;
+        const int top = pk_top(row, K);
+        int32_t count = 0;
+        for (int64_t b = 0; b < K / 32; b++) count += pk_escapes(row, b, top);
+        esc_start[n + 1] = count;
+    }
+    esc_start[0] = 0;
+    for (int64_t n = 0; n < N; n++) esc_start[n + 1] += esc_start[n];
+    return (int)esc_start[N];
+}
+
+/* w [N, ldw] bf16 into blocks [N / 2 rounded up, K / 32 * 96] (an odd N's last row's partner
+   left as it is), tables [N, 16] and the side list (esc_start from
+   lowbit_bf16p_escapes; esc_block and esc_raw [entries, 32] filled here). Returns 0, or -1 when K
+   is not a multiple of 32. */
+int lowbit_bf16p_pack(const uint16_t *w, int64_t N, int64_t K, int64_t ldw, uint8_t *blocks, uint8_t *tables,
+                      const int32_t *esc_start, int32_t *esc_block, uint16_t *esc_raw, int threads) {
+    if (K % 32 || K <= 0) return -1;
+    const int64_t nblk = K / 32;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint16_t *row = w + n * ldw;
+        const int top = pk_top(row, K);
+        for (int c = 0; c < 16; c++) {
+            const int d = c & 7, e = d == PK_ZERO || top - d < 0 ? 0 : top - d;
+            tables[n * 16 + c] = (uint8_t)((c >> 3) << 7 | e);
+        }
+        int32_t entry = esc_start[n];
+        for (int64_t b = 0; b < nblk; b++) {
+            uint8_t *q = PK_AT(blocks, n, b, nblk);
+            memset(q, 0, PK_BLOCK);
+            if (pk_escapes(row, b, top)) { /* whole, in the side list */
+                esc_block[entry] = (int32_t)b;
+                memcpy(esc_raw + (int64_t)entry * 32, row + 32 * b, 64);
+                entry++;
+                continue;
+            }
+            for (int v = 0; v < 32; v++) {
+                const uint16_t bits = row[32 * b + v];
+                const int place = pk_place(v), code = pk_code(bits >> 8, top);
+                q[place] = (uint8_t)(bits & 0xFF);
+                q[32 + (place & 15)] |= (uint8_t)(place < 16 ? code : code << 4);
+            }
+        }
+    }
+    return 0;
 }

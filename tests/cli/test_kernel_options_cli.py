@@ -74,7 +74,7 @@ def test_kernel_option_changes_the_paths_eval_reports(run_cli, quantized_model, 
         assert default["paths"] == {"cpu-int4dot": LAYERS} and default["int4_activations"] in ("int8", "bf16")
     forced = eval_kernels(run_cli, quantized_model, "--kernel", "reference")
     assert forced == {"requested": "reference", "paths": {"reference": LAYERS}, "int4_activations": None,
-                      "dense_activations": "f32", "dense_bf16_activation_linears": 0}
+                      "dense_activations": "f32", "dense_bf16_activation_linears": 0, "packed_bf16_linears": 0}
     # the option beats the environment variable, which is the fallback
     monkeypatch.setenv("LOWBIT_KERNEL", "reference")
     assert eval_kernels(run_cli, quantized_model)["paths"] == {"reference": LAYERS}
@@ -110,7 +110,7 @@ def test_bench_json_reports_kernels(run_cli, quantized_model):
                               "--prefill-tokens", "16", "--kv-memory", "2MiB", "--kernel", "reference", "--json"])
     assert code == 0, err
     assert json.loads(out)["kernels"] == {"requested": "reference", "paths": {"reference": LAYERS}, "int4_activations": None,
-                                          "dense_activations": "f32", "dense_bf16_activation_linears": 0}
+                                          "dense_activations": "f32", "dense_bf16_activation_linears": 0, "packed_bf16_linears": 0}
 
 
 def test_generate_with_the_reference_kernel_matches_its_engine(run_cli, quantized_model):

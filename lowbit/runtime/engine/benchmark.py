@@ -51,8 +51,11 @@ def stream_bandwidth_gbs(device: torch.device, mib: int = 256, repeats: int = 5)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every distinct parameter and buffer, quantized weights (their prepared parts) included."""
-    seen, total = set(), 0
+    """Bytes of every distinct parameter and buffer, quantized weights (their prepared parts) and
+    packed copies (kernels/cpu_bf16pack.py) included."""
+    from lowbit.kernels.cpu_bf16pack import packed_bytes
+
+    seen, total = set(), packed_bytes(model)[0]
     tensors = list(model.parameters()) + list(model.buffers())
     for module in model.modules():
         prepared = getattr(module, "prepared", None)
@@ -68,13 +71,17 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def decode_weight_bytes(model: torch.nn.Module) -> int:
+def decode_weight_bytes(model: torch.nn.Module, unpacked: bool = False) -> int:
     """Bytes a one-token decode step streams: all weights except the embedding table (only rows are
     read), unless the lm_head shares it; of a mixture-of-experts block only its top_k experts'
-    (runtime/models/moe.py reads no other expert's weights for a token)."""
+    (runtime/models/moe.py reads no other expert's weights for a token); a packed Linear
+    (kernels/cpu_bf16pack.py) by its packed arrays, or with `unpacked` by its bf16 weight (what a
+    tool reading the same weights unpacked streams)."""
+    from lowbit.kernels.cpu_bf16pack import packed_bytes
     from lowbit.runtime.models.moe import SparseMoE
 
-    total = weight_bytes(model)
+    packed, bf16 = packed_bytes(model)
+    total = weight_bytes(model) - (packed if unpacked else bf16)
     for module in model.modules():
         if isinstance(module, SparseMoE):
             experts = weight_bytes(module.experts)
@@ -86,6 +93,7 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
     if head is None or head.data_ptr() != embed.data_ptr():
         total -= embed.numel() * embed.element_size()
     return total
+
 
 
 def _sync(device) -> None:
@@ -198,6 +206,7 @@ def run_bench(engine, batches=(1, 4, 16, 64), prompt_tokens: int = 32, gen_token
     per_step_bytes = decode_weight_bytes(engine.model)
     steps_per_s = 1000 / one["inter_token_latency_ms"] if one["inter_token_latency_ms"] else 0.0
     result["decode_weight_bytes"] = per_step_bytes
+    result["decode_weight_bytes_unpacked"] = decode_weight_bytes(engine.model, unpacked=True)
     result["weight_bandwidth_gbs"] = per_step_bytes * steps_per_s / 1e9
     result["ttft_s"] = one["ttft_s"]
     if spec_engine is not None:

@@ -1,0 +1,96 @@
+"""bf16 weights packed in 12 bits (kernels/cpu_bf16pack.py, native/f32_dot.c): packing is lossless,
+so the packed matmul gives bit for bit the bf16 kernel's outputs (cpu_f32.matmul with bf16_x) at any
+row count, a row's weights that fall outside its table go through the side list exactly, and an
+engine packs its bf16 head and generates the very tokens (and logits) it did unpacked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowbit.kernels import cpu_bf16pack, cpu_f32
+from lowbit.runtime.engine.engine import Engine
+from lowbit.runtime.engine.sequence import SamplingParams
+
+pytestmark = pytest.mark.skipif(not cpu_bf16pack.enabled() or not cpu_f32.bf16_available(),
+                                reason="no AVX512-BF16 here (the packed kernel is its bf16 x bf16 one)")
+
+
+def _spread(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """bf16 weights whose magnitudes span ~40 binades, zeros of both signs, subnormals and tiny
+    normals: most blocks go through the side list."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.exp2(torch.randint(-40, 2, (n, k), generator=g).float())
+    w = w.bfloat16()
+    w[0, :7] = 0
+    w[1 % n, 3] = -0.0
+    w[2 % n, 5] = 1e-40  # a bf16 subnormal
+    w[3 % n, 9] = -1.2e-38  # a tiny normal: exponent field 1, high byte 0x80
+    return w
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32)
+
+
+@pytest.mark.parametrize("n, k", [(1000, 576), (77, 64), (33, 640), (5, 32), (1, 96)])
+def test_packed_matmul_is_the_bf16_kernel_bit_for_bit(n, k):
+    g = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=g) * 0.02).bfloat16()
+    w[0, :5] = 0
+    w[n // 2, 7] = 1e-30  # far below the row's other weights: its block goes to the side list
+    packed = cpu_bf16pack.pack(w)
+    assert packed.esc_block.numel() >= 1
+    assert packed.nbytes < w.numel() * 2 or n * k < 4096  # 12 bits a weight and 16 bytes a row (+ the side list)
+    bias = torch.randn(n, generator=g)
+    for m in (1, 2, 3, 4, 5, 6, 8, 16, 17):
+        x = torch.randn(m, k, generator=g)
+        for b in (None, bias):
+            assert torch.equal(_bits(cpu_bf16pack.matmul(x, packed, b)), _bits(cpu_f32.matmul(x, w, b, bf16_x=True))), (m, b is None)
+
+
+@pytest.mark.parametrize("n, k", [(31, 64), (8, 96)])
+def test_every_weight_comes_back_exactly_and_wide_rows_use_the_side_list(n, k):
+    w = _spread(n, k)
+    packed = cpu_bf16pack.pack(w)
+    assert packed.esc_block.numel() > 0 and int(packed.esc_start[-1]) == packed.esc_block.numel()
+    # one-hot rows of x read each column back: bf16 x 1 is exact in float32 (a subnormal weight
+    # reads as zero, as the bf16 instruction flushes it: the plain kernel does the same)
+    for col in range(k):
+        x = torch.zeros(1, k)
+        x[0, col] = 1.0
+        got = cpu_bf16pack.matmul(x, packed)[0]
+        assert torch.equal(_bits(got), _bits(cpu_f32.matmul(x, w, None, bf16_x=True)[0])), col
+        normal = w[:, col].float().abs() >= 2.0**-126
+        assert torch.equal(got[normal], w[:, col].float()[normal]), col
+
+
+def test_pack_refuses_what_it_cannot_hold():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_bf16pack.pack(torch.zeros(4, 48, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bf16"):
+        cpu_bf16pack.pack(torch.zeros(4, 64))
+
+
+def _generate(path, monkeypatch, pack: str):
+    monkeypatch.setenv("LOWBIT_DENSE_ACTIVATIONS", "bf16")  # the default on AVX512-BF16 CPUs (tests pin f32)
+    monkeypatch.setenv("LOWBIT_PACK_BF16", pack)
+    engine = Engine(path, kv_memory=4 << 20)
+    head = engine.model.lm_head
+    x = torch.randn(1, head.weight.shape[1], generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits = head(x)
+    out = engine.generate([[256, 72, 101, 108, 108, 111]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    return head.packed, logits, out[0].token_ids
+
+
+def test_an_engine_packs_its_bf16_head_and_generates_the_same_tokens(tiny_float_model, monkeypatch):
+    path = tiny_float_model(tie=True)  # bf16 checkpoint, tied head: the head weight is the bf16 embedding
+    packed, logits, tokens = _generate(path, monkeypatch, "1")
+    assert packed is not None and packed.shape == (258, 64)
+    unpacked, logits0, tokens0 = _generate(path, monkeypatch, "0")
+    assert unpacked is None
+    monkeypatch.setenv("LOWBIT_DENSE_ACTIVATIONS", "f32")  # float32 x: the head is not packed
+    assert Engine(path, kv_memory=4 << 20).model.lm_head.packed is None
+    assert torch.equal(_bits(logits), _bits(logits0))
+    assert tokens == tokens0 and len(tokens) == 16
