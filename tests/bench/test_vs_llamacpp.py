@@ -81,6 +81,18 @@ def test_a_case_row_sets_each_tool_against_its_own_bandwidth(vs):
     assert "llama_cpp_decode_vs_roofline" not in old and old["decode_vs_roofline"] == pytest.approx(1.25)
 
 
+def test_a_packed_head_sets_lowbit_against_the_bytes_it_reads(vs):
+    # lowbit reads 0.75 GB a token (its head packed), llama.cpp the same weights unpacked, 1 GB: at
+    # 40 GB/s both, 40 tok/s is lowbit at 0.75 GB / 40 GB/s = 18.75 ms against 25 ms (1.33) and
+    # 30 tok/s llama.cpp at 25 ms against 33.3 ms (1.33)
+    ours = {"decode_tok_s": 40.0, "prefill_tok_s": 100.0, "decode16_tok_s": 400.0, "decode_weight_bytes": 75 * 10**7,
+            "decode_weight_bytes_unpacked": 10**9, "stream_bandwidth_gbs": 40.0}
+    theirs = {"decode_tok_s": 30.0, "prefill_tok_s": 50.0, "decode16_tok_s": 200.0, "stream_bandwidth_gbs": 40.0}
+    row = vs.summarize_case("int4", [(ours, theirs)] * 3, 123)
+    assert row["decode_vs_roofline"] == pytest.approx(4 / 3)
+    assert row["llama_cpp_decode_vs_roofline"] == pytest.approx(4 / 3)
+
+
 def test_llama_cpp_runs_from_a_fresh_copy_of_its_build_folder(vs, tmp_path):
     # a stand-in tool that prints where it runs from and where its libraries are looked up first
     bin_dir = tmp_path / "bin"
