@@ -30,6 +30,7 @@ from lowbit.native import f32_dot
 _LIB = None
 _BF16 = False  # bf16_available() said yes
 BF16_MAX_ROWS = 16
+PACKED_MAX_ROWS = 4  # rows of x up to which a packed weight (cpu_bf16pack.py) is read instead of the bf16 one
 
 
 def available() -> bool:
@@ -98,20 +99,20 @@ class InvariantLinear(torch.nn.Linear):
     nn.Linear)` for everything that walks the model (draft quantization, weight swaps)."""
 
     bf16_x = False  # round float32 rows of x to bf16 for a bf16 weight (use_invariant_linears sets it)
-    packed = None  # the weight packed in 12 bits (kernels/cpu_bf16pack.py), for single rows of x
+    packed = None  # the weight packed in 12 bits (kernels/cpu_bf16pack.py), for up to PACKED_MAX_ROWS rows of x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         rows = x.numel() // max(x.shape[-1], 1)
-        if (self.packed is not None and rows == 1 and x.dtype is torch.float32 and x.device.type == "cpu"
+        if (self.packed is not None and 0 < rows <= PACKED_MAX_ROWS and x.dtype is torch.float32 and x.device.type == "cpu"
                 and not (torch.is_grad_enabled() and w.requires_grad)):
-            # a decode step's row: the same outputs from three quarters of the bytes; several rows
-            # are compute-bound, where the bf16 weight's tiles are faster (cpu_bf16pack.py)
+            # a decode step's rows (or a small verify's): the same outputs from three quarters of
+            # the bytes; more rows are compute-bound, where the bf16 weight's tiles are faster
             from lowbit.kernels import cpu_bf16pack
 
             bias = self.bias
             if bias is None or (bias.dtype is torch.float32 and bias.is_contiguous()):
-                return cpu_bf16pack.matmul(x.reshape(1, x.shape[-1]).contiguous(), self.packed, bias).view(*x.shape[:-1], w.shape[0])
+                return cpu_bf16pack.matmul(x.reshape(rows, x.shape[-1]).contiguous(), self.packed, bias).view(*x.shape[:-1], w.shape[0])
         if (x.dtype is torch.bfloat16 and w.dtype is torch.bfloat16 and _BF16 and 0 < rows <= BF16_MAX_ROWS and x.device.type == "cpu"
                 and w.stride(-1) == 1 and not (torch.is_grad_enabled() and w.requires_grad)):
             x2 = x.reshape(rows, x.shape[-1])

@@ -43,7 +43,7 @@ def test_packed_matmul_is_the_bf16_kernel_bit_for_bit(n, k):
     assert packed.esc_block.numel() >= 1
     assert packed.nbytes < w.numel() * 2 or n * k < 4096  # 12 bits a weight and 16 bytes a row (+ the side list)
     bias = torch.randn(n, generator=g)
-    for m in (1, 2, 3, 4, 5, 6, 8, 16, 17):
+    for m in (1, 2, 3, 4, 5, 6, 8, 16, 17):  # the engine reads the packed copy up to cpu_f32.PACKED_MAX_ROWS
         x = torch.randn(m, k, generator=g)
         for b in (None, bias):
             assert torch.equal(_bits(cpu_bf16pack.matmul(x, packed, b)), _bits(cpu_f32.matmul(x, w, b, bf16_x=True))), (m, b is None)
@@ -94,3 +94,24 @@ def test_an_engine_packs_its_bf16_head_and_generates_the_same_tokens(tiny_float_
     assert Engine(path, kv_memory=4 << 20).model.lm_head.packed is None
     assert torch.equal(_bits(logits), _bits(logits0))
     assert tokens == tokens0 and len(tokens) == 16
+
+
+def test_an_invariant_linear_reads_its_packed_copy_up_to_four_rows(monkeypatch):
+    torch.manual_seed(5)
+    linear = torch.nn.Linear(64, 40, bias=True)
+    linear.weight.data = linear.weight.data.bfloat16()
+    linear.weight.requires_grad_(False)
+    linear.bias.requires_grad_(False)
+    linear.__class__ = cpu_f32.InvariantLinear
+    linear.bf16_x = True
+    x = torch.randn(3, 8, 64)
+    with torch.no_grad():
+        plain = {rows: linear(x.reshape(-1, 64)[:rows]) for rows in range(1, 9)}
+        linear.packed = cpu_bf16pack.pack(linear.weight.data)
+        calls = []
+        real = cpu_bf16pack.matmul
+        monkeypatch.setattr(cpu_bf16pack, "matmul", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+        for rows in range(1, 9):
+            assert torch.equal(_bits(linear(x.reshape(-1, 64)[:rows])), _bits(plain[rows])), rows
+        assert calls == [1, 2, 3, 4] == list(range(1, cpu_f32.PACKED_MAX_ROWS + 1))
+        assert torch.equal(linear(x[:1, :2]), plain[2].view(1, 2, 40))  # any leading shape
