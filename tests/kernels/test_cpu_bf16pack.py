@@ -115,3 +115,19 @@ def test_an_invariant_linear_reads_its_packed_copy_up_to_four_rows(monkeypatch):
             assert torch.equal(_bits(linear(x.reshape(-1, 64)[:rows])), _bits(plain[rows])), rows
         assert calls == [1, 2, 3, 4] == list(range(1, cpu_f32.PACKED_MAX_ROWS + 1))
         assert torch.equal(linear(x[:1, :2]), plain[2].view(1, 2, 40))  # any leading shape
+
+
+def test_greedy_speculation_with_a_packed_head_gives_the_tokens_of_plain_decoding(tiny_float_model, monkeypatch):
+    # verifies of 1 + 3 rows read the packed head (up to PACKED_MAX_ROWS), plain steps one row
+    path = tiny_float_model(tie=True)
+    monkeypatch.setenv("LOWBIT_DENSE_ACTIVATIONS", "bf16")
+    prompt = [[256, 72, 101, 108, 108, 111]]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = Engine(path, kv_memory=4 << 20)
+    spec = Engine(path, kv_memory=4 << 20, draft="self:layers=1", num_speculative_tokens=3)
+    assert plain.model.lm_head.packed is not None and spec.model.lm_head.packed is not None
+    monkeypatch.setenv("LOWBIT_PACK_BF16", "0")
+    unpacked = Engine(path, kv_memory=4 << 20)
+    want = unpacked.generate(prompt, greedy)[0].token_ids
+    assert plain.generate(prompt, greedy)[0].token_ids == want
+    assert spec.generate(prompt, greedy)[0].token_ids == want
