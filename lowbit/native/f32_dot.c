@@ -444,8 +444,8 @@ INLINE void f32_pass(const int WB, const int NB, int mb, const void *w, int64_t 
    the weights of trained models leave empty or nearly (SmolLM2's and Gemma-3's tied embeddings:
    none; their only small values are exact zeros). Decoding gives back the very bf16 values, so a
    matmul gives bit for bit lowbit_bf16xw_matmul's outputs from three quarters of the bytes: a
-   decode step reads a model's bf16 head (and a bf16 model's Linears) once per token, at the memory's
-   speed, so it takes about three quarters of the time.
+   decode step reads a bf16 head (kernels/cpu_bf16pack.py) whole per token at the memory's speed,
+   so it takes about three quarters of the time.
    Block layout (48 bytes): 32 low bytes, weight v of the block at place v for v < 8 and v >= 24,
    v + 8 for 8 <= v < 16, v - 8 for 16 <= v < 24 (so that an in-lane byte interleave with the
    high bytes yields the weights in order), then 16 bytes whose low nibble j is place j's code and
