@@ -71,6 +71,12 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def _packed_bytes(model: torch.nn.Module) -> int:
+    from lowbit.kernels.cpu_bf16pack import packed_bytes
+
+    return packed_bytes(model)[0]
+
+
 def decode_weight_bytes(model: torch.nn.Module, unpacked: bool = False) -> int:
     """Bytes a one-token decode step streams: all weights except the embedding table (only rows are
     read), unless the lm_head shares it; of a mixture-of-experts block only its top_k experts'
@@ -180,6 +186,7 @@ def run_bench(engine, batches=(1, 4, 16, 64), prompt_tokens: int = 32, gen_token
         "prefill_tok_s": prefill_len / prefill_s,
         "prefill_first_tok_s": prefill_len / prefill_times[0],
         "weight_bytes": weight_bytes(engine.model),
+        "packed_bytes": _packed_bytes(engine.model),  # of weight_bytes: packed copies (kernels/cpu_bf16pack.py)
         "kv_cache_bytes": engine.cache.nbytes,
         "kv_dtype": str(engine.cache.store_dtype).replace("torch.", "") if engine.cache.kv_dtype != "fp8" else "fp8",
         "kv_blocks": engine.cache.num_blocks,
