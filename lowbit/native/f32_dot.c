@@ -672,11 +672,12 @@ INLINE void dense_share(const int MODE, const void *w, int64_t N, int64_t K, int
 INLINE int dense_matmul(const int MODE, const void *w, int64_t N, int64_t K, int64_t ldw, const float *bias, const void *x,
                         int64_t ldx, int64_t M, void *y, int y_bf16, int64_t ldy, int threads, const void *pk) {
     const int64_t tiles = (N + NT - 1) / NT;
-    const size_t scratch_bytes = pk ? (size_t)((NT * K * 2 + 63) / 64 * 64) : 0;
+    const int tiles_decoded = pk && M > 1; /* one row decodes in registers (pk_rows) */
+    const size_t scratch_bytes = (size_t)((NT * K * 2 + 63) / 64 * 64);
     int64_t ta, tb;
     if (lowbit_part_share(tiles, &ta, &tb)) {
-        uint16_t *scratch = pk ? aligned_alloc(64, scratch_bytes) : NULL;
-        if (pk && !scratch) return -2;
+        uint16_t *scratch = tiles_decoded ? aligned_alloc(64, scratch_bytes) : NULL;
+        if (tiles_decoded && !scratch) return -2;
         dense_share(MODE, w, N, K, ldw, bias, x, ldx, M, y, y_bf16, ldy, ta, tb, pk, scratch);
         free(scratch);
         return 0;
@@ -686,8 +687,8 @@ INLINE int dense_matmul(const int MODE, const void *w, int64_t N, int64_t K, int
     {
         int64_t lo, hi;
         lowbit_thread_share(tiles, &lo, &hi);
-        uint16_t *scratch = pk ? aligned_alloc(64, scratch_bytes) : NULL;
-        if (pk && !scratch) failed = 1;
+        uint16_t *scratch = tiles_decoded ? aligned_alloc(64, scratch_bytes) : NULL;
+        if (tiles_decoded && !scratch) failed = 1;
         else dense_share(MODE, w, N, K, ldw, bias, x, ldx, M, y, y_bf16, ldy, lo, hi, pk, scratch);
         free(scratch);
     }
