@@ -518,7 +518,8 @@ def _scoring_model(path, dtype: torch.dtype, device: torch.device, ctx: int):
         from lowbit.runtime.engine.engine_model import load_engine_model
         from lowbit.runtime.engine.window_scorer import WindowScorer
 
-        scorer = WindowScorer(load_engine_model(path, dtype, device), ctx)
+        # windows of many rows never read a packed head copy: none is made (kernels/cpu_bf16pack.py)
+        scorer = WindowScorer(load_engine_model(path, dtype, device, pack=False), ctx)
         hugepages.return_freed_memory()
         return scorer
     from lowbit.runtime.loader import load_model

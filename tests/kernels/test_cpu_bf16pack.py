@@ -131,3 +131,12 @@ def test_greedy_speculation_with_a_packed_head_gives_the_tokens_of_plain_decodin
     want = unpacked.generate(prompt, greedy)[0].token_ids
     assert plain.generate(prompt, greedy)[0].token_ids == want
     assert spec.generate(prompt, greedy)[0].token_ids == want
+
+
+def test_eval_scores_without_a_packed_copy(tiny_float_model, monkeypatch):
+    # eval's windows are many rows (the bf16 weight's tiles), so its scoring model keeps no packed copy
+    from lowbit.runtime.evaluate import _scoring_model
+
+    monkeypatch.setenv("LOWBIT_DENSE_ACTIVATIONS", "bf16")
+    scorer = _scoring_model(tiny_float_model(tie=True), torch.float32, torch.device("cpu"), 64)
+    assert scorer.lm.lm_head.bf16_x and scorer.lm.lm_head.packed is None

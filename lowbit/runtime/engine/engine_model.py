@@ -15,11 +15,13 @@ from lowbit.runtime.models.fusion import fuse_projections
 
 
 def load_engine_model(path: str | Path, dtype: torch.dtype, device: torch.device, quantize_to: str | None = None,
-                      draft_head: bool = False, head_vocab: torch.Tensor | None = None):
+                      draft_head: bool = False, head_vocab: torch.Tensor | None = None, pack: bool = True):
     """Load the checkpoint at `path` for the engine. quantize_to: RTN-quantize its Linears to that
     format as they load (a `self:FORMAT` draft or cascade). draft_head: a draft model's head, read
     in full at every draft step, quantized on the CPU (draft_models.quantize_draft_head_), scoring only
-    `head_vocab`'s tokens where given (a draft's, or quantize_to's head: draft_vocab.py). The caller
+    `head_vocab`'s tokens where given (a draft's, or quantize_to's head: draft_vocab.py). pack: keep a
+    bf16 head's packed copy for decode steps (kernels/cpu_bf16pack.py; eval, which scores whole
+    windows, does without). The caller
     frees the loaders' temporaries (hugepages.return_freed_memory) once everything it loads is placed."""
     from lowbit.runtime.loader import load_model
 
@@ -46,6 +48,6 @@ def load_engine_model(path: str | Path, dtype: torch.dtype, device: torch.device
         hugepages.new_generation()
         fuse_projections(model)  # q/k/v and gate/up as one matmul where exact (int4dot, invariant dense)
         hugepages.place_weights(model)
-        if device.type == "cpu":
+        if device.type == "cpu" and pack:
             pack_head(model)  # a bf16 head read in 12 bits a weight at decode steps, the same outputs
     return model
