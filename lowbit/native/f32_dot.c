@@ -166,25 +166,12 @@ INLINE float hsum16(__m512 a) {
 }
 
 /* The sums of acc[0..15] (each by hsum16's tree: the same pairs added in the same order, so the
-   same bits) into out[0..15], in 45 vector operations instead of sixteen separate trees: pairs
-   of accumulators share each shuffle. Lane 4k + p of the last vector is accumulator 4p + k.
+   same bits), lowbit_reduce16's: 45 vector operations instead of sixteen separate trees. Lane
+   4k + p of the vector is accumulator 4p + k; hsum16_many stores them in order.
    bf16 x bf16 at q|k|v, o, gate|up and down of SmolLM2 (2 Zen 4 cores, alternated C calls, the
    same bits as GCC's _mm512_reduce_add_ps per output): 0.85x the time at 16 rows, 0.92x at 64,
    0.96x at 512. Dropping the next tile's prefetch as well gained nothing. */
-INLINE __m512 hsum16_vec(const __m512 *acc) {
-    __m512 t[8], v[4], x[2];
-    for (int i = 0; i < 8; i++) /* lanes j + (j + 8): a's in lanes 0-7, b's in 8-15 */
-        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    for (int j = 0; j < 4; j++) /* + 4 apart: quarter q is accumulator 4j + q */
-        v[j] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    for (int j = 0; j < 2; j++) /* + 2 apart */
-        x[j] = _mm512_add_ps(_mm512_shuffle_ps(v[2 * j], v[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(v[2 * j], v[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    return _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_ps(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
+INLINE __m512 hsum16_vec(const __m512 *acc) { return lowbit_reduce16(0, acc); }
 
 INLINE void hsum16_many(const __m512 *acc, float *out) {
     const __m512 z = hsum16_vec(acc);
@@ -516,6 +503,13 @@ static inline __m512i pk_decode(const uint8_t *q, __m256i table) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi8(low, high)), _mm256_unpackhi_epi8(low, high), 1);
 }
 
+/* Block b of packed row n as 32 bf16: from the side list when it is entry *e there (then *e moves
+   on; e_end: the row's last entry + 1), else decoded with the row's table. */
+static inline __m512i pk_block(const Bf16Packed *p, int64_t n, int64_t b, __m256i table, int32_t *e, int32_t e_end) {
+    if (*e < e_end && p->esc_block[*e] == b) return _mm512_loadu_si512((const void *)(p->esc_raw + (int64_t)(*e)++ * 32));
+    return pk_decode(PK_AT(p->blocks, n, b, p->K / 32), table);
+}
+
 /* Rows n0..n0+nb-1 of p (n0 even) decoded into dst [nb, K] (bf16, exactly the packed values); the
    next rows' blocks are prefetched as these decode. */
 static void pk_tile(const Bf16Packed *p, int64_t n0, int nb, uint16_t *dst) {
@@ -531,15 +525,10 @@ static void pk_tile(const Bf16Packed *p, int64_t n0, int nb, uint16_t *dst) {
             const int64_t at = i * nblk + b; /* this block's place in the tile's stream */
             if ((at & 3) == 0) /* 4 blocks are 3 lines */
                 for (int l = 0; l < 3; l++) _mm_prefetch(next + at * PK_BLOCK + 64 * l, PK_HINT);
-            __m512i wv;
-            if (e < e_end && p->esc_block[e] == b) wv = _mm512_loadu_si512((const void *)(p->esc_raw + (int64_t)(e++) * 32));
-            else wv = pk_decode(PK_AT(p->blocks, n, b, nblk), table);
-            _mm512_storeu_si512((void *)(out + 32 * b), wv);
+            _mm512_storeu_si512((void *)(out + 32 * b), pk_block(p, n, b, table, &e, e_end));
         }
     }
 }
-
-
 
 /* One x row against packed rows n0..n1-1 into out[0..]: bf16_rows' sums (one accumulator over k in
    steps of 32, hsum16), each block decoded in registers (a decode step: no scratch). RB rows side
@@ -560,12 +549,8 @@ INLINE void pk_rows(const int RB, const Bf16Packed *p, int64_t n0, const uint16_
         const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + 32 * b));
         if ((b & 1) == 0) /* two blocks of a pair are 3 lines */
             for (int l = 0; l < 3; l++) _mm_prefetch(ahead + b * 2 * PK_BLOCK + 64 * l, PK_ROWS_HINT);
-        for (int r = 0; r < RB; r++) {
-            __m512i wv;
-            if (e[r] < e_end[r] && p->esc_block[e[r]] == b) wv = _mm512_loadu_si512((const void *)(p->esc_raw + (int64_t)(e[r]++) * 32));
-            else wv = pk_decode(PK_AT(p->blocks, n0 + r, b, nblk), table[r]);
-            acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)wv, xv);
-        }
+        for (int r = 0; r < RB; r++)
+            acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)pk_block(p, n0 + r, b, table[r], &e[r], e_end[r]), xv);
     }
     for (int r = 0; r < RB; r++) out[r] = hsum16(acc[r]);
 }
@@ -731,13 +716,6 @@ int lowbit_bf16_matmul(const uint16_t *w, int64_t N, int64_t K, int64_t ldw, con
 #endif
 }
 
-/* float32 x rounded to bf16 (nearest even, as torch rounds), then lowbit_bf16_matmul's arithmetic
-   into a float32 y: a bf16 weight's product with an activation the way llama.cpp's BF16 type
-   computes it (x converted to bf16, `vdpbf16ps`), at twice the multiply-adds of
-   lowbit_bf16w_matmul's float32 FMAs. The same signature as lowbit_bf16w_matmul, so the decode
-   chain calls either. x's bf16 copy lives in a buffer per thread that only grows: a fresh
-   allocation per prefill call would pay a page fault per 4 KB. Returns 0, -1 without AVX512-BF16,
-   -2 when the buffer cannot grow. */
 #if HAVE_BF16DOT
 /* x [M, ldx] float32 rounded to bf16 into a buffer per thread that only grows (a fresh allocation
    per prefill call would pay a page fault per 4 KB), rows K apart; NULL when it cannot grow. */
@@ -763,6 +741,11 @@ static const uint16_t *bf16_copy(const float *x, int64_t ldx, int64_t M, int64_t
 }
 #endif
 
+/* float32 x rounded to bf16 (nearest even, as torch rounds; bf16_copy), then lowbit_bf16_matmul's
+   arithmetic into a float32 y: a bf16 weight's product with an activation the way llama.cpp's BF16
+   type computes it (x converted to bf16, `vdpbf16ps`), at twice the multiply-adds of
+   lowbit_bf16w_matmul's float32 FMAs. The same signature as lowbit_bf16w_matmul, so the decode
+   chain calls either. Returns 0, -1 without AVX512-BF16, -2 when x's buffer cannot grow. */
 int lowbit_bf16xw_matmul(const uint16_t *w, int64_t N, int64_t K, int64_t ldw, const float *bias, const float *x,
                          int64_t ldx, int64_t M, float *y, int64_t ldy, int threads) {
 #if !HAVE_BF16DOT

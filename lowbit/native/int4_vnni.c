@@ -207,25 +207,11 @@ static void vpass(int tt, int mb, const I4VWeight *w, int64_t t0, const int8_t *
 }
 #undef MB_CASE
 
-/* The 16 reductions of a[0..15] (max, or int32 sum in float32 bits), lane j holding a[j]'s: pairs
-   of vectors share each shuffle, 4 x 16 vector operations where 16 separate reductions took ~8 x 16.
-   Either operation is exact in any order, so the values are those of a vector's own reduction. */
+/* The 16 reductions of a[0..15] (max, or int32 sum in float32 bits; lowbit_reduce16's tree), lane j
+   holding a[j]'s. Either operation is exact in any order, so the values are a vector's own reduction's. */
 INLINE __m512 vreduce16(const int ADD, const __m512 *a) {
-#define VRED(p, q) (ADD ? _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), _mm512_castps_si512(q))) : _mm512_max_ps(p, q))
-    __m512 t[8], v[4], u[2];
-    for (int i = 0; i < 8; i++) /* lanes l and l + 8: a[2i] in lanes 0-7, a[2i + 1] in 8-15 */
-        t[i] = VRED(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                    _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    for (int j = 0; j < 4; j++) /* + 4 apart: quarter q is a[4j + q] */
-        v[j] = VRED(_mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                    _mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    for (int j = 0; j < 2; j++) /* + 2 apart */
-        u[j] = VRED(_mm512_shuffle_ps(v[2 * j], v[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                    _mm512_shuffle_ps(v[2 * j], v[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    const __m512 r = VRED(_mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
-#undef VRED
     /* lane 4k + p holds a[4p + k]: transpose the 4 x 4 */
-    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), lowbit_reduce16(ADD ? 2 : 1, a));
 }
 
 /* Group j's 16-value vectors of a row: [j * vpg, (j + 1) * vpg), the last group to the row's end

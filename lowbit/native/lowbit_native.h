@@ -2,8 +2,8 @@
    compiles them one by one, and every file's cache key includes this header's bytes).
 
    Only helpers that move bits or split work live here: bf16 conversions (integer operations, so
-   every caller's values are exactly what its own copy computed), the AVX2 sections' fixed-order
-   horizontal sum, lane masks, the OpenMP share of
+   every caller's values are exactly what its own copy computed), the fixed-order horizontal sums
+   (the AVX2 sections' of 8 lanes, sixteen vectors' at once), lane masks, the OpenMP share of
    a thread, the run-on-this-thread-or-fan-out loop and the int4 kernels' tile dispatch. No
    floating-point arithmetic is reordered by using them. */
 
@@ -87,6 +87,29 @@ static inline void lowbit_bf16_row(const float *src, uint16_t *dst, int64_t K) {
 /* 16 bf16 values -> float32 (exact: a 16-bit shift). */
 static inline __m512 lowbit_bf16_widen16(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* The reductions of the 16 lanes of each of a[0..15], in one fixed tree for all sixteen: lanes l and
+   l + 8, then 4, 2 and 1 apart, pairs of vectors sharing each shuffle (4 x 16 vector operations where
+   sixteen separate reductions take ~8 x 16). Lane 4k + p of the result reduces a[4p + k]. OP 0: float32
+   add (every caller's sums are then added in this one order), 1: float32 max, 2: int32 add (the lanes
+   float32 bits). */
+INLINE __m512 lowbit_reduce16(const int OP, const __m512 *a) {
+#define LOWBIT_RED(p, q) \
+    (OP == 0 ? _mm512_add_ps(p, q) : OP == 1 ? _mm512_max_ps(p, q) \
+             : _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), _mm512_castps_si512(q))))
+    __m512 t[8], v[4], u[2];
+    for (int i = 0; i < 8; i++) /* lanes l and l + 8: a[2i] in lanes 0-7, a[2i + 1] in 8-15 */
+        t[i] = LOWBIT_RED(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int j = 0; j < 4; j++) /* + 4 apart: quarter q is a[4j + q] */
+        v[j] = LOWBIT_RED(_mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int j = 0; j < 2; j++) /* + 2 apart */
+        u[j] = LOWBIT_RED(_mm512_shuffle_ps(v[2 * j], v[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_ps(v[2 * j], v[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return LOWBIT_RED(_mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+#undef LOWBIT_RED
 }
 #endif
 
