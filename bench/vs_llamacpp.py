@@ -208,7 +208,8 @@ def summarize_case(case: str, pairs: list[tuple[dict, dict]], gguf_bytes: int) -
     ratio = lambda key: statistics.median(p[0][key] / p[1][key] for p in pairs)  # noqa: E731
     # the bytes each tool reads a token: lowbit's own count (a packed head by its packed bytes), and
     # for llama.cpp the same weights unpacked
-    token_bytes = (pairs[0][0]["decode_weight_bytes"], pairs[0][0].get("decode_weight_bytes_unpacked", pairs[0][0]["decode_weight_bytes"]))
+    ours = pairs[0][0]
+    token_bytes = (ours["decode_weight_bytes"], ours.get("decode_weight_bytes_unpacked", ours["decode_weight_bytes"]))
     roofline = lambda side: (1 / med("decode_tok_s", side)) / (token_bytes[side] / (med("stream_bandwidth_gbs", side) * 1e9))  # noqa: E731
     row = {
         "case": case, "gguf_type": CASES[case].gguf_type, "lowbit_args": list(CASES[case].bench_args), "gguf_bytes": gguf_bytes,

@@ -84,10 +84,10 @@ def kernel_line(summary: dict) -> str | None:
     bf16 dense activations."""
     dense = summary.get("dense_bf16_activation_linears")
     packed = summary.get("packed_bf16_linears")
-    dense_text = f"{dense} with bf16 activations" + (f" ({packed} read packed in 12 bits at decode steps)" if packed else "")
+    with_bf16 = "with bf16 activations" + (f" ({packed} read packed in 12 bits at decode steps)" if packed else "")
     if not summary["paths"]:
-        return f"dense Linears: {dense_text}" if dense else None
+        return f"dense Linears: {dense} {with_bf16}" if dense else None
     paths = ", ".join(f"{name} x{count}" for name, count in summary["paths"].items())
     act = summary["int4_activations"]
     return (f"kernels: {paths}" + (f" ({act} activations in the int4 decode kernel)" if act else "")
-            + (f"; {dense} dense Linears {dense_text.removeprefix(str(dense) + ' ')}" if dense else ""))
+            + (f"; {dense} dense Linears {with_bf16}" if dense else ""))

@@ -84,13 +84,15 @@ def pack(weight: torch.Tensor) -> PackedBf16:
     threads = torch.get_num_threads()
     esc_start = torch.empty(n + 1, dtype=torch.int32)
     entries = lib.lowbit_bf16p_escapes(weight.data_ptr(), n, k, k, esc_start.data_ptr(), threads)
+    if entries < 0:
+        raise RuntimeError(f"lowbit_bf16p_escapes failed with code {entries}")
     blocks = hugepages.empty(((n + 1) // 2, k // 32 * 2 * BLOCK_BYTES), torch.uint8)  # rows in pairs
     tables = torch.empty(n, 16, dtype=torch.uint8)
     esc_block = torch.empty(max(entries, 1), dtype=torch.int32)
     esc_raw = torch.empty(max(entries, 1), 32, dtype=torch.bfloat16)
     rc = lib.lowbit_bf16p_pack(weight.data_ptr(), n, k, k, blocks.data_ptr(), tables.data_ptr(), esc_start.data_ptr(),
                                esc_block.data_ptr(), esc_raw.data_ptr(), threads)
-    if rc != 0 or entries < 0:
+    if rc != 0:
         raise RuntimeError(f"lowbit_bf16p_pack failed with code {rc}")
     struct = _Packed(blocks.data_ptr(), tables.data_ptr(), esc_start.data_ptr(), esc_block.data_ptr(), esc_raw.data_ptr(), n, k)
     return PackedBf16(blocks, tables, esc_start, esc_block[:entries], esc_raw[:entries], struct)

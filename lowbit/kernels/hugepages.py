@@ -136,8 +136,7 @@ def place(t: torch.Tensor) -> torch.Tensor:
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized CPU tensor, on huge pages inside `arena()` (as place() would put it, without
     the copy): for arrays a prepare step fills itself."""
-    t = torch.empty(0, dtype=dtype)
-    nbytes = math.prod(shape) * t.element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if not _depth or nbytes < MIN_BYTES or not enabled():
         return torch.empty(shape, dtype=dtype)
     return _take(nbytes).view(dtype).view(shape)

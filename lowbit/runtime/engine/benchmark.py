@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from lowbit.kernels.cpu_bf16pack import packed_bytes
 from lowbit.runtime.engine.sequence import SamplingParams
 from lowbit.runtime.process_memory import resident_bytes
 
@@ -53,8 +54,6 @@ def stream_bandwidth_gbs(device: torch.device, mib: int = 256, repeats: int = 5)
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of every distinct parameter and buffer, quantized weights (their prepared parts) and
     packed copies (kernels/cpu_bf16pack.py) included."""
-    from lowbit.kernels.cpu_bf16pack import packed_bytes
-
     seen, total = set(), packed_bytes(model)[0]
     tensors = list(model.parameters()) + list(model.buffers())
     for module in model.modules():
@@ -71,19 +70,12 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def _packed_bytes(model: torch.nn.Module) -> int:
-    from lowbit.kernels.cpu_bf16pack import packed_bytes
-
-    return packed_bytes(model)[0]
-
-
 def decode_weight_bytes(model: torch.nn.Module, unpacked: bool = False) -> int:
     """Bytes a one-token decode step streams: all weights except the embedding table (only rows are
     read), unless the lm_head shares it; of a mixture-of-experts block only its top_k experts'
     (runtime/models/moe.py reads no other expert's weights for a token); a packed Linear
     (kernels/cpu_bf16pack.py) by its packed arrays, or with `unpacked` by its bf16 weight (what a
     tool reading the same weights unpacked streams)."""
-    from lowbit.kernels.cpu_bf16pack import packed_bytes
     from lowbit.runtime.models.moe import SparseMoE
 
     packed, bf16 = packed_bytes(model)
@@ -186,7 +178,7 @@ def run_bench(engine, batches=(1, 4, 16, 64), prompt_tokens: int = 32, gen_token
         "prefill_tok_s": prefill_len / prefill_s,
         "prefill_first_tok_s": prefill_len / prefill_times[0],
         "weight_bytes": weight_bytes(engine.model),
-        "packed_bytes": _packed_bytes(engine.model),  # of weight_bytes: packed copies (kernels/cpu_bf16pack.py)
+        "packed_bytes": packed_bytes(engine.model)[0],  # of weight_bytes: packed copies (kernels/cpu_bf16pack.py)
         "kv_cache_bytes": engine.cache.nbytes,
         "kv_dtype": str(engine.cache.store_dtype).replace("torch.", "") if engine.cache.kv_dtype != "fp8" else "fp8",
         "kv_blocks": engine.cache.num_blocks,
