@@ -266,3 +266,28 @@ def test_top_indices_refuses_k_out_of_range_and_rows_of_too_few_numbers():
     x[1, :8] = float("nan")  # two numbers left in the row: no top 3
     with pytest.raises(RuntimeError, match="lowbit_top_rows failed"):
         cpu_rowops.top_indices(x, 3)
+
+
+def test_act_mul_split_into_pieces_changes_no_bits():
+    """A row is split into pieces a team shares (rowops.c ACT_PIECE): a one-row call computed as two
+    part calls (as the decode chain makes them), a many-row call on two threads, and rows alone
+    give the same bits, and every piece boundary is covered (2816 = 2 x 1024 + 768)."""
+    g = torch.Generator().manual_seed(9)
+    gate = torch.randn(40, 2816, generator=g) * 3
+    up = torch.randn(40, 2816, generator=g)
+    with torch.inference_mode():
+        torch.set_num_threads(1)
+        alone = torch.stack([cpu_rowops.act_mul(gate[i : i + 1], up[i : i + 1], "silu")[0] for i in range(40)])
+        torch.set_num_threads(2)
+        together = cpu_rowops.act_mul(gate, up, "silu")  # 40 x 2816 values: threaded
+    assert torch.equal(alone, together)
+    assert ulps_apart(alone, F.silu(gate) * up).max() <= 4
+    # part calls (lowbit_native.h LOWBIT_PART): each writes only its share of the one row's pieces
+    lib = cpu_rowops._lib()
+    out = torch.full((1, 2816), float("nan"))
+    for part in range(2):
+        assert lib.lowbit_act_mul(gate.data_ptr(), 2816, up.data_ptr(), 2816, 1, 2816, 0, 0, out.data_ptr(), 2816,
+                                  -(part * 4096 + 2)) == 0
+        if part == 0:
+            assert out[0, :1024].isfinite().all() and out[0, 1024:].isnan().all()  # part 0: one of three pieces
+    assert torch.equal(out[0], alone[0])
