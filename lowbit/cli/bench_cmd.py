@@ -111,7 +111,7 @@ def print_report(r: dict) -> None:
     gib = 1 << 30
     console.print(f"[bold]{r['model']}[/bold]  {r['dtype']} on {r['device']}, {r['threads']} threads")
     kv = f" in {r['kv_dtype']}" if r.get("kv_dtype") else ""
-    packed = f" (of which {r['packed_bytes'] / gib:.3f} GiB a packed copy of the bf16 head)" if r.get("packed_bytes") else ""
+    packed = f" (of which {r['packed_bytes'] / gib:.3f} GiB packed copies of bf16 weights)" if r.get("packed_bytes") else ""
     console.print(f"weights {r['weight_bytes'] / gib:.3f} GiB{packed}, KV cache {r['kv_cache_bytes'] / gib:.3f} GiB{kv} "
                   f"({r['kv_blocks']} blocks)")
     if r.get("resident_bytes_loaded") and r.get("resident_bytes_peak"):

@@ -112,22 +112,49 @@ def matmul(x: torch.Tensor, packed: PackedBf16, bias: torch.Tensor | None = None
     return y
 
 
-def pack_head(model: torch.nn.Module) -> int:
-    """Pack `model.lm_head`'s weight for decode steps where it can be (an InvariantLinear with a
-    packable bf16 weight that rounds x to bf16, packing enabled): sets its `packed`. Returns the
-    packed bytes (0: not packed). The engine calls this once its weights are placed."""
+def pack_linears(model: torch.nn.Module) -> int:
+    """Give every bf16 Linear of an engine's model its packed copy for decode steps (`packed`):
+    each InvariantLinear rounding x to bf16 with a packable weight, packing enabled, the head (a
+    tied embedding) included. A projection whose weight lies within another's (fusion.py's separate
+    q/k/v and gate/up, views of the joined weight's rows) packs nothing: the joined one, which the
+    model calls, covers its rows. The engine calls this once its weights are placed. Returns the
+    packed bytes (0: nothing packed)."""
     from lowbit.kernels.cpu_f32 import InvariantLinear
 
-    head = getattr(model, "lm_head", None)
-    if type(head) is not InvariantLinear or not head.bf16_x or not packable(head.weight) or not enabled():
-        return 0
-    head.packed = pack(head.weight.data)
-    return head.packed.nbytes
+    linears = [m for m in _modules(model) if type(m) is InvariantLinear and m.bf16_x and packable(m.weight)] if enabled() else []
+    covered: list[tuple[int, int]] = []  # the byte ranges packed so far
+    total = 0
+    for m in sorted(linears, key=lambda m: -m.weight.numel()):  # a joined weight before its views
+        w = m.weight.data
+        start = w.data_ptr()
+        end = start + w.numel() * w.element_size()
+        if not any(a <= start and end <= b for a, b in covered):
+            m.packed = pack(w)
+            total += m.packed.nbytes
+            covered.append((start, end))
+    return total
+
+
+def packed_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's Linears with a packed copy (pack_linears), joined projections among them."""
+    from lowbit.kernels.cpu_f32 import InvariantLinear
+
+    return [m for m in _modules(model) if isinstance(m, InvariantLinear) and m.packed is not None]
 
 
 def packed_bytes(model: torch.nn.Module) -> tuple[int, int]:
     """(packed bytes, the bf16 bytes they stand for) over the model's packed Linears."""
-    from lowbit.kernels.cpu_f32 import InvariantLinear
-
-    packed = [m for m in model.modules() if isinstance(m, InvariantLinear) and m.packed is not None]
+    packed = packed_linears(model)
     return sum(m.packed.nbytes for m in packed), sum(m.weight.numel() * m.weight.element_size() for m in packed)
+
+
+def _modules(model: torch.nn.Module):
+    """Every module of `model`, those held as plain attributes included (the joined q/k/v and
+    gate/up of runtime/models/fusion.py are not child modules), each once."""
+    seen = set()
+    for module in model.modules():
+        for top in (module, *(v for v in vars(module).values() if isinstance(v, torch.nn.Module))):
+            for m in top.modules():
+                if id(m) not in seen:
+                    seen.add(id(m))
+                    yield m

@@ -36,7 +36,7 @@ _INT4, _DENSE, _INT8F = 1, 2, 3
 class ChainLinear(ctypes.Structure):
     _fields_ = [("kind", c_int32), ("pad", c_int32), ("fn", c_void_p), ("w", c_void_p), ("bias", c_void_p),
                 ("n", c_int64), ("k", c_int64), ("ldw", c_int64), ("scales", c_void_p), ("groups", c_int64),
-                ("group", c_int64)]
+                ("group", c_int64), ("packed_fn", c_void_p), ("packed", c_void_p), ("packed_rows", c_int64)]
 
 
 class ChainMLP(ctypes.Structure):
@@ -115,10 +115,12 @@ def int4_linear(pw: PreparedWeight) -> Linear | None:
     return Linear(ChainLinear(_INT4, 0, _entry(lib, name), ctypes.addressof(pw.params["struct"]), None, n, k, 0), pw)
 
 
-def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None, bf16_x: bool = False) -> Linear | None:
+def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None, bf16_x: bool = False, packed=None) -> Linear | None:
     """A float32 or bf16-stored weight [N, K] (+ float32 bias) on f32_dot.c, as InvariantLinear runs
     it for float32 rows (bf16_x: a bf16 weight whose rows of x are rounded to bf16 first,
-    `--dense-activations bf16`); None where InvariantLinear would not call that kernel."""
+    `--dense-activations bf16`; packed: its packed copy, kernels/cpu_bf16pack.py, read by steps of
+    up to cpu_f32.PACKED_MAX_ROWS rows as InvariantLinear reads it); None where InvariantLinear
+    would not call that kernel."""
     if not cpu_f32.available() or weight.device.type != "cpu" or weight.stride(-1) != 1 or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
     if bias is not None and (bias.dtype is not torch.float32 or not bias.is_contiguous()):
@@ -126,7 +128,10 @@ def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None, bf16_x: bool =
     n, k = weight.shape
     struct = ChainLinear(_DENSE, 0, _entry(f32_dot.library(), cpu_f32.kernel_name(weight.dtype, bf16_x)), weight.data_ptr(),
                          None if bias is None else bias.data_ptr(), n, k, weight.stride(0))
-    return Linear(struct, (weight, bias))
+    if packed is not None:
+        struct.packed_fn = _entry(f32_dot.library(), "lowbit_bf16pxw_matmul")
+        struct.packed, struct.packed_rows = ctypes.addressof(packed.struct), cpu_f32.PACKED_MAX_ROWS
+    return Linear(struct, (weight, bias, packed))
 
 
 @dataclass(slots=True)

@@ -60,8 +60,11 @@ typedef int (*paged_decode_fn)(const void *q, int64_t ldq, const void *k, int64_
 enum { LINEAR_INT4 = 1, LINEAR_DENSE = 2, LINEAR_INT8F = 3 };
 
 /* One projection: `fn` is lowbit_i4v_matmul / lowbit_i4_matmul (kind LINEAR_INT4, `w` its weight
-   struct), lowbit_f32_matmul / lowbit_bf16w_matmul (LINEAR_DENSE, `w` the weight's data) or
-   lowbit_int8f_matmul (LINEAR_INT8F, `w` the int8 codes, `scales` [n, groups]). */
+   struct), lowbit_f32_matmul / lowbit_bf16w_matmul / lowbit_bf16xw_matmul (LINEAR_DENSE, `w` the
+   weight's data) or lowbit_int8f_matmul (LINEAR_INT8F, `w` the int8 codes, `scales` [n, groups]).
+   A bf16 weight's packed copy (kernels/cpu_bf16pack.py): `packed` its Bf16Packed, `packed_fn`
+   lowbit_bf16pxw_matmul (lowbit_bf16xw_matmul's arguments and outputs), called for steps of up to
+   `packed_rows` rows. */
 typedef struct {
     int32_t kind, pad;
     const void *fn;
@@ -70,6 +73,8 @@ typedef struct {
     int64_t n, k, ldw;
     const float *scales; /* int8 only */
     int64_t groups, group;
+    const void *packed_fn, *packed; /* or NULL */
+    int64_t packed_rows;
 } ChainLinear;
 
 /* A gated MLP: gate|up joined into one weight [2I, hidden], then down [hidden, I]. */
@@ -141,6 +146,8 @@ typedef struct {
 
 static int linear(const ChainLinear *l, const float *x, int64_t ldx, int64_t M, float *y, int threads) {
     if (l->kind == LINEAR_INT4) return ((int4_fn)l->fn)(l->w, x, 0, ldx, M, y, 0, l->n, threads);
+    if (l->kind == LINEAR_DENSE && l->packed && M <= l->packed_rows)
+        return ((dense_fn)l->packed_fn)(l->packed, l->n, l->k, l->k, l->bias, x, ldx, M, y, l->n, threads);
     if (l->kind == LINEAR_DENSE) return ((dense_fn)l->fn)(l->w, l->n, l->k, l->ldw, l->bias, x, ldx, M, y, l->n, threads);
     if (l->kind == LINEAR_INT8F)
         return ((int8f_fn)l->fn)(l->w, l->n, l->k, l->ldw, l->scales, l->groups, l->group, x, ldx, M, y, l->n, threads);

@@ -1,7 +1,8 @@
 """bf16 weights packed in 12 bits (kernels/cpu_bf16pack.py, native/f32_dot.c): packing is lossless,
 so the packed matmul gives bit for bit the bf16 kernel's outputs (cpu_f32.matmul with bf16_x) at any
 row count, a row's weights that fall outside its table go through the side list exactly, and an
-engine packs its bf16 head and generates the very tokens (and logits) it did unpacked."""
+engine packs its bf16 Linears (head and layers) and generates the very tokens (and logits) it did
+unpacked."""
 
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ def test_pack_refuses_what_it_cannot_hold():
         cpu_bf16pack.pack(torch.zeros(4, 64))
 
 
-def _generate(path, monkeypatch, pack: str):
+def _generate(path, monkeypatch, pack: str, batch: int = 1):
     monkeypatch.setenv("LOWBIT_DENSE_ACTIVATIONS", "bf16")  # the default on AVX512-BF16 CPUs (tests pin f32)
     monkeypatch.setenv("LOWBIT_PACK_BF16", pack)
     engine = Engine(path, kv_memory=4 << 20)
@@ -80,20 +81,38 @@ def _generate(path, monkeypatch, pack: str):
     x = torch.randn(1, head.weight.shape[1], generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         logits = head(x)
-    out = engine.generate([[256, 72, 101, 108, 108, 111]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-    return head.packed, logits, out[0].token_ids
+    prompts = [[256, 72 + i, 101, 108, 108, 111] for i in range(batch)]
+    out = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    return engine, logits, [o.token_ids for o in out]
 
 
-def test_an_engine_packs_its_bf16_head_and_generates_the_same_tokens(tiny_float_model, monkeypatch):
+def test_an_engine_packs_its_bf16_linears_and_generates_the_same_tokens(tiny_float_model, monkeypatch):
     path = tiny_float_model(tie=True)  # bf16 checkpoint, tied head: the head weight is the bf16 embedding
-    packed, logits, tokens = _generate(path, monkeypatch, "1")
-    assert packed is not None and packed.shape == (258, 64)
+    engine, logits, tokens = _generate(path, monkeypatch, "1")
+    model = engine.model
+    assert model.lm_head.packed is not None and model.lm_head.packed.shape == (258, 64)
+    layer = model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    # the Linears the model calls are packed: the joined q/k/v and gate/up, o and down; the separate
+    # projections, views of the joined rows, are not (nothing calls them)
+    for linear, rows in ((attn.fused_qkv.linear, attn.q_proj.out_features + 2 * attn.k_proj.out_features),
+                         (attn.o_proj, attn.o_proj.out_features), (mlp.fused_gate_up.linear, 2 * mlp.gate_proj.out_features),
+                         (mlp.down_proj, mlp.down_proj.out_features)):
+        assert linear.packed is not None and linear.packed.shape == (rows, linear.in_features)
+    assert all(m.packed is None for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj))
+    # the decode chain reads the same packed copies at steps of up to PACKED_MAX_ROWS rows
+    chained = engine.runner.chained.chain._layers[0]
+    assert chained.qkv.packed and chained.qkv.packed_rows == cpu_f32.PACKED_MAX_ROWS and chained.mlp.down.packed
     unpacked, logits0, tokens0 = _generate(path, monkeypatch, "0")
-    assert unpacked is None
-    monkeypatch.setenv("LOWBIT_DENSE_ACTIVATIONS", "f32")  # float32 x: the head is not packed
-    assert Engine(path, kv_memory=4 << 20).model.lm_head.packed is None
+    assert unpacked.model.lm_head.packed is None and unpacked.model.model.layers[0].self_attn.o_proj.packed is None
     assert torch.equal(_bits(logits), _bits(logits0))
-    assert tokens == tokens0 and len(tokens) == 16
+    assert tokens == tokens0 and len(tokens[0]) == 16
+    # steps of 3 rows read the packed copies, of 6 the bf16 weights: the same tokens as unpacked
+    for batch in (3, 6):
+        assert _generate(path, monkeypatch, "1", batch)[2] == _generate(path, monkeypatch, "0", batch)[2]
+    monkeypatch.setenv("LOWBIT_DENSE_ACTIVATIONS", "f32")  # float32 x: nothing is packed
+    model = Engine(path, kv_memory=4 << 20).model
+    assert model.lm_head.packed is None and model.model.layers[0].self_attn.o_proj.packed is None
 
 
 def test_an_invariant_linear_reads_its_packed_copy_up_to_four_rows(monkeypatch):

@@ -50,7 +50,7 @@ def _linear(module) -> decode_chain.Linear:
             raise Unsupported("a quantized projection with an outlier matrix or a bias")
         found = decode_chain.quantized_linear(module.prepared)
     elif type(module) is InvariantLinear:
-        found = decode_chain.dense_linear(module.weight, module.bias, module.bf16_x)
+        found = decode_chain.dense_linear(module.weight, module.bias, module.bf16_x, module.packed)
     else:
         raise Unsupported(f"a {type(module).__name__} projection")
     if found is None:

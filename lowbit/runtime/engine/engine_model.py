@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from lowbit.kernels import hugepages
-from lowbit.kernels.cpu_bf16pack import pack_head
+from lowbit.kernels.cpu_bf16pack import pack_linears
 from lowbit.kernels.cpu_f32 import available as cpu_f32_available, use_invariant_linears
 from lowbit.runtime.models.fusion import fuse_projections
 
@@ -49,5 +49,5 @@ def load_engine_model(path: str | Path, dtype: torch.dtype, device: torch.device
         fuse_projections(model)  # q/k/v and gate/up as one matmul where exact (int4dot, invariant dense)
         hugepages.place_weights(model)
         if device.type == "cpu" and pack:
-            pack_head(model)  # a bf16 head read in 12 bits a weight at decode steps, the same outputs
+            pack_linears(model)  # bf16 weights read in 12 bits a weight at decode steps, the same outputs
     return model
