@@ -10,12 +10,13 @@ own). A 32-weight block with a high byte outside its row's table stays whole in 
 packed weight decodes to the very same bf16 values, and `matmul` gives bit for bit what
 cpu_f32.matmul(x, weight, bf16_x=True) gives, from 12 bits a weight plus 16 bytes a row.
 
-The engine packs the head of a float32 model whose head weight is bf16 and rounds its activations
-to bf16 (`--dense-activations bf16`, the default on AVX512-BF16 CPUs): the tied embedding of every
-int4 model, read whole every token (Gemma-3-270M's: 335 MB of its int4 model's 392 MB a token).
-Calls of up to cpu_f32.PACKED_MAX_ROWS rows read the packed copy (1.3-1.5x faster from memory at 1-4
-rows); more rows are compute-bound and decoding costs more than it saves there (0.85x at 6 rows,
-0.8x at 16), so they read the bf16 weight, which stays (the embedding rows are read from it too).
+The engine packs every bf16 Linear of a float32 model that rounds its activations to bf16
+(`--dense-activations bf16`, the default on AVX512-BF16 CPUs; `pack_linears`): the tied embedding
+of every int4 model, read whole every token (Gemma-3-270M's: 335 MB of its int4 model's 392 MB a
+token), and a bf16 model's layers. Calls of up to cpu_f32.PACKED_MAX_ROWS rows read the packed copy
+(1.3-1.5x faster from memory at 1-4 rows), in Python and in the decode chain alike; more rows are
+compute-bound and decoding costs more than it saves there (0.85x at 6 rows, 0.8x at 16), so they
+read the bf16 weight, which stays (the embedding rows are read from it too).
 LOWBIT_PACK_BF16=0 turns packing off.
 """
 
