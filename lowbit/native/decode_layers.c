@@ -177,10 +177,13 @@ typedef struct {
 #define LOWBIT_MOE_BATCH 128
 #define LOWBIT_MOE_BATCH_ROWS 256
 
-/* The step's buffers, shared by the team. */
+/* The step's buffers, shared by the team; xalt and own for steps of fewer rows than threads
+   (run_layers' `solo`): the residual's other buffer, and each thread but the first its own
+   normed rows and sums ([threads - 1][2][rows, hidden]). */
 typedef struct {
     float *h, *qkv, *att, *a, *r, *qn, *kn;
     const Scratch *w;
+    float *xalt, *own;
 } TeamBuffers;
 
 /* For each of n MLPs b: y rows first[b].. (count[b] of them) = down_b(act(gate_b) * up_b) of the
@@ -296,12 +299,31 @@ static int run_layers(const Chain *c, const ChainStep *s, int64_t first, int64_t
     const paged_decode_fn paged_write = (paged_decode_fn)c->paged_write, paged_attend = (paged_decode_fn)c->paged_attend;
     int rc = 0; /* this thread's kernels' codes, or-ed (0 when all succeeded) */
     const float *pending_norm = NULL;
+    /* Fewer rows than threads (a decode step of one sequence): every thread computes each norm of
+       the rows whole, on its own (the first into the step's buffers, the others into their own),
+       rather than the share a part call gives it, which was all of it for one thread while the
+       others waited; the next matmul then reads each thread's own rows with no barrier between.
+       The residual's sums go to x and xalt in turn (by the first thread), so that no thread
+       writes what another may still read. The same arithmetic on the same rows: the same bits. */
+    const int parts = pt < 0 ? -pt % LOWBIT_PART_LIMIT : 1, id = pt < 0 ? -pt / LOWBIT_PART_LIMIT : 0;
+    const int solo = parts > 1 && M < parts;
+    float *h = solo && id > 0 ? b->own + (id - 1) * 2 * M * H : b->h; /* this thread's normed rows */
+    float *mine = h + M * H;                                            /* a helper's sums (solo) */
+    float *xc = x;                                                      /* the residual now */
+#define RESIDUAL_NORM(r_, r_w, w_)                                                                                        \
+    do {                                                                                                                \
+        float *next = !solo ? x : id > 0 ? mine : xc == x ? b->xalt : x;                                                \
+        rc |= add_rmsnorm(xc, H, r_, H, r_w, M, H, w_, c->eps, c->unit_offset, 0, next, H, h, H, solo ? 1 : pt);       \
+        if (solo) xc = xc == x ? b->xalt : x;                                                                           \
+    } while (0)
     for (int64_t i = first; i < last; i++) {
         const ChainLayer *L = c->layers + i;
-        if (i == first) rc |= rmsnorm(x, H, M, 1, H, L->norm_in, c->eps, c->unit_offset, 0, b->h, H, pt);
-        else rc |= add_rmsnorm(x, H, b->r, H, pending_norm, M, H, L->norm_in, c->eps, c->unit_offset, 0, x, H, b->h, H, pt);
+        if (i == first) rc |= rmsnorm(xc, H, M, 1, H, L->norm_in, c->eps, c->unit_offset, 0, h, H, solo ? 1 : pt);
+        else RESIDUAL_NORM(b->r, pending_norm, L->norm_in);
+        if (!solo) {
 #pragma omp barrier
-        rc |= linear(&L->qkv, b->h, H, M, b->qkv, pt);
+        }
+        rc |= linear(&L->qkv, h, H, M, b->qkv, pt);
 #pragma omp barrier
         const float *q = b->qkv, *k = b->qkv + qs;
         int64_t ldq = qkv_n, ldk = qkv_n;
@@ -329,14 +351,20 @@ static int run_layers(const Chain *c, const ChainStep *s, int64_t first, int64_t
 #pragma omp barrier
         rc |= linear(&L->o, b->att, qs, M, b->a, pt);
 #pragma omp barrier
-        rc |= add_rmsnorm(x, H, b->a, H, L->post_attn, M, H, L->norm_mlp, c->eps, c->unit_offset, 0, x, H, b->h, H, pt);
+        RESIDUAL_NORM(b->a, L->post_attn, L->norm_mlp);
+        if (!solo) {
 #pragma omp barrier
+        }
+        /* (a MoE block routes and gathers on the first thread, from its rows: b->h) */
         if (L->moe) rc |= team_moe(c, L->moe, b->h, M, b->w, b->r, pt);
-        else rc |= team_mlp(c, &L->mlp, b->h, M, b->w, b->r, pt);
+        else rc |= team_mlp(c, &L->mlp, h, M, b->w, b->r, pt);
         pending_norm = L->post_ffn;
     }
-    if (final_norm) rc |= add_rmsnorm(x, H, b->r, H, pending_norm, M, H, final_norm, c->eps, c->unit_offset, 0, x, H, out, H, pt);
-    else rc |= add_rmsnorm(x, H, b->r, H, pending_norm, M, H, NULL, c->eps, c->unit_offset, 0, x, H, NULL, H, pt);
+#undef RESIDUAL_NORM
+    if (solo && id > 0) return rc; /* the last sum and norm: the first thread's, into x and out */
+    const int last_pt = solo ? 1 : pt;
+    if (final_norm) rc |= add_rmsnorm(xc, H, b->r, H, pending_norm, M, H, final_norm, c->eps, c->unit_offset, 0, x, H, out, H, last_pt);
+    else rc |= add_rmsnorm(xc, H, b->r, H, pending_norm, M, H, NULL, c->eps, c->unit_offset, 0, x, H, NULL, H, last_pt);
     return rc;
 }
 
@@ -351,6 +379,7 @@ int lowbit_decode_layers(const Chain *c, const ChainStep *s, int64_t first, int6
     const int64_t kk = c->max_top_k > 0 ? c->max_top_k : 1;
     float *h = rows_buffer(M, H), *qkv = rows_buffer(M, qkv_n), *att = rows_buffer(M, qs), *a = rows_buffer(M, H);
     float *r = rows_buffer(M, H), *qn = rows_buffer(M, qs), *kn = rows_buffer(M, kvs);
+    float *xalt = rows_buffer(M, H), *own = rows_buffer(M * 2 * (threads > 1 ? threads - 1 : 1), H); /* run_layers' solo */
     const int64_t cap = c->max_top_k > 0 && M * kk <= LOWBIT_MOE_BATCH_ROWS ? M * kk : M;
     Scratch w = {rows_buffer(cap, 2 * I), rows_buffer(cap, I), rows_buffer(cap, H), rows_buffer(cap, H),
                  malloc((size_t)(M * kk) * sizeof(float)), malloc((size_t)M * sizeof(float)),
@@ -360,7 +389,7 @@ int lowbit_decode_layers(const Chain *c, const ChainStep *s, int64_t first, int6
     float *ropes = malloc((size_t)(MAX_ROPES * 2 * M * half) * sizeof(float));
     const float *cs[MAX_ROPES], *sn[MAX_ROPES];
     int rc = -3;
-    if (!h || !qkv || !att || !a || !r || !qn || !kn || !ropes || !w.gu || !w.act || !w.xe || !w.ye || !w.wts || !w.sig || !w.sel
+    if (!h || !qkv || !att || !a || !r || !qn || !kn || !xalt || !own || !ropes || !w.gu || !w.act || !w.xe || !w.ye || !w.wts || !w.sig || !w.sel
         || !w.idx || !w.scale)
         goto done;
     rc = -1;
@@ -390,7 +419,7 @@ int lowbit_decode_layers(const Chain *c, const ChainStep *s, int64_t first, int6
             || !c->paged_write || !c->paged_attend)
             goto done; /* rc is -1 */
     }
-    const TeamBuffers b = {h, qkv, att, a, r, qn, kn, &w};
+    const TeamBuffers b = {h, qkv, att, a, r, qn, kn, &w, xalt, own};
     if (c->team && threads > 1) {
         int failed = 0;
 #pragma omp parallel num_threads(threads)
@@ -416,6 +445,8 @@ done:
     free(att);
     free(a);
     free(r);
+    free(xalt);
+    free(own);
     free(w.gu);
     free(w.act);
     free(w.xe);
