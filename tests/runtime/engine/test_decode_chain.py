@@ -303,6 +303,27 @@ def test_the_one_region_step_equals_a_region_per_kernel(tiny_float_model, family
     assert 4 in rows and 1 in rows and (max(rows) > 4 or engine.runner.chained.chain.max_rows is not None)
 
 
+@pytest.mark.parametrize("weights", ["int4", "bf16-a16"])
+def test_steps_of_fewer_rows_than_threads_norm_on_every_thread_alike(tiny_float_model, weights, monkeypatch):
+    # run_layers' solo steps (rows < threads): each thread norms the rows whole, helpers into their
+    # own buffers, the residual alternating between two; three threads make steps of one and two
+    # rows solo (two helpers), four rows not: every step equals the region-per-kernel step
+    if weights == "int4" and not cpu_int4dot.available() or weights == "bf16-a16" and not cpu_f32.bf16_available():
+        pytest.skip(f"no {weights} kernel on this machine")
+    if weights == "bf16-a16":
+        monkeypatch.setenv("LOWBIT_DENSE_ACTIVATIONS", "bf16")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        engine = _engine(tiny_float_model(family="gemma3", dtype=torch.bfloat16, layers=3), QUANTIZED.get(weights))
+        rows = _team_checked(engine.runner.chained)
+        for batch in (1, 2, 4):
+            engine.generate(prompts(batch, seed=batch), GREEDY)
+    finally:
+        torch.set_num_threads(threads)
+    assert {1, 2, 4} <= set(rows)
+
+
 @pytest.mark.parametrize("case, weights", [("mixtral", "int4"), ("qwen2_moe", "bf16-stored"), ("qwen3_moe", "bf16-stored")])
 def test_the_one_region_step_routes_moe_layers_alike(tmp_path, case, weights, two_threads):
     # team_moe: routing, gathers and scatter-adds on part 0, each routed expert's and the shared
