@@ -113,13 +113,21 @@ def matmul(x: torch.Tensor, packed: PackedBf16, bias: torch.Tensor | None = None
     return y
 
 
+# A packed copy is kept where at most this share of its blocks went to the side list: a trained
+# model's weights send a few in a thousand there (SmolLM2's layers 0.4 %, Gemma-3's 0.1 %), and
+# the packed bytes are ~0.75 of bf16's; a weight whose rows span many binades sends most, read on
+# top of the blocks (up to 1.75x bf16's bytes, and a branch a block).
+WORTH_PACKING = 0.1
+
+
 def pack_linears(model: torch.nn.Module) -> int:
     """Give every bf16 Linear of an engine's model its packed copy for decode steps (`packed`):
     each InvariantLinear rounding x to bf16 with a packable weight, packing enabled, the head (a
     tied embedding) included. A projection whose weight lies within another's (fusion.py's separate
     q/k/v and gate/up, views of the joined weight's rows) packs nothing: the joined one, which the
-    model calls, covers its rows. The engine calls this once its weights are placed. Returns the
-    packed bytes (0: nothing packed)."""
+    model calls, covers its rows; one that sends too many blocks to the side list (WORTH_PACKING)
+    keeps none. The engine calls this once its weights are placed. Returns the packed bytes (0: nothing
+    packed)."""
     from lowbit.kernels.cpu_f32 import InvariantLinear
 
     linears = [m for m in _modules(model) if type(m) is InvariantLinear and m.bf16_x and packable(m.weight)] if enabled() else []
@@ -130,9 +138,11 @@ def pack_linears(model: torch.nn.Module) -> int:
         start = w.data_ptr()
         end = start + w.numel() * w.element_size()
         if not any(a <= start and end <= b for a, b in covered):
-            m.packed = pack(w)
-            total += m.packed.nbytes
             covered.append((start, end))
+            packed = pack(w)
+            if packed.esc_block.numel() <= WORTH_PACKING * (w.numel() // 32):
+                m.packed = packed
+                total += packed.nbytes
     return total
 
 

@@ -115,6 +115,23 @@ def test_an_engine_packs_its_bf16_linears_and_generates_the_same_tokens(tiny_flo
     assert model.lm_head.packed is None and model.model.layers[0].self_attn.o_proj.packed is None
 
 
+def test_a_weight_that_packs_badly_keeps_no_packed_copy():
+    # most blocks of a weight spanning ~40 binades go to the side list: more bytes than bf16
+    linears = []
+    for w in (_spread(64, 256), (torch.randn(64, 256) * 0.02).bfloat16()):
+        linear = torch.nn.Linear(256, 64, bias=False)
+        linear.weight = torch.nn.Parameter(w, requires_grad=False)
+        linear.__class__ = cpu_f32.InvariantLinear
+        linear.bf16_x = True
+        linears.append(linear)
+    model = torch.nn.Sequential(*linears)
+    total = cpu_bf16pack.pack_linears(model)
+    spread = cpu_bf16pack.pack(linears[0].weight.data)
+    assert spread.esc_block.numel() > cpu_bf16pack.WORTH_PACKING * 64 * 8 and spread.nbytes > 64 * 256 * 2
+    assert linears[0].packed is None and linears[1].packed is not None
+    assert total == linears[1].packed.nbytes < 0.8 * 64 * 256 * 2
+
+
 def test_an_invariant_linear_reads_its_packed_copy_up_to_four_rows(monkeypatch):
     torch.manual_seed(5)
     linear = torch.nn.Linear(64, 40, bias=True)
