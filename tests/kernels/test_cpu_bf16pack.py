@@ -110,6 +110,10 @@ def test_an_engine_packs_its_bf16_linears_and_generates_the_same_tokens(tiny_flo
     # steps of 3 rows read the packed copies, of 6 the bf16 weights: the same tokens as unpacked
     for batch in (3, 6):
         assert _generate(path, monkeypatch, "1", batch)[2] == _generate(path, monkeypatch, "0", batch)[2]
+    # a bf16 engine computes in bf16 (no float32 rows to read a packed copy): nothing is packed
+    monkeypatch.setenv("LOWBIT_PACK_BF16", "1")
+    model = Engine(path, kv_memory=4 << 20, dtype=torch.bfloat16).model
+    assert model.lm_head.packed is None and model.model.layers[0].self_attn.o_proj.packed is None
     monkeypatch.setenv("LOWBIT_DENSE_ACTIVATIONS", "f32")  # float32 x: nothing is packed
     model = Engine(path, kv_memory=4 << 20).model
     assert model.lm_head.packed is None and model.model.layers[0].self_attn.o_proj.packed is None

@@ -48,6 +48,8 @@ def load_engine_model(path: str | Path, dtype: torch.dtype, device: torch.device
         hugepages.new_generation()
         fuse_projections(model)  # q/k/v and gate/up as one matmul where exact (int4dot, invariant dense)
         hugepages.place_weights(model)
-        if device.type == "cpu" and pack:
-            pack_linears(model)  # bf16 weights read in 12 bits a weight at decode steps, the same outputs
+        if device.type == "cpu" and pack and dtype is torch.float32:
+            # bf16 weights read in 12 bits a weight at decode steps, the same outputs (float32 rows
+            # only: a model computing in bf16 would never read the copies)
+            pack_linears(model)
     return model
