@@ -64,18 +64,18 @@ def kernel_settings(kernel: str | None, int4_activations: str | None, dense_acti
 def kernel_summary(model) -> dict:
     """{"requested", "paths": {path: quantized layers}, "int4_activations"} of a loaded model
     (kernels.dispatch.summarize); call it inside the `use_settings` block the model loaded in."""
-    from lowbit.kernels.cpu_bf16pack import packed_linears
+    from lowbit.kernels.cpu_bf16pack import covered_linears
     from lowbit.kernels.cpu_f32 import InvariantLinear
     from lowbit.kernels.dispatch import summarize
     from lowbit.runtime.quant_linear import QuantLinear
 
     summary = summarize(m.prepared for m in model.modules() if isinstance(m, QuantLinear))
-    # bf16 dense Linears that round x to bf16 (--dense-activations bf16), joined ones counted once
+    # bf16 dense Linears that round x to bf16 (--dense-activations bf16), as the checkpoint names them
     bf16 = sum(1 for m in model.modules() if isinstance(m, InvariantLinear) and m.bf16_x)
     summary["dense_activations"] = "bf16" if bf16 else "f32"
     summary["dense_bf16_activation_linears"] = bf16
-    # bf16 weights read packed in 12 bits at decode steps (kernels/cpu_bf16pack.py), joined ones once
-    summary["packed_bf16_linears"] = len(packed_linears(model))
+    # of those, the ones read packed in 12 bits at decode steps (kernels/cpu_bf16pack.py)
+    summary["packed_bf16_linears"] = covered_linears(model)
     return summary
 
 

@@ -153,6 +153,16 @@ def packed_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in _modules(model) if isinstance(m, InvariantLinear) and m.packed is not None]
 
 
+def covered_linears(model: torch.nn.Module) -> int:
+    """How many of the model's own Linears (its modules, as named in the checkpoint) a packed copy
+    covers: a joined q/k/v or gate/up counts as its separate projections."""
+    from lowbit.kernels.cpu_f32 import InvariantLinear
+
+    ranges = [(w.data_ptr(), w.data_ptr() + w.numel() * w.element_size()) for w in (m.weight for m in packed_linears(model))]
+    return sum(1 for m in model.modules() if isinstance(m, InvariantLinear)
+               and any(a <= m.weight.data_ptr() < b for a, b in ranges))
+
+
 def packed_bytes(model: torch.nn.Module) -> tuple[int, int]:
     """(packed bytes, the bf16 bytes they stand for) over the model's packed Linears."""
     packed = packed_linears(model)
