@@ -100,6 +100,9 @@ def test_an_engine_packs_its_bf16_linears_and_generates_the_same_tokens(tiny_flo
                          (mlp.down_proj, mlp.down_proj.out_features)):
         assert linear.packed is not None and linear.packed.shape == (rows, linear.in_features)
     assert all(m.packed is None for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj))
+    # counted as the checkpoint names them: every Linear of the model is covered (joined ones by their join)
+    linears = sum(1 for m in model.modules() if isinstance(m, cpu_f32.InvariantLinear))
+    assert cpu_bf16pack.covered_linears(model) == linears == 7 * len(model.model.layers) + 1
     # the decode chain reads the same packed copies at steps of up to PACKED_MAX_ROWS rows
     chained = engine.runner.chained.chain._layers[0]
     assert chained.qkv.packed and chained.qkv.packed_rows == cpu_f32.PACKED_MAX_ROWS and chained.mlp.down.packed
