@@ -379,7 +379,9 @@ int lowbit_decode_layers(const Chain *c, const ChainStep *s, int64_t first, int6
     const int64_t kk = c->max_top_k > 0 ? c->max_top_k : 1;
     float *h = rows_buffer(M, H), *qkv = rows_buffer(M, qkv_n), *att = rows_buffer(M, qs), *a = rows_buffer(M, H);
     float *r = rows_buffer(M, H), *qn = rows_buffer(M, qs), *kn = rows_buffer(M, kvs);
-    float *xalt = rows_buffer(M, H), *own = rows_buffer(M * 2 * (threads > 1 ? threads - 1 : 1), H); /* run_layers' solo */
+    /* run_layers' solo steps (fewer rows than threads) only */
+    const int few = threads > 1 && M < threads;
+    float *xalt = few ? rows_buffer(M, H) : NULL, *own = few ? rows_buffer(M * 2 * (threads - 1), H) : NULL;
     const int64_t cap = c->max_top_k > 0 && M * kk <= LOWBIT_MOE_BATCH_ROWS ? M * kk : M;
     Scratch w = {rows_buffer(cap, 2 * I), rows_buffer(cap, I), rows_buffer(cap, H), rows_buffer(cap, H),
                  malloc((size_t)(M * kk) * sizeof(float)), malloc((size_t)M * sizeof(float)),
@@ -389,7 +391,7 @@ int lowbit_decode_layers(const Chain *c, const ChainStep *s, int64_t first, int6
     float *ropes = malloc((size_t)(MAX_ROPES * 2 * M * half) * sizeof(float));
     const float *cs[MAX_ROPES], *sn[MAX_ROPES];
     int rc = -3;
-    if (!h || !qkv || !att || !a || !r || !qn || !kn || !xalt || !own || !ropes || !w.gu || !w.act || !w.xe || !w.ye || !w.wts || !w.sig || !w.sel
+    if (!h || !qkv || !att || !a || !r || !qn || !kn || (few && (!xalt || !own)) || !ropes || !w.gu || !w.act || !w.xe || !w.ye || !w.wts || !w.sig || !w.sel
         || !w.idx || !w.scale)
         goto done;
     rc = -1;
