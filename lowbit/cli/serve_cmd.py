@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Optional
 
 import typer
@@ -110,5 +111,9 @@ def serve_command(
     cascading = f", cascading from {cascade} (threshold {cascade_threshold:g})" if cascade else ""
     console.print(f"serving [bold]{config.model_name}[/bold] on http://{host}:{port}/v1 "
                   f"({'API key required' if key else 'no API key'}{cascading}); loading the model in the background")
-    serve(config, build, build_cheap, cascade_threshold, cascade or "")
+    if serve(config, build, build_cheap, cascade_threshold, cascade or ""):
+        # Ctrl-C: 130 as every command exits on it, with the line a server's stop deserves (main's
+        # own is about outputs not written)
+        print("lowbit: stopped (SIGINT) after a graceful shutdown", file=sys.stderr)
+        sys.exit(130)
 

@@ -241,3 +241,22 @@ def test_sigterm_past_the_shutdown_timeout_ends_streams_cleanly(start_server, ti
     assert server.proc.wait(30) == 0, server.output()
     assert time.monotonic() - sent < 20
     assert "Traceback" not in server.output()
+
+
+def test_ctrl_c_finishes_the_requests_in_flight_and_exits_130_without_a_traceback(start_server, tiny_model_dir):
+    # SIGINT drains as SIGTERM does; uvicorn re-raises it after the shutdown, which asyncio's own
+    # handler had turned into a KeyboardInterrupt inside the lifespan (a logged traceback)
+    server = start_server(tiny_model_dir, *TINY_ARGS, "--served-model-name", "tiny", "--max-running", "1")
+    conn, response = open_stream(server.port, stream_body(0, 120))
+    assert response.status == 200
+    result = StreamResult(0, response.status)
+    reader = threading.Thread(target=read_to_end, args=(conn, response, result), daemon=True)
+    reader.start()
+    wait_until(lambda: len(result.events) >= 2, "the stream to start")
+    server.proc.send_signal(2)
+    reader.join(CLIENT_TIMEOUT_S)
+    check_complete(result, 120)
+    assert server.proc.wait(60) == 130, server.output()
+    out = server.output()
+    assert "Traceback" not in out and "stopped (SIGINT) after a graceful shutdown" in out
+    assert "error" not in out.splitlines()[-1]

@@ -9,7 +9,7 @@ engine so its KV blocks go back to the pool at the next step.
 Admission: at most max_running + max_queue requests are in flight; beyond that the answer is
 429 at once, so memory never grows with the offered load.
 
-Shutdown (SIGTERM): uvicorn stops accepting connections, new requests on open ones get 503, and
+Shutdown (SIGTERM, or SIGINT: exit 0, or 130): uvicorn stops accepting connections, new requests on open ones get 503, and
 the requests in flight get --shutdown-timeout seconds; whatever is still open then is ended by
 the engine loop (a stream gets an error event and [DONE], a whole answer a 503), never cut off.
 """
@@ -511,9 +511,10 @@ def create_app(config: ServerConfig, engine_loop: EngineLoop, cascade: QueryCasc
 
 
 def serve(config: ServerConfig, build_engine, build_cheap_engine=None, cascade_threshold: float = 0.0,
-          cheap_name: str = "") -> None:
+          cheap_name: str = "") -> bool:
     """Bind, load the model in the background, serve until SIGTERM/SIGINT; graceful shutdown.
     build_cheap_engine: --cascade's cheap model (query_cascade.py), loaded beside the model.
+    Returns whether SIGINT (Ctrl-C) stopped it (the caller exits 130), False for SIGTERM.
 
     Raises LowbitError if a model fails to load (after the server has stopped)."""
     import uvicorn
@@ -541,9 +542,13 @@ def serve(config: ServerConfig, build_engine, build_cheap_engine=None, cascade_t
     server = DrainingServer(uv_config)
     holder["server"] = server
     _configure_logging()
-    # uvicorn re-raises the signal that stopped it once it has shut down gracefully; a quiet
-    # SIGTERM handler turns that into a normal return, so a clean shutdown exits 0.
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    # uvicorn re-raises the signal that stopped it once it has shut down gracefully; quiet handlers
+    # turn that into a normal return, so a clean shutdown exits 0 (SIGTERM) or 130 (SIGINT). With
+    # Python's own SIGINT handler in place, asyncio's runner had raised KeyboardInterrupt into the
+    # still-open lifespan, and uvicorn logged that traceback on every Ctrl-C.
+    interrupted: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: interrupted.append(signum))
+                for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         server.run()
     except SystemExit:
@@ -552,11 +557,13 @@ def serve(config: ServerConfig, build_engine, build_cheap_engine=None, cascade_t
         # uvicorn logged the reason (and exits 1 or 3) when it cannot bind
         raise LowbitError(f"could not listen on {config.host}:{config.port} (see the error above)") from None
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if engine_loop.failed_during_load:
         error = engine_loop.error
         raise LowbitError(f"could not load {error}" if error.startswith("the cheap model") else
                           f"could not load the model: {error}")
+    return signal.SIGINT in interrupted
 
 
 def _json_h11_protocol():
