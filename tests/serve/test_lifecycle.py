@@ -88,3 +88,16 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(start_server, tiny_mode
     conn.close()
     assert server.proc.wait(60) == 0, server.output()
     assert server.health() is None  # no longer listening
+
+
+def test_ctrl_c_while_the_model_loads_exits_130_cleanly(start_server, tiny_model_dir):
+    # SIGINT as soon as the server answers (503: still loading). Whether the load ends first or not,
+    # the process exits 130 with one line; while a load was still running in its thread, the
+    # interpreter's shutdown around it had aborted the process (std::terminate, exit -6)
+    server = start_server(tiny_model_dir, *TINY_ARGS, ready=False)
+    wait_for(lambda: server.health() is not None or server.proc.poll() is not None, 120, "the server to listen")
+    server.proc.send_signal(2)
+    assert server.proc.wait(60) == 130, server.output()
+    out = server.output()
+    assert "Traceback" not in out and "terminate called" not in out
+    assert re.search(r"lowbit: stopped \(SIGINT\) (while the model was loading|after a graceful shutdown)", out), out

@@ -21,7 +21,9 @@ import contextlib
 import hmac
 import json
 import logging
+import os
 import signal
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -547,8 +549,13 @@ def serve(config: ServerConfig, build_engine, build_cheap_engine=None, cascade_t
     # Python's own SIGINT handler in place, asyncio's runner had raised KeyboardInterrupt into the
     # still-open lifespan, and uvicorn logged that traceback on every Ctrl-C.
     interrupted: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, frame: interrupted.append(signum))
-                for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def on_signal(signum, frame) -> None:
+        # before uvicorn installs its own handlers (and when it re-raises): stop the server too
+        interrupted.append(signum)
+        server.handle_exit(signum, frame)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         server.run()
     except SystemExit:
@@ -563,6 +570,15 @@ def serve(config: ServerConfig, build_engine, build_cheap_engine=None, cascade_t
         error = engine_loop.error
         raise LowbitError(f"could not load {error}" if error.startswith("the cheap model") else
                           f"could not load the model: {error}")
+    if engine_loop.loading():
+        # stopped while the model loads: the loading thread is inside torch, and the interpreter's
+        # shutdown around it aborted the process (std::terminate, exit -6); leave without waiting
+        log.info("stopped while the model was loading")
+        logging.shutdown()
+        sys.stdout.flush()
+        if signal.SIGINT in interrupted:
+            print("lowbit: stopped (SIGINT) while the model was loading", file=sys.stderr, flush=True)
+        os._exit(130 if signal.SIGINT in interrupted else 0)
     return signal.SIGINT in interrupted
 
 

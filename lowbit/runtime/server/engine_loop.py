@@ -144,6 +144,10 @@ class EngineLoop:
         """Abort every open request at the next step; each stream gets EngineStopping(message)."""
         self._commands.put(_EndAll(message))
 
+    def loading(self) -> bool:
+        """Whether the engine thread is still loading the model (inside torch: not interruptible)."""
+        return self._thread.is_alive() and self.state == "loading"
+
     def stop(self, timeout: float = 30.0) -> None:
         """Abort what is left, end the thread and wait for it (bounded)."""
         self._commands.put(_Stop())
