@@ -431,8 +431,8 @@ INLINE void f32_pass(const int WB, const int NB, int mb, const void *w, int64_t 
    the weights of trained models leave empty or nearly (SmolLM2's and Gemma-3's tied embeddings:
    none; their only small values are exact zeros). Decoding gives back the very bf16 values, so a
    matmul gives bit for bit lowbit_bf16xw_matmul's outputs from three quarters of the bytes: a
-   decode step reads a bf16 head (kernels/cpu_bf16pack.py) whole per token at the memory's speed,
-   so it takes about three quarters of the time.
+   decode step reads a bf16 head and a bf16 model's Linears (kernels/cpu_bf16pack.py) whole per
+   token at the memory's speed, so it takes about three quarters of the time.
    Block layout (48 bytes): 32 low bytes, weight v of the block at place v for v < 8 and v >= 24,
    v + 8 for 8 <= v < 16, v - 8 for 16 <= v < 24 (so that an in-lane byte interleave with the
    high bytes yields the weights in order), then 16 bytes whose low nibble j is place j's code and
@@ -468,8 +468,9 @@ typedef struct {
 #endif
 #define PK_ZERO 7 /* code & 7 of a zero high byte (code 15: the sign alone) */
 
-/* Place of block weight v (the layout above). */
-static inline int pk_place(int v) { return v < 8 || v >= 24 ? v : v < 16 ? v + 8 : v - 8; }
+/* Place of block weight v (the layout above); a macro too, for the VBMI decode's constant table. */
+#define PK_PLACE(v) ((v) < 8 || (v) >= 24 ? (v) : (v) < 16 ? (v) + 8 : (v) - 8)
+static inline int pk_place(int v) { return PK_PLACE(v); }
 
 /* The code of high byte h in a row whose largest exponent-top is top, or -1 when its table lacks it. */
 static inline int pk_code(int h, int top) {
@@ -504,12 +505,12 @@ static inline PkTable pk_table(const uint8_t *t) { return _mm512_broadcast_i32x4
 /* Block b of a packed row as 32 bf16 in order (the layout above), in three shuffles: one byte
    permutation spreads the block into words [low byte | code byte], a masked word shift moves the
    high nibble down in the words whose place is 16 or more, and a masked permutation looks up the
-   table into the odd (high) bytes alone. The previous unpack-based decode took ~9 instructions, 5
-   of them shuffles, and a one-row call from memory was bound by them (SmolLM2's head at 1 row:
-   1024 x 576 from L2 29.9 us against 26.9 for bf16 tiles). */
+   table into the odd (high) bytes alone, where the unpack-based decode below takes ~9
+   instructions, 5 of them shuffles: one row of a 512 x 1024 weight from L2 on one Zen 4 core, 3.6
+   against 4.05 cycles a block (from memory the same: the stream bounds it there). */
 static inline __m512i pk_decode(const uint8_t *q, PkTable table) {
     static const uint8_t spread[64] __attribute__((aligned(64))) = {
-#define PK_W(v) ((v) < 8 || (v) >= 24 ? (v) : (v) < 16 ? (v) + 8 : (v) - 8), 32 + ((((v) < 8 || (v) >= 24 ? (v) : (v) < 16 ? (v) + 8 : (v) - 8)) & 15)
+#define PK_W(v) PK_PLACE(v), 32 + (PK_PLACE(v) & 15)
         PK_W(0), PK_W(1), PK_W(2), PK_W(3), PK_W(4), PK_W(5), PK_W(6), PK_W(7), PK_W(8), PK_W(9), PK_W(10),
         PK_W(11), PK_W(12), PK_W(13), PK_W(14), PK_W(15), PK_W(16), PK_W(17), PK_W(18), PK_W(19), PK_W(20),
         PK_W(21), PK_W(22), PK_W(23), PK_W(24), PK_W(25), PK_W(26), PK_W(27), PK_W(28), PK_W(29), PK_W(30), PK_W(31)
