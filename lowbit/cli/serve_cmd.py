@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from typing import Optional
@@ -111,9 +112,17 @@ def serve_command(
     cascading = f", cascading from {cascade} (threshold {cascade_threshold:g})" if cascade else ""
     console.print(f"serving [bold]{config.model_name}[/bold] on http://{host}:{port}/v1 "
                   f"({'API key required' if key else 'no API key'}{cascading}); loading the model in the background")
-    if serve(config, build, build_cheap, cascade_threshold, cascade or ""):
-        # Ctrl-C: 130 as every command exits on it, with the line a server's stop deserves (main's
-        # own is about outputs not written)
-        print("lowbit: stopped (SIGINT) after a graceful shutdown", file=sys.stderr)
-        sys.exit(130)
+    stopped = serve(config, build, build_cheap, cascade_threshold, cascade or "")
+    # Ctrl-C: 130 as every command exits on it, with the line a server's stop deserves (main's own
+    # is about outputs not written); SIGTERM: 0
+    code = 130 if stopped.interrupted else 0
+    if stopped.interrupted:
+        when = "while the model was loading" if stopped.loading else "after a graceful shutdown"
+        print(f"lowbit: stopped (SIGINT) {when}", file=sys.stderr, flush=True)
+    if stopped.loading:  # the loading thread would abort the interpreter's shutdown (serve.Stopped)
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(code)
+    if code:
+        sys.exit(code)
 

@@ -92,7 +92,11 @@ def tripwires(monkeypatch):
     monkeypatch.setattr("lowbit.compress.calibrate.load_text", no_text)
     monkeypatch.setattr("lowbit.compress.calibrate.LayerwiseModel.embed", no_activations)
     monkeypatch.setattr("lowbit.runtime.engine.engine.Engine", StopEngine)
-    monkeypatch.setattr("lowbit.runtime.server.app.serve", lambda config, build, *cascade: wires.served.append(config))
+    from lowbit.runtime.server.app import Stopped
+
+    # records the config; a SIGTERM stop, after the model loaded
+    monkeypatch.setattr("lowbit.runtime.server.app.serve",
+                        lambda config, build, *cascade: wires.served.append(config) or Stopped(False, False))
     return wires
 
 

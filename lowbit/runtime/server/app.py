@@ -21,9 +21,7 @@ import contextlib
 import hmac
 import json
 import logging
-import os
 import signal
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -512,11 +510,20 @@ def create_app(config: ServerConfig, engine_loop: EngineLoop, cascade: QueryCasc
     return app
 
 
+@dataclass(slots=True, frozen=True)
+class Stopped:
+    """How serve() ended: by SIGINT (Ctrl-C; the CLI exits 130) or SIGTERM, and whether the model
+    was still loading then (its thread is inside torch: the interpreter's shutdown around it aborts
+    the process, std::terminate, so the CLI leaves without waiting for it)."""
+
+    interrupted: bool
+    loading: bool
+
+
 def serve(config: ServerConfig, build_engine, build_cheap_engine=None, cascade_threshold: float = 0.0,
-          cheap_name: str = "") -> bool:
+          cheap_name: str = "") -> Stopped:
     """Bind, load the model in the background, serve until SIGTERM/SIGINT; graceful shutdown.
     build_cheap_engine: --cascade's cheap model (query_cascade.py), loaded beside the model.
-    Returns whether SIGINT (Ctrl-C) stopped it (the caller exits 130), False for SIGTERM.
 
     Raises LowbitError if a model fails to load (after the server has stopped)."""
     import uvicorn
@@ -570,16 +577,10 @@ def serve(config: ServerConfig, build_engine, build_cheap_engine=None, cascade_t
         error = engine_loop.error
         raise LowbitError(f"could not load {error}" if error.startswith("the cheap model") else
                           f"could not load the model: {error}")
-    if engine_loop.loading():
-        # stopped while the model loads: the loading thread is inside torch, and the interpreter's
-        # shutdown around it aborted the process (std::terminate, exit -6); leave without waiting
+    loading = engine_loop.loading()
+    if loading:
         log.info("stopped while the model was loading")
-        logging.shutdown()
-        sys.stdout.flush()
-        if signal.SIGINT in interrupted:
-            print("lowbit: stopped (SIGINT) while the model was loading", file=sys.stderr, flush=True)
-        os._exit(130 if signal.SIGINT in interrupted else 0)
-    return signal.SIGINT in interrupted
+    return Stopped(signal.SIGINT in interrupted, loading)
 
 
 def _json_h11_protocol():
