@@ -135,8 +135,7 @@ def pack_linears(model: torch.nn.Module) -> int:
     total = 0
     for m in sorted(linears, key=lambda m: -m.weight.numel()):  # a joined weight before its views
         w = m.weight.data
-        start = w.data_ptr()
-        end = start + w.numel() * w.element_size()
+        start, end = _span(w)
         if not any(a <= start and end <= b for a, b in covered):
             covered.append((start, end))
             packed = pack(w)
@@ -158,7 +157,7 @@ def covered_linears(model: torch.nn.Module) -> int:
     covers: a joined q/k/v or gate/up counts as its separate projections."""
     from lowbit.kernels.cpu_f32 import InvariantLinear
 
-    ranges = [(w.data_ptr(), w.data_ptr() + w.numel() * w.element_size()) for w in (m.weight for m in packed_linears(model))]
+    ranges = [_span(m.weight) for m in packed_linears(model)]
     return sum(1 for m in model.modules() if isinstance(m, InvariantLinear)
                and any(a <= m.weight.data_ptr() < b for a, b in ranges))
 
@@ -167,6 +166,11 @@ def packed_bytes(model: torch.nn.Module) -> tuple[int, int]:
     """(packed bytes, the bf16 bytes they stand for) over the model's packed Linears."""
     packed = packed_linears(model)
     return sum(m.packed.nbytes for m in packed), sum(m.weight.numel() * m.weight.element_size() for m in packed)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The addresses of a contiguous tensor's first byte and one past its last."""
+    return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
 
 
 def _modules(model: torch.nn.Module):
