@@ -97,3 +97,31 @@ def test_each_row_alone_equals_rows_together(dtype, pool_dtype, shape):
         alone, _, _ = run([kp, vp], tables, rows[i : i + 1], q[i : i + 1], k[i : i + 1], v[i : i + 1],
                           cos[i : i + 1], sin[i : i + 1], None)
         assert torch.equal(alone[0], together[i])
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_heads_split_any_way_give_the_same_bits(pool_dtype, shape):
+    # few rows: each thread takes a contiguous run of the rows' query heads, cut by the positions
+    # they read (paged_decode.c heads_share), so 1-5 threads cut a KV head's group in different
+    # places and read it in runs of different sizes; a head's numbers must not change. Two rows of
+    # different lengths (a long one and a short one) make the cuts uneven.
+    pools, tables, rows, q, k, v, cos, sin = setup(torch.float32, [(20, 1), (2, 1)], shape, seed=2)
+    pools = [p.to(pool_dtype) for p in pools]
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in range(1, 6):
+            torch.set_num_threads(n)
+            outs.append(run(pools, tables, rows, q, k, v, cos, sin, None)[0])
+    finally:
+        torch.set_num_threads(threads)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    h, kvh, d = shape
+    qr = rotated(q, h, d, cos, sin)
+    kp, vp = run(pools, tables, rows, q, k, v, cos, sin, None)[1:]
+    for i, (b, p, _) in enumerate(rows):
+        ctx = [tables[b][j // BS] * BS + j % BS for j in range(p + 1)]
+        ref = reference_attention(qr[i : i + 1].double(), kp[ctx].double(), vp[ctx].double(), torch.tensor([p]), 0.25, None)
+        assert (outs[0][i].view(h, d).double() - ref[0]).abs().max() < 1e-5
