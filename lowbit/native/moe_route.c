@@ -32,6 +32,36 @@ static float logit(const float *x, const float *w, int64_t n) {
     return (float)((s[0] + s[1]) + (s[2] + s[3]));
 }
 
+#if defined(__AVX512F__)
+/* logit() of four experts' rows at once, the very same sums: lane 4e + j of a vector holds expert
+   e's partial sum s[j], so each lane adds the same exact double products in the same order as
+   logit() does; a product of two floats is exact in double, so the adds are all that round. Four
+   independent chains where logit() ran one expert's at a time, waiting on each add (~3 of a MoE
+   layer's ~11 us of routing on one thread for 8 experts x 1024). */
+static void logits4(const float *x, const float *const w[4], int64_t n, float *out) {
+    __m512d s01 = _mm512_setzero_pd(), s23 = _mm512_setzero_pd();
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        const __m256d xd = _mm256_cvtps_pd(_mm_loadu_ps(x + i));
+        const __m512d xx = _mm512_insertf64x4(_mm512_castpd256_pd512(xd), xd, 1);
+        const __m512d w01 = _mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_cvtps_pd(_mm_loadu_ps(w[0] + i))),
+                                               _mm256_cvtps_pd(_mm_loadu_ps(w[1] + i)), 1);
+        const __m512d w23 = _mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_cvtps_pd(_mm_loadu_ps(w[2] + i))),
+                                               _mm256_cvtps_pd(_mm_loadu_ps(w[3] + i)), 1);
+        s01 = _mm512_add_pd(s01, _mm512_mul_pd(xx, w01));
+        s23 = _mm512_add_pd(s23, _mm512_mul_pd(xx, w23));
+    }
+    double s[16];
+    _mm512_storeu_pd(s, s01);
+    _mm512_storeu_pd(s + 8, s23);
+    for (int e = 0; e < 4; e++) {
+        double *se = s + 4 * e;
+        for (int64_t t = i, j = 0; t < n; t++, j++) se[j] += (double)x[t] * (double)w[e][t];
+        out[e] = (float)((se[0] + se[1]) + (se[2] + se[3]));
+    }
+}
+#endif
+
 typedef struct {
     const float *x, *gate;
     int64_t ldx, hidden, experts, top_k;
@@ -46,10 +76,16 @@ static void route_rows(const void *args, int64_t lo, int64_t hi) {
     for (int64_t r = lo; r < hi; r++) {
         const float *xr = a->x + r * a->ldx;
         float mx = -INFINITY;
-        for (int64_t e = 0; e < a->experts; e++) {
-            p[e] = logit(xr, a->gate + e * a->hidden, a->hidden);
-            mx = p[e] > mx || isnan(p[e]) ? p[e] : mx;
+        int64_t e0 = 0;
+#if defined(__AVX512F__)
+        for (; e0 + 4 <= a->experts; e0 += 4) {
+            const float *w[4] = {a->gate + e0 * a->hidden, a->gate + (e0 + 1) * a->hidden, a->gate + (e0 + 2) * a->hidden,
+                                 a->gate + (e0 + 3) * a->hidden};
+            logits4(xr, w, a->hidden, p + e0);
         }
+#endif
+        for (int64_t e = e0; e < a->experts; e++) p[e] = logit(xr, a->gate + e * a->hidden, a->hidden);
+        for (int64_t e = 0; e < a->experts; e++) mx = p[e] > mx || isnan(p[e]) ? p[e] : mx;
         float sum = 0.0f;
         for (int64_t e = 0; e < a->experts; e++) {
             p[e] = expf(p[e] - mx);
