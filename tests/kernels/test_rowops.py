@@ -199,6 +199,9 @@ def test_portable_build_computes_the_same_bits(monkeypatch):
             x, w = data(dtype, rows=3, seed=9)
             r, rw = data(dtype, rows=3, seed=10, unit_offset=True)
             gate, _ = data(dtype, rows=3, dim=1000, seed=11)
+            # the exp's clamps and selects too: past both ends of its range, at them, signed zeros
+            edge = torch.tensor([100.0, -100.0, 88.5, 88.8, -86.9, -87.5, 44.0, -44.0, 0.0, -0.0, 1e-30, float("inf")])
+            gate[1, 3 : 3 + len(edge)] = edge.to(dtype)
             with torch.inference_mode():
                 ops += [cpu_rowops.rmsnorm(x, w, EPS, False), *cpu_rowops.add_rmsnorm(x, r, rw, EPS, True, r_weight=rw),
                         cpu_rowops.act_mul(gate, None, "silu"), cpu_rowops.act_mul(gate, None, "gelu_tanh")]
