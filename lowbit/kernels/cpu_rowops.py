@@ -118,7 +118,7 @@ def act_mul(gate: torch.Tensor, up: torch.Tensor | None, act: str) -> torch.Tens
 def _logit_rows(logits: torch.Tensor, argmax: torch.Tensor | None) -> bool:
     x, rows, stride = _rows(logits)
     return bool(_lib().lowbit_logit_rows(x.data_ptr(), stride, rows, x.shape[-1],
-                                         None if argmax is None else argmax.data_ptr()))
+                                         None if argmax is None else argmax.data_ptr(), torch.get_num_threads()))
 
 
 def logits_usable(logits: torch.Tensor) -> bool:

@@ -247,16 +247,25 @@ static int logit_row(const float *p, int64_t n, float *best_out) {
     float best = -INFINITY;
     int bad = 0;
 #if defined(__AVX2__)
-    __m256 mx = _mm256_set1_ps(-INFINITY), odd = _mm256_setzero_ps();
+    /* four independent maxima (a max is exact in any order, and a NaN makes the row bad whatever
+       the max): one chain of dependent maxima had bound the loop, ~4 us a 49152-logit row */
+    __m256 mx[4], odd[4];
+    for (int j = 0; j < 4; j++) mx[j] = _mm256_set1_ps(-INFINITY), odd[j] = _mm256_setzero_ps();
+    for (; i + 32 <= n; i += 32)
+        for (int j = 0; j < 4; j++) {
+            const __m256 v = _mm256_loadu_ps(p + i + 8 * j), d = _mm256_sub_ps(v, v);
+            odd[j] = _mm256_or_ps(odd[j], _mm256_cmp_ps(d, d, _CMP_UNORD_Q)); /* NaN, +-inf */
+            mx[j] = _mm256_max_ps(mx[j], v);
+        }
     for (; i + 8 <= n; i += 8) {
-        const __m256 v = _mm256_loadu_ps(p + i);
-        odd = _mm256_or_ps(odd, _mm256_cmp_ps(_mm256_sub_ps(v, v), _mm256_sub_ps(v, v), _CMP_UNORD_Q)); /* NaN, +-inf */
-        mx = _mm256_max_ps(mx, v);
+        const __m256 v = _mm256_loadu_ps(p + i), d = _mm256_sub_ps(v, v);
+        odd[0] = _mm256_or_ps(odd[0], _mm256_cmp_ps(d, d, _CMP_UNORD_Q));
+        mx[0] = _mm256_max_ps(mx[0], v);
     }
     float lanes[8];
-    _mm256_storeu_ps(lanes, mx);
+    _mm256_storeu_ps(lanes, _mm256_max_ps(_mm256_max_ps(mx[0], mx[1]), _mm256_max_ps(mx[2], mx[3])));
     for (int j = 0; j < 8; j++) best = lanes[j] > best ? lanes[j] : best;
-    bad = _mm256_movemask_ps(odd) != 0;
+    bad = _mm256_movemask_ps(_mm256_or_ps(_mm256_or_ps(odd[0], odd[1]), _mm256_or_ps(odd[2], odd[3]))) != 0;
 #endif
     for (; i < n; i++) {
         const float v = p[i];
@@ -267,13 +276,22 @@ static int logit_row(const float *p, int64_t n, float *best_out) {
     return bad;
 }
 
-int lowbit_logit_rows(const float *x, int64_t ld, int64_t rows, int64_t n, int64_t *argmax) {
+typedef struct {
+    const float *x;
+    int64_t ld, n;
+    int64_t *argmax;
+    int *bad;
+} LogitRows;
+
+static void logit_rows(const void *args, int64_t lo, int64_t hi) {
+    const LogitRows *a = args;
+    const int64_t n = a->n;
     int bad = 0;
-    for (int64_t r = 0; r < rows; r++) {
-        const float *p = x + r * ld;
+    for (int64_t r = lo; r < hi; r++) {
+        const float *p = a->x + r * a->ld;
         float best;
         bad |= logit_row(p, n, &best);
-        if (argmax == NULL) continue;
+        if (a->argmax == NULL) continue;
         int64_t i = 0;
 #if defined(__AVX2__)
         const __m256 b = _mm256_set1_ps(best);
@@ -282,8 +300,17 @@ int lowbit_logit_rows(const float *x, int64_t ld, int64_t rows, int64_t n, int64
 #endif
         for (; i < n; i++)
             if (p[i] == best) break;
-        argmax[r] = i < n ? i : 0;
+        a->argmax[r] = i < n ? i : 0;
     }
+    if (bad) __atomic_fetch_or(a->bad, 1, __ATOMIC_RELAXED);
+}
+
+/* Rows split between threads where there are enough values (a 16-sequence step's logits). */
+int lowbit_logit_rows(const float *x, int64_t ld, int64_t rows, int64_t n, int64_t *argmax, int threads) {
+    int bad = 0;
+    const LogitRows a = {x, ld, n, argmax, &bad};
+    threads = lowbit_team(threads); /* (clears a part call's note left on this thread by the layer chain) */
+    lowbit_for_items(rows, rows > 1 && threaded(rows * n, threads), threads, logit_rows, &a);
     return bad;
 }
 

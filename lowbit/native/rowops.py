@@ -10,7 +10,7 @@ SIGNATURES = {
     "lowbit_rmsnorm": [P, I64, I64, I64, I64, P, F32, INT, INT, P, I64, INT],
     "lowbit_add_rmsnorm": [P, I64, P, I64, P, I64, I64, P, F32, INT, INT, P, I64, P, I64, INT],
     "lowbit_act_mul": [P, I64, P, I64, I64, I64, INT, INT, P, I64, INT],
-    "lowbit_logit_rows": [P, I64, I64, I64, P],
+    "lowbit_logit_rows": [P, I64, I64, I64, P, INT],
     "lowbit_top_rows": [P, I64, I64, I64, I64, P],
     "lowbit_rescore_rows": [P, I64, I64, P, I64, P, P, INT, I64, P, I64, P],
 }
