@@ -735,7 +735,7 @@ static void heads_share(const Attend *a, int64_t T, int part, int parts, int64_t
 /* A thread's share of a step of few rows: query heads lo..hi-1 of the rows' heads in order (row
    t's head h is t * H + h), in runs of up to `most` heads of one KV head. A thread's heads are
    contiguous, so a KV head's group goes to one thread or two, and each run reads its keys and
-   values once for all its heads: at one row, a thread holding heads 0-3 of SmolLM2's 9 (3 per KV
+   values once for all its heads: at one row, a thread holding heads 0-4 of SmolLM2's 9 (3 per KV
    head) reads two KV heads, where one head an item dealt out in turn had both threads read all
    three, for each head on its own (at 1024 positions 4.4-5.1 ms a token against 5.6-6.2, the same
    tokens). */
@@ -775,7 +775,7 @@ static int scratch_new(const Attend *a, Scratch *s) {
 /* 2. attention, once every row's k and v are in the pool. With enough rows, a thread's share is
    whole rows: each position's keys and values for all KV heads are one contiguous run of the pool,
    read once for all query heads. With few rows (batch 1, short verifies) it is a contiguous range
-   of the rows' query heads (attend_share), so both threads get work. A head's result is the same
+   of the rows' query heads (heads_share, attend_heads_share), so both threads get work. A head's result is the same
    whatever share computes it. A part call (lowbit_native.h) computes its share on the calling
    thread. */
 int lowbit_paged_attend(PAGED_ARGS) {
@@ -792,13 +792,14 @@ int lowbit_paged_attend(PAGED_ARGS) {
     if (lowbit_part_count) { /* a part call: its share, on this thread */
         Scratch sc;
         const int rc = scratch_new(&a, &sc);
-        int64_t lo = 0, hi = 0;
-        heads_share(&a, T, lowbit_part_id, lowbit_part_count, &lo, &hi);
         /* whole rows dealt out in turn: a prefill chunk's later rows attend to more positions */
-        if (rc == 0 && a.whole_rows)
+        if (rc == 0 && a.whole_rows) {
             for (int64_t t = lowbit_part_id; t < T; t += lowbit_part_count) attend_row(&a, t, sc.scores, sc.q, sc.acc);
-        else if (rc == 0)
+        } else if (rc == 0) {
+            int64_t lo, hi;
+            heads_share(&a, T, lowbit_part_id, lowbit_part_count, &lo, &hi);
             attend_heads_share(&a, lo, hi, sc.scores, sc.q, sc.acc);
+        }
         scratch_free(&sc);
         return rc;
     }
