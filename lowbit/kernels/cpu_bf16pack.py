@@ -76,8 +76,9 @@ def packable(weight: torch.Tensor) -> bool:
             and weight.shape[1] % 32 == 0 and weight.shape[1] > 0 and not weight.requires_grad)
 
 
-def pack(weight: torch.Tensor) -> PackedBf16:
-    """weight [N, K] bf16 (packable) packed; the arrays go on huge pages inside hugepages.arena()."""
+def pack(weight: torch.Tensor, max_escapes: int | None = None) -> PackedBf16 | None:
+    """weight [N, K] bf16 (packable) packed; the arrays go on huge pages inside hugepages.arena().
+    None, with nothing allocated, when more than max_escapes blocks would go to the side list."""
     if not packable(weight):
         raise ValueError(f"cannot pack a {weight.dtype} weight of shape {tuple(weight.shape)} (a contiguous bf16 [N, K], K a multiple of 32)")
     lib = f32_dot.library()
@@ -87,6 +88,8 @@ def pack(weight: torch.Tensor) -> PackedBf16:
     entries = lib.lowbit_bf16p_escapes(weight.data_ptr(), n, k, k, esc_start.data_ptr(), threads)
     if entries < 0:
         raise RuntimeError(f"lowbit_bf16p_escapes failed with code {entries}")
+    if max_escapes is not None and entries > max_escapes:
+        return None
     blocks = hugepages.empty(((n + 1) // 2, k // 32 * 2 * BLOCK_BYTES), torch.uint8)  # rows in pairs
     tables = torch.empty(n, 16, dtype=torch.uint8)
     esc_block = torch.empty(max(entries, 1), dtype=torch.int32)
@@ -138,10 +141,8 @@ def pack_linears(model: torch.nn.Module) -> int:
         start, end = _span(w)
         if not any(a <= start and end <= b for a, b in covered):
             covered.append((start, end))
-            packed = pack(w)
-            if packed.esc_block.numel() <= WORTH_PACKING * (w.numel() // 32):
-                m.packed = packed
-                total += packed.nbytes
+            m.packed = pack(w, max_escapes=int(WORTH_PACKING * (w.numel() // 32)))
+            total += m.packed.nbytes if m.packed is not None else 0
     return total
 
 

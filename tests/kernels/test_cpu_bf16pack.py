@@ -135,6 +135,9 @@ def test_a_weight_that_packs_badly_keeps_no_packed_copy():
     total = cpu_bf16pack.pack_linears(model)
     spread = cpu_bf16pack.pack(linears[0].weight.data)
     assert spread.esc_block.numel() > cpu_bf16pack.WORTH_PACKING * 64 * 8 and spread.nbytes > 64 * 256 * 2
+    # pack_linears asks pack to stop once the count is known: nothing packed, nothing allocated
+    assert cpu_bf16pack.pack(linears[0].weight.data, max_escapes=spread.esc_block.numel() - 1) is None
+    assert cpu_bf16pack.pack(linears[0].weight.data, max_escapes=spread.esc_block.numel()) is not None
     assert linears[0].packed is None and linears[1].packed is not None
     assert total == linears[1].packed.nbytes < 0.8 * 64 * 256 * 2
 
