@@ -215,6 +215,16 @@ static int team_mlp(const Chain *c, const ChainMLP *m, const float *h, int64_t M
     return team_mlps(c, &m, 1, &first, &M, h, 0, w, y, pt);
 }
 
+/* r[idx[i]] += ye[i] * scale[i] for the gathered rows i = 0..rows-1 of a batch, in order: in expert
+   order, each expert's rows in token order, so r gets the sums of one expert at a time. */
+static void scatter_add(const Scratch *w, int64_t rows, int64_t H, float *r) {
+    for (int64_t i = 0; i < rows; i++) {
+        float *ri = r + w->idx[i] * H;
+        const float *yi = w->ye + i * H;
+        for (int64_t d = 0; d < H; d++) ri[d] += yi[d] * w->scale[i];
+    }
+}
+
 /* team_moe for one token in a team: every thread routes the token itself (the same call on the
    same row, so the same experts and weights), and the routed experts' MLPs read the token's row h
    in place, so the two barriers around the first thread's routing and gathering are gone, and the
@@ -239,10 +249,8 @@ static int team_moe_token(const Chain *c, const ChainMoE *e, const float *h, con
     rc |= team_mlps(c, mlps, nb, first, count, h, 1, w, w->ye, pt);
     if (lead) {
         for (int64_t i = 0; i < H; i++) r[i] = 0.0f;
-        for (int64_t b = 0; b < nb; b++) {
-            const float *yb = w->ye + b * H;
-            for (int64_t d = 0; d < H; d++) r[d] += yb[d] * scale[b];
-        }
+        for (int64_t b = 0; b < nb; b++) w->idx[b] = 0, w->scale[b] = scale[b];
+        scatter_add(w, nb, H, r);
     }
 #pragma omp barrier
     return rc;
@@ -295,12 +303,7 @@ static int team_moe(const Chain *c, const ChainMoE *e, const float *h, int64_t M
         if (nb == 0) break; /* no expert left with rows */
 #pragma omp barrier
         rc |= team_mlps(c, mlps, nb, first, count, w->xe, 0, w, w->ye, pt);
-        if (lead) /* in expert order, each expert's rows in token order: the sums of one expert at a time */
-            for (int64_t i = 0; i < rows; i++) {
-                float *ri = r + w->idx[i] * H;
-                const float *yi = w->ye + i * H;
-                for (int64_t d = 0; d < H; d++) ri[d] += yi[d] * w->scale[i];
-            }
+        if (lead) scatter_add(w, rows, H, r);
     }
     if (e->shared) {
         if (lead) rc |= ((moe_shared_gate_fn)c->moe_shared_gate)(h, H, M, H, e->shared_gate, w->sig);
