@@ -14,7 +14,7 @@ from lowbit.cli.main import app
 
 @app.command("inspect")
 def inspect_command(
-    checkpoint: Path = typer.Argument(..., metavar="CKPT", help="A lowbit quantized checkpoint: directory, demo name or hub id."),
+    checkpoint: Path = typer.Argument(..., metavar="CKPT", help="A quantized checkpoint: lowbit's, GPTQ, AWQ or compressed-tensors; directory, demo name or hub id."),
     base: Optional[str] = typer.Option(
         None, "--base",
         help="The float model CKPT was made from (demo name, directory or hub id): adds each layer's relative "
@@ -35,7 +35,8 @@ def inspect_command(
 
 
 def _print(report, top: int | None) -> None:
-    table = Table(title=f"{report.path}" + (f" vs {report.base}" if report.base else ""), title_justify="left")
+    kind = "" if report.kind == "native" else f" ({report.kind})"
+    table = Table(title=f"{report.path}{kind}" + (f" vs {report.base}" if report.base else ""), title_justify="left")
     table.add_column("layer", overflow="fold")  # full module names: they are what --skip and recipes match
     for column in ("format", "shape", "group", "bits/w", "bytes"):
         table.add_column(column, justify="left" if column in ("format", "group") else "right", no_wrap=True)
@@ -55,6 +56,10 @@ def _print(report, top: int | None) -> None:
                   f"{q['bytes'] / 1e6:.1f} MB, {q['bits_per_weight']:.3f} bits/weight")
     if report.outliers:
         console.print(f"outliers   {report.outliers:,} weights kept in bf16 beside the format (48 bits each, in the bits/weight above)")
+    if report.read_as_float:
+        stored = ", ".join(sorted({f for f, _ in report.read_as_float.values()}))
+        console.print(f"as float   {len(report.read_as_float)} layers stored as {stored}, which lowbit reads as float "
+                      f"(in dense below; --json says why)")
     console.print(f"dense      {report.dense_params / 1e6:.1f} M params, {report.dense_bytes / 1e6:.1f} MB")
     console.print(f"total      {t['bytes'] / 1e6:.1f} MB, {t['bits_per_weight']:.3f} bits/weight; bf16 would be "
                   f"{t['bf16_bytes'] / 1e6:.1f} MB ({t['ratio_vs_bf16']:.1%} of it)")

@@ -38,7 +38,7 @@ from lowbit.kernels import hugepages
 from lowbit.kernels.dispatch import fast_bf16_matmuls
 from lowbit.runtime.attention import AttentionContext
 from lowbit.runtime.config import ModelConfig
-from lowbit.runtime.moe_weights import rename as rename_expert
+from lowbit.formats.moe_names import to_lowbit as rename_expert
 from lowbit.runtime.models import build_model
 from lowbit.runtime.tokenizer import load_tokenizer
 

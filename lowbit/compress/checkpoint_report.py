@@ -1,6 +1,8 @@
-"""What a native checkpoint holds, per quantized layer, and how far it is from its float base.
+"""What a quantized checkpoint holds, per quantized layer, and how far it is from its float base.
 
-`inspect_checkpoint(path, base=None)` reads the checkpoint one module at a time (NativeReader);
+`inspect_checkpoint(path, base=None)` reads a lowbit checkpoint one module at a time (NativeReader),
+a GPTQ, AWQ or compressed-tensors directory whole (each layer as the QTensor lowbit runs, its bytes
+as lowbit holds them: a GPTQ layer's zero points counted as lowbit stores them, not as int32 words);
 with a base model each layer's relative reconstruction error ‖W − Ŵ‖ / ‖W‖ (float64) is computed
 against the base's weight, read lazily from its safetensors, and rows come worst first.
 A layer's outlier side matrix (`--keep-outliers`) counts in its bytes and bits/weight at 48 bits per
@@ -16,6 +18,7 @@ import torch
 
 from lowbit.compress.pipeline import SourceTensors
 from lowbit.errors import LowbitError
+from lowbit.formats.foreign import detect_checkpoint_kind, read_checkpoint
 from lowbit.formats.resolve import resolve_model
 from lowbit.formats.native import NativeReader, is_native
 from lowbit.quant.outlier_matrix import outlier_bits, unpack_outliers
@@ -47,6 +50,9 @@ class InspectReport:
     dense_params: int  # every tensor kept dense (embeddings, norms, skipped Linears), a tied matrix once
     dense_bytes: int
     formats: dict[str, int] = field(default_factory=dict)
+    kind: str = "native"  # or gptq / awq / compressed-tensors: read through formats/foreign.py
+    # module -> (the file's format, why lowbit reads it as float): GPTQ act-order, say; counted as dense
+    read_as_float: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     @property
     def quantized_params(self) -> int:
@@ -77,7 +83,9 @@ class InspectReport:
         return {
             "path": self.path,
             "base": self.base,
+            "kind": self.kind,
             "formats": self.formats,
+            "read_as_float": {m: {"format": f, "reason": r} for m, (f, r) in self.read_as_float.items()},
             "layers": [r.to_dict() for r in self.rows],
             "quantized": {"params": q, "bytes": self.quantized_bytes,
                           "bits_per_weight": 8.0 * self.quantized_bytes / max(1, q), "outliers": self.outliers},
@@ -96,38 +104,66 @@ def group_label(spec) -> str:
 
 
 def inspect_checkpoint(path: str | os.PathLike, base: str | os.PathLike | None = None) -> InspectReport:
+    """A lowbit checkpoint read one module at a time, or a GPTQ / AWQ / compressed-tensors directory
+    read whole (formats/foreign.py: each layer as the QTensor lowbit runs, its bytes as stored)."""
     name = str(path)
     path = resolve_model(path)  # demo names and hub ids too, like every other command's model argument
     if not is_native(path):
-        if path.is_dir() and (path / "config.json").is_file() and list(path.glob("*.safetensors")):
+        kind = detect_checkpoint_kind(path)
+        if kind == "hf":
             raise LowbitError(f"{name} is a float checkpoint: no quantized layers to inspect "
                               f"(make one with `lowbit quantize {name} --format int4 -o OUT`)")
-        raise LowbitError(f"{name} is not a lowbit quantized checkpoint (convert other formats with `lowbit convert --to native`)")
+        if kind == "gguf":
+            raise LowbitError(f"{name} is a GGUF file: inspect reads lowbit, GPTQ, AWQ and compressed-tensors "
+                              f"checkpoints (`lowbit convert {name} --to native -o DIR`, then inspect DIR)")
+        return _inspect_foreign(path, kind, base)
     reader = NativeReader(path)
     source = _base_tensors(base) if base is not None else None
     rows = []
     for module in reader.modules:
-        qt = reader.quantized(module)
-        side = reader.outliers(module)
-        kept = 0 if side is None else int(side["indices"].numel())
-        side_bytes = 0 if side is None else sum(t.numel() * t.element_size() for t in side.values())
-        row = LayerRow(module, qt.spec.label, tuple(qt.shape), group_label(qt.spec),
-                       qt.bits_per_weight + outlier_bits(kept, tuple(qt.shape)), qt.nbytes + side_bytes, outliers=kept)
-        if source is not None:
-            row.rel_error = _error_against(source, module, qt, side)
-        rows.append(row)
-        del qt, side
+        rows.append(_row(module, reader.quantized(module), reader.outliers(module), source))
+    dense = ((t.numel(), t.numel() * t.element_size()) for t in map(reader.dense, reader.dense_names))
+    return _report(path, base, rows, dense, source is not None)
+
+
+def _inspect_foreign(path, kind: str, base) -> InspectReport:
+    ckpt = read_checkpoint(path, kind)
+    source = _base_tensors(base) if base is not None else None
+    rows = [_row(module, qt, None, source) for module, qt in ckpt.qtensors.items()]
+    dense = ((t.numel(), t.numel() * t.element_size()) for t in ckpt.dense.values())
+    report = _report(path, base, rows, dense, source is not None)
+    report.kind, report.read_as_float = kind, dict(ckpt.unexpressed)
+    return report
+
+
+def _row(module: str, qt, side, source) -> LayerRow:
+    kept = 0 if side is None else int(side["indices"].numel())
+    side_bytes = 0 if side is None else sum(t.numel() * t.element_size() for t in side.values())
+    row = LayerRow(module, qt.spec.label, tuple(qt.shape), group_label(qt.spec),
+                   qt.bits_per_weight + outlier_bits(kept, tuple(qt.shape)), qt.nbytes + side_bytes, outliers=kept)
     if source is not None:
+        row.rel_error = _error_against(source, module, qt, side)
+    return row
+
+
+def _report(path, base, rows: list[LayerRow], dense, sort_by_error: bool) -> InspectReport:
+    """dense: (params, bytes) of each tensor kept dense."""
+    if sort_by_error:
         rows.sort(key=lambda r: -r.rel_error)
+    else:
+        rows.sort(key=lambda r: _natural(r.name))
     dense_params = dense_bytes = 0
-    for name in reader.dense_names:
-        t = reader.dense(name)
-        dense_params += t.numel()
-        dense_bytes += t.numel() * t.element_size()
+    for params, nbytes in dense:
+        dense_params += params
+        dense_bytes += nbytes
     formats: dict[str, int] = {}
     for r in rows:
         formats[r.format] = formats.get(r.format, 0) + 1
     return InspectReport(str(path), str(base) if base is not None else None, rows, dense_params, dense_bytes, formats)
+
+
+def _natural(name: str) -> list:
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split(".")]
 
 
 def _base_tensors(base):

@@ -39,7 +39,7 @@ from lowbit.quant.registry import get_format, part_layout
 from lowbit.quant.rtn import shared_global_scale
 from lowbit.quant.spec import FormatSpec, parse_spec
 from lowbit.runtime.config import ModelConfig
-from lowbit.runtime.moe_weights import rename as rename_expert
+from lowbit.formats.moe_names import to_lowbit as rename_expert
 
 ProgressFn = Callable[[int, int, str], None]
 

@@ -22,8 +22,9 @@ import torch
 
 from lowbit.errors import LowbitError
 from lowbit.formats.checkpoint import Checkpoint, keep_the_rest_dense, packed_config, packed_modules, read_safetensors
-from lowbit.formats.gptq import codes_of, fits_float16, zeros_of
+from lowbit.formats.gptq import codes_of, zeros_of
 from lowbit.formats.int32pack import AWQ_ORDER, pack_last, unpack_last
+from lowbit.quant.dtypes import fits_float16
 from lowbit.quant.packing import pack_bits
 from lowbit.quant.qtensor import QTensor
 from lowbit.quant.spec import FormatSpec, parse_spec

@@ -45,6 +45,7 @@ from lowbit.errors import LowbitError
 from lowbit.formats.checkpoint import Checkpoint, read_safetensors
 from lowbit.formats.hf_files import read_config
 from lowbit.formats.int32pack import bytes_to_int32, int32_to_bytes
+from lowbit.formats.moe_names import to_lowbit, to_mixtral
 from lowbit.quant.packing import pack_bits, packed_width, unpack_bits
 from lowbit.quant.qtensor import QTensor
 from lowbit.quant.spec import FormatSpec, parse_spec
@@ -186,34 +187,14 @@ def quantization_config(schemes: dict[str, FormatSpec], dense_linears: list[str]
 
 # ---------------------------------------------------------------- mixture of experts
 
-_LOWBIT_EXPERT = re.compile(r"^(model\.layers\.\d+)\.mlp\.(experts\.\d+\.(gate|up|down)_proj|gate)(?=\.|$)")
-_MIXTRAL_EXPERT = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.(experts\.\d+\.(w1|w3|w2)|gate)(?=\.|$)")
-_TO_MIXTRAL = {"gate": "w1", "up": "w3", "down": "w2"}
-_FROM_MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _ROUTER = re.compile(r"\.(mlp|block_sparse_moe)\.gate$|\.mlp\.shared_expert_gate$")
-
-
-def _to_mixtral(name: str) -> str:
-    def sub(m: re.Match) -> str:
-        if m.group(2) == "gate":
-            return f"{m.group(1)}.block_sparse_moe.gate"
-        return f"{m.group(1)}.block_sparse_moe.{m.group(2).rsplit('.', 1)[0]}.{_TO_MIXTRAL[m.group(3)]}"
-    return _LOWBIT_EXPERT.sub(sub, name)
-
-
-def _from_mixtral(name: str) -> str:
-    def sub(m: re.Match) -> str:
-        if m.group(2) == "gate":
-            return f"{m.group(1)}.mlp.gate"
-        return f"{m.group(1)}.mlp.{m.group(2).rsplit('.', 1)[0]}.{_FROM_MIXTRAL[m.group(3)]}"
-    return _MIXTRAL_EXPERT.sub(sub, name)
 
 
 def moe_export_layout(config: dict, tensors: dict[str, torch.Tensor], schemes: dict[str, FormatSpec],
                       dense_linears: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, FormatSpec], list[str]]:
     """(tensors, schemes, ignore) of an export with the MoE names vLLM loads: Mixtral's experts
     and router renamed to block_sparse_moe.*, and every router (and shared-expert gate) ignored."""
-    rename = _to_mixtral if config.get("model_type") == "mixtral" else (lambda name: name)
+    rename = to_mixtral if config.get("model_type") == "mixtral" else (lambda name: name)
     tensors = {rename(n): t for n, t in tensors.items()}
     schemes = {rename(m): spec for m, spec in schemes.items()}
     routers = [n[: -len(".weight")] for n in tensors if n.endswith(".weight") and _ROUTER.search(n[: -len(".weight")])]
@@ -254,9 +235,9 @@ def read_compressed_tensors(directory: Path) -> Checkpoint:
     config = read_config(directory)
     qc = config.pop("quantization_config")
     tensors = read_safetensors(directory)
-    # Mixtral's hub names (block_sparse_moe.experts.E.w1, ...) become lowbit's per-expert names;
+    # Mixtral's expert names (block_sparse_moe.experts.E.w1, ...) become lowbit's per-expert names;
     # the config's targets and ignore are matched against the names as written
-    rename = _from_mixtral if config.get("model_type") == "mixtral" else (lambda name: name)
+    rename = to_lowbit
     ckpt = Checkpoint(config=config, source_dir=directory, kind="compressed-tensors")
     modules = sorted({n.rsplit(".", 1)[0] for n in tensors if n.endswith((".weight_packed", ".weight_scale"))})
     used: set[str] = set()

@@ -24,6 +24,7 @@ from lowbit.formats.gguf_blocks import BLOCK, BLOCK_BYTES, from_gguf_bytes, perm
 from lowbit.formats.gguf_import import _embeddings_tied, _plan_tensors, hf_tensors
 from lowbit.formats.gguf_reader import check_finite_tensor, open_gguf
 from lowbit.formats.gptq import read_gptq
+from lowbit.formats.moe_names import to_lowbit
 from lowbit.quant.qtensor import QTensor
 
 KINDS = ("native", "gptq", "awq", "compressed-tensors", "gguf", "hf")
@@ -66,9 +67,21 @@ def read_checkpoint(path: str | os.PathLike, kind: str | None = None) -> Checkpo
     path = Path(path).expanduser()
     kind = kind or detect_checkpoint_kind(path)
     reader = _READERS.get(kind)
-    if reader is not None:
-        return reader(path)
-    raise LowbitError(f"unknown checkpoint kind '{kind}' (known: {', '.join(KINDS)})")
+    if reader is None:
+        raise LowbitError(f"unknown checkpoint kind '{kind}' (known: {', '.join(KINDS)})")
+    return _lowbit_expert_names(reader(path))
+
+
+def _lowbit_expert_names(ckpt: Checkpoint) -> Checkpoint:
+    """Every layout's expert and router names in lowbit's spelling (formats/moe_names.py), so the
+    writers see one: a hub Mixtral's `block_sparse_moe.experts.E.w1` is `mlp.experts.E.gate_proj`."""
+    for table in (ckpt.qtensors, ckpt.dense, ckpt.unexpressed, ckpt.outliers):
+        renamed = {to_lowbit(name): value for name, value in table.items()}
+        if len(renamed) != len(table):
+            raise LowbitError("checkpoint names one expert weight twice (Mixtral's and lowbit's spelling)")
+        table.clear()
+        table.update(renamed)
+    return ckpt
 
 
 def load_foreign(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor | QTensor]]:

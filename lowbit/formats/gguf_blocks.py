@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from lowbit.quant.dtypes import fits_float16
 from lowbit.quant.packing import pack_bits, unpack_bits
 from lowbit.quant.qtensor import QTensor
 from lowbit.quant.spec import FormatSpec, parse_spec
@@ -27,12 +28,14 @@ BLOCK = 32
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "MXFP4": 17}
 
 
-def exact_gguf_type(spec: FormatSpec, in_features: int) -> str | None:
-    """The GGUF block type that holds this spec exactly, or None."""
+def exact_gguf_type(spec: FormatSpec, in_features: int, scales: torch.Tensor | None = None) -> str | None:
+    """The GGUF block type that holds this spec exactly, or None. Q4_0 and Q8_0 store float16
+    scales: a spec with bf16 or float32 ones (llm-compressor's checkpoints keep the model's bf16)
+    fits when `scales`, the weight's own, all survive the trip through float16."""
     if in_features % BLOCK:
         return None
-    if (spec.family == "int" and spec.granularity == "group" and spec.group_size % BLOCK == 0
-            and spec.scale_dtype == "float16" and not spec.double_quant):
+    if (spec.family == "int" and spec.granularity == "group" and spec.group_size % BLOCK == 0 and not spec.double_quant
+            and (spec.scale_dtype == "float16" or (scales is not None and fits_float16(scales)))):
         if spec.bits == 8 and spec.symmetric:
             return "Q8_0"
         if spec.bits == 4 and spec.symmetric:
@@ -82,7 +85,8 @@ def to_gguf_bytes(qt: QTensor, type_name: str) -> np.ndarray:
 def _with_scales(qt: QTensor, scales: torch.Tensor) -> QTensor:
     """The same codes with one scale per 32-block: the g32 QTensor that decodes to the same weights."""
     spec = gguf_spec("Q8_0" if qt.spec.bits == 8 else "Q4_0")
-    return QTensor.from_tensors({"qweight": qt.qweight, "scales": scales.contiguous()},
+    # float16 scales: exact_gguf_type has checked that bf16 or float32 ones survive the conversion
+    return QTensor.from_tensors({"qweight": qt.qweight, "scales": scales.to(torch.float16).contiguous()},
                                 {"spec": spec.to_dict(), "shape": list(qt.shape)})
 
 

@@ -77,7 +77,7 @@ def gguf_name(hf_name: str, arch: str = "llama") -> str | None:
 def _choose(value: torch.Tensor | QTensor, forced: str | None) -> tuple[str, str | None]:
     """(GGUF type to write, reason it is not exact or None) for one projection weight."""
     k = value.shape[1]
-    exact = exact_gguf_type(value.spec, k) if isinstance(value, QTensor) else None
+    exact = exact_gguf_type(value.spec, k, value.scales) if isinstance(value, QTensor) else None
     if forced is None:
         if exact:
             return exact, None

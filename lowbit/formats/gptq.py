@@ -25,6 +25,7 @@ import torch
 from lowbit.errors import LowbitError
 from lowbit.formats.checkpoint import Checkpoint, keep_the_rest_dense, packed_config, packed_modules, read_safetensors
 from lowbit.formats.int32pack import pack_last, unpack_last
+from lowbit.quant.dtypes import fits_float16
 from lowbit.quant.packing import pack_bits
 from lowbit.quant.qtensor import QTensor
 from lowbit.quant.registry import get_format
@@ -62,12 +63,6 @@ def why_not_exact(qt: QTensor, scheme: tuple[int, int, bool]) -> str | None:
     if not spec.symmetric and bool((qt.zeros == 0).any()):
         return "a zero point of 0 cannot be stored as zero − 1 in GPTQ's v1 format"
     return None
-
-
-def fits_float16(scales: torch.Tensor) -> bool:
-    """True when every scale survives a round trip through float16 unchanged."""
-    back = scales.to(torch.float16).to(scales.dtype)
-    return bool(torch.isfinite(back).all()) and torch.equal(back, scales)
 
 
 def requant_spec(scheme: tuple[int, int, bool]) -> FormatSpec:

@@ -24,3 +24,14 @@ def parse_dtype(text: str | torch.dtype, option: str = "--dtype", allowed: tuple
     if isinstance(text, torch.dtype):
         return text
     return DTYPES[dtype_name(text, option, allowed)]
+
+
+def fits_float16(values: torch.Tensor) -> bool:
+    """True when every value survives a round trip through float16 unchanged (bf16 or float32 scales
+    that float16 formats - GPTQ, AWQ, GGUF's Q4_0 and Q8_0 - hold exactly)."""
+    if values.dtype == torch.float16:
+        return True
+    if values.dtype not in (torch.bfloat16, torch.float32, torch.float64):
+        return False  # fp8 / E8M0 / integer scales: other formats' business
+    back = values.to(torch.float16).to(values.dtype)
+    return bool(torch.isfinite(back).all()) and torch.equal(back, values)

@@ -6,7 +6,8 @@ checkpoints of Qwen2/3-MoE and OLMoE (and transformers 5's save_pretrained) stor
 layouts are mapped onto those names as the tensors stream past the loader:
 
 - Mixtral's hub files: `block_sparse_moe.experts.E.w1/w3/w2.weight` (gate/up/down) and
-  `block_sparse_moe.gate.weight`;
+  `block_sparse_moe.gate.weight`, and llm-compressor's `block_sparse_moe.experts.E.gate_proj`
+  (formats/moe_names.py renames them);
 - transformers 5's in-memory fused tensors, as some tools write them: `mlp.experts.gate_up_proj`
   [E, 2I, H] (gate rows first, then up) and `mlp.experts.down_proj` [E, H, I], with or without a
   `.weight` suffix; each is split into per-expert views (no copy).
@@ -24,17 +25,10 @@ from pathlib import Path
 import torch
 
 from lowbit.errors import LowbitError
+from lowbit.formats.moe_names import to_lowbit
 from lowbit.runtime.config import ModelConfig
 
-_MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-_MIXTRAL_EXPERT = re.compile(r"(\.mlp\.experts\.\d+\.)(w[123])(?=\.|$)")  # tensor or module name
 _FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(?:\.weight)?$")
-
-
-def rename(name: str) -> str:
-    """A checkpoint tensor or module name in lowbit's per-expert spelling (other names unchanged)."""
-    name = name.replace(".block_sparse_moe.", ".mlp.")
-    return _MIXTRAL_EXPERT.sub(lambda m: m.group(1) + _MIXTRAL_NAMES[m.group(2)], name)
 
 
 def expert_tensors(items: Iterable[tuple[str, torch.Tensor]], config: ModelConfig,
@@ -43,7 +37,7 @@ def expert_tensors(items: Iterable[tuple[str, torch.Tensor]], config: ModelConfi
     seen: set[str] = set()
     for name, tensor in items:
         original = name
-        name = rename(name)
+        name = to_lowbit(name)
         fused = _FUSED.match(name)
         pairs = [(name, tensor)] if fused is None else _split(fused, original, tensor, config, where)
         for out_name, out in pairs:

@@ -87,7 +87,7 @@ def attach_quantized(
     """Replace each named Linear of `model` by a QuantLinear around `load(name)`, one at a time so
     only one unprepared QTensor is in memory. A bias is left to the state dict: the new module
     keeps a meta-device bias parameter of the right shape for `load_state_dict(assign=True)`."""
-    from lowbit.runtime.moe_weights import rename
+    from lowbit.formats.moe_names import to_lowbit as rename
 
     for name in names:
         target = rename(name)  # Mixtral's hub names (block_sparse_moe.experts.E.w1) -> lowbit's modules
@@ -117,7 +117,7 @@ def attach_native(model: nn.Module, path, tied_head: bool, device: torch.device 
     (runtime/quant_embedding.py): the checkpoint stores that matrix once, as lm_head."""
     from lowbit.formats.native import NativeReader, is_native
     from lowbit.quant.outlier_matrix import sparse_outliers
-    from lowbit.runtime.moe_weights import rename
+    from lowbit.formats.moe_names import to_lowbit as rename
     from lowbit.runtime.quant_embedding import QuantEmbedding
 
     if not is_native(path):

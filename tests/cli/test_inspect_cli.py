@@ -64,3 +64,40 @@ def test_inspect_errors(mixed, tmp_path, run_cli):
     assert code == 1 and "not found" in err
     code, _, err = run_cli(["inspect", str(ckpt), "--base", str(ckpt)])
     assert code == 1 and "itself quantized" in err
+
+
+@pytest.mark.parametrize("target", ["compressed-tensors", "gptq", "awq"])
+def test_inspect_reads_exported_formats(tiny_float_model, tmp_path, run_cli, target):
+    """A GPTQ / AWQ / compressed-tensors directory is inspected as the layers lowbit runs (it had been
+    called a float checkpoint): the same rows, sizes and errors as the lowbit checkpoint it came from."""
+    from lowbit.formats.convert import convert
+    from lowbit.quant.spec import parse_spec
+
+    src = tiny_float_model("llama")
+    spec = parse_spec("int4-asym", 32, scale_dtype="float16") if target == "awq" else parse_spec("int4", 32)
+    quantize_model(src, spec, out_dir=tmp_path / "q")
+    convert(tmp_path / "q", tmp_path / "x", target)
+    reports = []
+    for ckpt in (tmp_path / "q", tmp_path / "x"):
+        code, out, _ = run_cli(["inspect", str(ckpt), "--base", str(src), "--json"])
+        assert code == 0
+        reports.append(json.loads(out))
+    native, foreign = reports
+    assert native["kind"] == "native" and foreign["kind"] == target and foreign["read_as_float"] == {}
+    assert len(foreign["layers"]) == len(native["layers"]) == 14
+    by_name = {layer["name"]: layer for layer in native["layers"]}
+    for layer in foreign["layers"]:
+        mine = by_name[layer["name"]]
+        assert (layer["shape"], layer["group"], layer["bits_per_weight"]) == (mine["shape"], mine["group"], mine["bits_per_weight"])
+        assert layer["rel_error"] == pytest.approx(mine["rel_error"], rel=1e-12)
+    assert foreign["quantized"] == native["quantized"]
+
+
+def test_inspect_names_a_gguf_file(tiny_float_model, tmp_path, run_cli):
+    from lowbit.formats.convert import convert
+    from lowbit.quant.spec import parse_spec
+
+    quantize_model(tiny_float_model("llama"), parse_spec("int4", 32), out_dir=tmp_path / "q")
+    convert(tmp_path / "q", tmp_path / "m.gguf", "gguf")
+    code, _, err = run_cli(["inspect", str(tmp_path / "m.gguf")])
+    assert code == 1 and "is a GGUF file" in err and "--to native" in err and err.count("\n") == 1

@@ -27,7 +27,7 @@ from lowbit.formats.foreign import read_checkpoint
 from lowbit.formats.native import NativeWriter
 from lowbit.runtime.config import ModelConfig
 from lowbit.runtime.models import CausalLM, build_model
-from lowbit.runtime.moe_weights import rename
+from lowbit.formats.moe_names import to_lowbit as rename
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 

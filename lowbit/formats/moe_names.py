@@ -1,0 +1,33 @@
+"""Expert and router names of the mixture-of-experts checkpoint layouts, in lowbit's one spelling.
+
+lowbit names expert E of layer L `model.layers.L.mlp.experts.E.{gate,up,down}_proj` and the layer's
+router `model.layers.L.mlp.gate`, as the hub checkpoints of Qwen2/3-MoE and OLMoE do. Mixtral's hub
+files say `block_sparse_moe.experts.E.w1 / w3 / w2` (gate / up / down) and `block_sparse_moe.gate`;
+llm-compressor's Mixtral exports (transformers 5) say `block_sparse_moe.experts.E.gate_proj / up_proj
+/ down_proj`. `to_lowbit` maps either onto lowbit's names (tensor or module names; others unchanged)
+and `to_mixtral` writes Mixtral's hub names back, the names vLLM's Mixtral loader reads.
+"""
+
+from __future__ import annotations
+
+import re
+
+_FROM_MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_TO_MIXTRAL = {"gate": "w1", "up": "w3", "down": "w2"}
+_MIXTRAL_EXPERT = re.compile(r"(\.mlp\.experts\.\d+\.)(w[123])(?=\.|$)")
+_LOWBIT_EXPERT = re.compile(r"^(model\.layers\.\d+)\.mlp\.(experts\.\d+\.(gate|up|down)_proj|gate)(?=\.|$)")
+
+
+def to_lowbit(name: str) -> str:
+    """A checkpoint tensor or module name in lowbit's per-expert spelling."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    return _MIXTRAL_EXPERT.sub(lambda m: m.group(1) + _FROM_MIXTRAL[m.group(2)], name)
+
+
+def to_mixtral(name: str) -> str:
+    """A lowbit expert or router name in Mixtral's hub spelling (other names unchanged)."""
+    def sub(m: re.Match) -> str:
+        if m.group(2) == "gate":
+            return f"{m.group(1)}.block_sparse_moe.gate"
+        return f"{m.group(1)}.block_sparse_moe.{m.group(2).rsplit('.', 1)[0]}.{_TO_MIXTRAL[m.group(3)]}"
+    return _LOWBIT_EXPERT.sub(sub, name)
