@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from lowbit.cli.common import THREADS_OPTION, apply_threads, console, print_json, progress
+from lowbit.cli.common import THREADS_OPTION, apply_threads, console, expert_tokens_line, print_json, progress
 from lowbit.cli.main import app
 
 
@@ -25,6 +25,10 @@ def calibrate_command(
         None, "--sink-weight", metavar="W",
         help="How many tokens the first position of each window counts for in the statistics (it is the attention sink, which every later token reads). Default: seqlen / 32, at least 1 (16 for 512-token windows).",
     ),
+    routed_experts: bool = typer.Option(False, "--routed-experts", help="Mixture-of-experts models: give each expert statistics from only the tokens the router sends it; an expert "
+        "that gets none is quantized with RTN (a note says which). By default every calibration token also runs "
+        "through every expert for the statistics (the layer's output still sums only the routed experts), so "
+        "rarely routed experts are calibrated too."),
     output: str = typer.Option(..., "-o", "--output", help="STATS file to write (safetensors); reusable by any `lowbit quantize`."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output file."),
     threads: Optional[int] = THREADS_OPTION,
@@ -48,7 +52,8 @@ def calibrate_command(
     source = model_dir(resolve_model(model))
     check_calibration_windows(read_config(source), samples, seqlen, sink_weight=sink_weight, name=source.name)
     with console.status("loading model and text"):
-        inputs = prepare_calibration(model, data, samples=samples, seqlen=seqlen, seed=seed, sink_weight=sink_weight)
+        inputs = prepare_calibration(model, data, samples=samples, seqlen=seqlen, seed=seed, sink_weight=sink_weight,
+                                     all_experts=not routed_experts)
     with progress() as bar:
         task = bar.add_task("calibrate", total=inputs.model.num_layers, info="")
 
@@ -64,3 +69,5 @@ def calibrate_command(
             f"of {summary['data']}: {summary['sites']} input sites in {summary['layers']} layers, "
             f"{summary['bytes'] / 1e6:.1f} MB → {summary['output']} in {summary['seconds']:.1f} s"
         )
+        if "expert_tokens" in summary:
+            console.print(f"experts: {expert_tokens_line(summary['expert_tokens'])}")

@@ -48,6 +48,14 @@ def apply_threads(threads: int | None) -> None:
     torch.set_num_threads(threads)
 
 
+def expert_tokens_line(expert_tokens: dict[str, list[int]]) -> str:
+    """One line on an MoE model's calibration: how many tokens the router sent each expert."""
+    counts = sorted(c for block in expert_tokens.values() for c in block)
+    idle = sum(c == 0 for c in counts)
+    return (f"{len(expert_tokens)} MoE blocks, {len(counts)} experts: calibration tokens per expert min {counts[0]}, "
+            f"median {counts[len(counts) // 2]}, max {counts[-1]}; {idle} got none (--json lists each)")
+
+
 def print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, default=_jsonable) + "\n")
     sys.stdout.flush()

@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from lowbit.cli.common import THREADS_OPTION, apply_threads, console, print_json, progress
+from lowbit.cli.common import THREADS_OPTION, apply_threads, console, expert_tokens_line, print_json, progress
 from lowbit.cli.main import app
 from lowbit.errors import UsageError
 
@@ -51,6 +51,13 @@ def quantize_command(
     sink_weight: Optional[float] = typer.Option(
         None, "--sink-weight", metavar="W",
         help="With --data: " + "How many tokens the first position of each window counts for in the statistics (it is the attention sink, which every later token reads). Default: seqlen / 32, at least 1 (16 for 512-token windows).",
+    ),
+    routed_experts: bool = typer.Option(
+        False, "--routed-experts",
+        help="With --data: " + "Mixture-of-experts models: give each expert statistics from only the tokens the router sends it; an expert "
+        "that gets none is quantized with RTN (a note says which). By default every calibration token also runs "
+        "through every expert for the statistics (the layer's output still sums only the routed experts), so "
+        "rarely routed experts are calibrated too.",
     ),
     refit_rounds: int = typer.Option(
         1, "--refit-rounds", metavar="N",
@@ -121,9 +128,11 @@ def quantize_command(
     get_method(method)  # an unknown name is the error to report, before what goes with it
     outliers = OutlierOptions(keep_outliers=keep_outliers, keep_channels=keep_channels, salience=outlier_salience)
     source = None
+    if routed_experts and data is None and calib is None:
+        raise UsageError("--routed-experts goes with --data (it chooses how an MoE model's experts are calibrated)")
     if calib is not None or data is not None:
         source = CalibrationSource(calib=None if calib is None else str(calib), data=data, samples=samples,
-                                   seqlen=seqlen, seed=seed, sink_weight=sink_weight)
+                                   seqlen=seqlen, seed=seed, sink_weight=sink_weight, all_experts=not routed_experts)
     # The work folder beside the output holds per-layer progress, so a killed run resumes.
     options = MethodOptions(method=method, calibration=source, gptq=GptqOptions(refit=refit_rounds, float_target=float_target),
                             outliers=outliers, work_dir=str(work_dir_for(output)))
@@ -160,9 +169,6 @@ def _print_summary(summary) -> None:
         f"  size          {summary.bytes_before / 1e6:.1f} MB → {summary.bytes_after / 1e6:.1f} MB ({ratio:.2f}× smaller)"
     )
     if summary.expert_tokens:
-        counts = sorted(c for block in summary.expert_tokens.values() for c in block)
-        idle = sum(c == 0 for c in counts)
-        console.print(f"  experts       {len(summary.expert_tokens)} MoE blocks, {len(counts)} experts: calibration tokens per expert "
-                      f"min {counts[0]}, median {counts[len(counts) // 2]}, max {counts[-1]}; {idle} got none (--json lists each)")
+        console.print(f"  experts       {expert_tokens_line(summary.expert_tokens)}")
     for note in summary.notes:
         console.print(f"  note: {note}")

@@ -44,15 +44,32 @@ class ScaleGroup:
 
 
 def scale_groups(layer: nn.Module) -> list[ScaleGroup]:
-    """The foldable groups of a Llama- or Gemma-3-style decoder layer."""
+    """The foldable groups of a Llama- or Gemma-3-style decoder layer, its MLP dense or a
+    mixture of experts (runtime/models/moe.py).
+
+    In an MoE block the norm's output feeds the router, every expert's gate/up and the shared
+    expert with its gate, so all of them take the norm's scale: the router and the shared-expert gate
+    stay dense and take it losslessly (written back in float32, so the logits that route a token are
+    the ones before the fold up to rounding), as llm-compressor's MoE mappings fold it. Each expert's
+    up_proj takes its own down_proj's scale."""
     attn, mlp = layer.self_attn, layer.mlp
     groups = [ScaleGroup("input_layernorm", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"])]
     if attn.v_proj.out_features == attn.o_proj.in_features:
         groups.append(ScaleGroup("self_attn.v_proj", ["self_attn.o_proj"]))
     mlp_norm = "pre_feedforward_layernorm" if hasattr(layer, "pre_feedforward_layernorm") else "post_attention_layernorm"
-    groups.append(ScaleGroup(mlp_norm, ["mlp.gate_proj", "mlp.up_proj"]))
-    if mlp.up_proj.out_features == mlp.down_proj.in_features:
-        groups.append(ScaleGroup("mlp.up_proj", ["mlp.down_proj"]))
+    mlps = {"mlp": mlp}
+    readers = []
+    if hasattr(mlp, "experts"):
+        mlps = {f"mlp.experts.{e}": expert for e, expert in enumerate(mlp.experts)}
+        readers.append("mlp.gate")
+        if mlp.shared_expert is not None:
+            mlps["mlp.shared_expert"] = mlp.shared_expert
+            readers.append("mlp.shared_expert_gate")
+    readers += [f"{name}.{proj}" for name in mlps for proj in ("gate_proj", "up_proj")]
+    groups.append(ScaleGroup(mlp_norm, readers))
+    for name, m in mlps.items():
+        if m.up_proj.out_features == m.down_proj.in_features:
+            groups.append(ScaleGroup(f"{name}.up_proj", [f"{name}.down_proj"]))
     return groups
 
 

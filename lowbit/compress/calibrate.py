@@ -70,7 +70,7 @@ class LayerwiseModel:
     """A model directory opened for layer-at-a-time work: the module tree lives on the meta device
     and a layer gets real float32 weights only between `load_layer` and `release_layer`."""
 
-    def __init__(self, path: str | Path, dtype: torch.dtype | None = None):
+    def __init__(self, path: str | Path, dtype: torch.dtype | None = None, all_experts: bool = True):
         self.path = model_dir(path)
         self.config_dict = read_json(self.path / "config.json")
         if "quantization_config" in self.config_dict:
@@ -87,7 +87,9 @@ class LayerwiseModel:
             self.model = build_model(self.config)
         for module in self.model.modules():
             if hasattr(module, "every_expert"):
-                module.every_expert = True  # MoE: statistics for every expert (runtime/models/moe.py)
+                # MoE: statistics for every expert (runtime/models/moe.py), or (all_experts False)
+                # each expert's from the tokens routed to it alone
+                module.every_expert = all_experts
         self.num_layers = self.config.num_hidden_layers
         self.compute_dtype = dtype or self._stored_dtype()
 
@@ -389,22 +391,25 @@ class CalibrationInputs:
     data_hash: str
     seed: int
     first_weight: float = 1.0  # what each window's first position counts for (`first_token_weight`)
+    all_experts: bool = True  # MoE: every token through every expert for the statistics
 
 
 def prepare_calibration(model: str | Path, data: str, samples: int = 128, seqlen: int = 2048, seed: int = 0,
-                        sink_weight: float | None = None) -> CalibrationInputs:
+                        sink_weight: float | None = None, all_experts: bool = True) -> CalibrationInputs:
     """Open the model and draw the calibration windows (all input checks happen here, before any output).
-    sink_weight: what each window's first position counts for (None: `first_token_weight`'s rule)."""
+    sink_weight: what each window's first position counts for (None: `first_token_weight`'s rule).
+    all_experts: MoE statistics from every token through every expert (False: the routed tokens)."""
     first_weight = first_token_weight(seqlen, sink_weight)
 
     path = resolve_model(model)
-    lm = LayerwiseModel(path)
+    lm = LayerwiseModel(path, all_experts=all_experts)
     text = load_text(data)
     tokenizer = load_tokenizer(path)
     encoded = encode_cached(tokenizer, Path(path) / "tokenizer.json", text)
     ids = calibration_samples(tokenizer, text, samples, seqlen, seed, what=f"calibration text '{data}'", ids=encoded)
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    return CalibrationInputs(model=lm, ids=ids, data=str(data), data_hash=digest, seed=seed, first_weight=first_weight)
+    return CalibrationInputs(model=lm, ids=ids, data=str(data), data_hash=digest, seed=seed, first_weight=first_weight,
+                             all_experts=all_experts)
 
 
 def calibration_settings(inputs: CalibrationInputs) -> dict:
@@ -412,6 +417,8 @@ def calibration_settings(inputs: CalibrationInputs) -> dict:
     settings = {"data": inputs.data, "data_sha256": inputs.data_hash, "samples": s, "seqlen": t, "seed": inputs.seed}
     if inputs.first_weight != 1.0:  # absent when 1, as in STATS files from before the weight existed
         settings["first_token_weight"] = inputs.first_weight
+    if not inputs.all_experts:  # absent when every expert saw every token, the default
+        settings["all_experts"] = False
     return settings
 
 
@@ -438,7 +445,8 @@ def calibrate(
 
     def process(index: int, layer: nn.Module, stats: LayerStats):
         tensors = {f"{site}.{field}": getattr(st, field) for site, st in stats.sites.items() for field in ("hessian", "mean_abs", "sq_mean", "max_abs")}
-        meta = {"sites": stats.site_modules, "tokens": {s: st.tokens for s, st in stats.sites.items()}}
+        meta = {"sites": stats.site_modules, "tokens": {s: st.tokens for s, st in stats.sites.items()},
+                "expert_tokens": stats.expert_tokens}
         return tensors, meta
 
     run_layers(lm, inputs.ids, work, process, None, batch_tokens=batch_tokens, snapshot_every_s=snapshot_every_s, on_layer=on_layer,
@@ -446,16 +454,18 @@ def calibrate(
 
     sites: dict[str, InputStats] = {}
     site_modules: dict[str, list[str]] = {}
+    expert_tokens: dict[str, list[int]] = {}
     for i in range(lm.num_layers):
         tensors, meta = work.load_layer(i)
+        expert_tokens.update(meta.get("expert_tokens", {}))
         for site, mods in meta["sites"].items():
             site_modules[site] = mods
             fields = {f: tensors[f"{site}.{f}"] for f in ("hessian", "mean_abs", "sq_mean", "max_abs")}
             sites[site] = InputStats(tokens=int(meta["tokens"][site]), **fields)
     with atomic_file(output, overwrite=overwrite) as tmp:
-        save_stats(tmp, sites, site_modules, identity, settings)
+        save_stats(tmp, sites, site_modules, identity, settings, expert_tokens)
     work.remove()
-    return {
+    summary = {
         "model": str(lm.path),
         "output": str(output),
         **settings,
@@ -465,3 +475,6 @@ def calibrate(
         "bytes": output.stat().st_size,
         "seconds": round(time.perf_counter() - began, 2),
     }
+    if expert_tokens:
+        summary["expert_tokens"] = expert_tokens
+    return summary

@@ -3,7 +3,8 @@ itself, grouped in `MethodOptions`. cli/quantize_cmd.py builds them once from th
 pipeline, the method factories and the layer loop read their fields (no options dict).
 
   CalibrationSource   where the statistics come from: a STATS file (`calib`) or a text (`data`,
-                      with the windows `samples` × `seqlen`, `seed` and the `sink_weight`)
+                      with the windows `samples` × `seqlen`, `seed`, the `sink_weight` and, for
+                      MoE models, whether `all_experts` see every token)
   GptqOptions         `refit` rounds of least-squares scale refitting, `float_target`
   OutlierOptions      `keep_outliers` / `keep_channels` percentages and the `salience` ranking
   MethodOptions       the method name, the three above, the resume folder, and `custom` options
@@ -35,12 +36,17 @@ class CalibrationSource:
     seqlen: int = 2048
     seed: int = 0
     sink_weight: float | None = None  # what each window's first position counts for (None: seqlen / 32)
+    # MoE: every calibration token through every expert for the statistics (False: each expert's
+    # routed tokens alone; an expert without any is quantized with RTN)
+    all_experts: bool = True
 
     def __post_init__(self):
         if (self.calib is None) == (self.data is None):
             raise UsageError("give exactly one of --calib STATS or --data TEXT")
         if self.sink_weight is not None and self.calib is not None:
             raise UsageError("--sink-weight goes with --data; a STATS file was measured with its own (lowbit calibrate --sink-weight)")
+        if not self.all_experts and self.calib is not None:
+            raise UsageError("--routed-experts goes with --data; a STATS file was measured with its own (lowbit calibrate --routed-experts)")
         # the windows' sizes and the sink weight's range are checked where the windows are cut
         # (compress/calibrate.py), for `lowbit calibrate` too
 
@@ -50,6 +56,8 @@ class CalibrationSource:
         out: dict[str, Any] = {"data": self.data, "samples": self.samples, "seqlen": self.seqlen, "seed": self.seed}
         if self.sink_weight is not None:
             out["sink_weight"] = self.sink_weight
+        if not self.all_experts:
+            out["routed_experts"] = True
         return out
 
 

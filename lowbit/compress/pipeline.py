@@ -287,7 +287,8 @@ def quantize_model(
             _check_result(part, part_specs, result, tensors)
             notes.extend(result.notes)
             expert_tokens.update(result.expert_tokens)
-            notes.extend(_unrouted_note(block, counts) for block, counts in result.expert_tokens.items() if 0 in counts)
+            notes.extend(_unrouted_note(block, counts) for block, counts in result.expert_tokens.items()
+                         if 0 in counts and not any(n.startswith(f"{block}: no calibration tokens") for n in result.notes))
             for module, qt in result.qtensors.items():
                 writer.add_quantized(module, qt)
                 bytes_after += qt.nbytes

@@ -103,6 +103,16 @@ def _site_stats(stats: LayerStats) -> dict[str, tuple[str, InputStats]]:
     return {m: (site, stats.sites[site]) for site, mods in stats.site_modules.items() for m in mods}
 
 
+def _unfed_notes(modules: list[str]) -> list[str]:
+    """One note per MoE block: which of its experts got no calibration token, so RTN."""
+    experts: dict[str, set[int]] = {}
+    for module in modules:
+        block, _, rest = module.partition(".experts.")
+        experts.setdefault(block, set()).add(int(rest.split(".", 1)[0]))
+    return [f"{block}: no calibration tokens reached expert{'s' if len(ids) > 1 else ''} {', '.join(map(str, sorted(ids)))} "
+            "(statistics from routed tokens only); quantized with RTN" for block, ids in experts.items()]
+
+
 def quantize_layer(
     layer: nn.Module, prefix: str, stats: LayerStats, specs: dict[str, FormatSpec], options: QuantOptions
 ) -> LayerOutcome:
@@ -111,27 +121,37 @@ def quantize_layer(
     in — `apply_outcome` does that."""
     outcome = LayerOutcome(qtensors={})
     by_module = _site_stats(stats)
-    for module in specs:
-        if module not in by_module:
+    # An MoE expert the router sent no calibration token (statistics from routed tokens only) has
+    # none: it is quantized with RTN, with a note; any other Linear without statistics is an error.
+    unfed = [m for m in specs if m not in by_module]
+    for module in unfed:
+        if ".experts." not in module:
             raise LowbitError(f"no calibration statistics for {module}")
+    if unfed:
+        outcome.notes.extend(_unfed_notes(unfed))
     site_stats = {site: st for site, st in stats.sites.items()}
     local = {m[len(prefix):]: m for m in specs}
 
     if options.method.startswith("awq"):
         for group in awq_mod.scale_groups(layer):
             members = [local.get(name) for name in group.linears]
-            quantized = [(name, m) for name, m in zip(group.linears, members) if m is not None]
+            # the members with statistics score the search; an expert without takes the scale all the same
+            quantized = [(name, m) for name, m in zip(group.linears, members) if m is not None and m in by_module]
             if not quantized:
                 continue
             # The search scores only the quantized members; a dense member (a mixed-precision
-            # recipe) takes the folded scale losslessly and is written back as a changed tensor.
+            # recipe, an MoE router) takes the folded scale losslessly and is written back as a
+            # changed tensor.
             site, st = by_module[quantized[0][1]]
             weights = [layer.get_submodule(name).weight.data.float() for name, _ in quantized]
             s, alpha, rel = awq_mod.search_scales(weights, [specs[m] for _, m in quantized], st, grid=options.awq_grid)
             if alpha < 0:
                 continue
             awq_mod.fold_scale(layer, group, s)
-            site_stats[site] = st.scaled(s)
+            # every input the fold divided by s: one site when the members read one tensor; an MoE
+            # calibrated on routed tokens only gives each expert its own
+            for member_site in {by_module[m][0] for m in members if m in by_module}:
+                site_stats[member_site] = site_stats[member_site].scaled(s)
             for name, m in zip(group.linears, members):
                 if m is None:
                     outcome.dense[f"{prefix}{name}.weight"] = layer.get_submodule(name).weight.data.float().clone()
@@ -161,6 +181,10 @@ def quantize_layer(
     for name, module in local.items():
         spec = specs[module]
         fmt = get_format(spec)
+        if module in unfed:
+            w = layer.get_submodule(name).weight.data.float()
+            outcome.qtensors[module] = fmt.quantize(w, spec, global_scale=global_scales.get(module))
+            continue
         site, _ = by_module[module]
         st = site_stats[site]
         w = layer.get_submodule(name).weight.data.float()
@@ -273,7 +297,7 @@ def make_layer_method(context):
     run = context.options
     source = run.calibration
     options = layer_options(run)  # MethodOptions checked the method's calibration and float target
-    lm = LayerwiseModel(context.model_dir)
+    lm = LayerwiseModel(context.model_dir, all_experts=source.all_experts)
     identity = lm.identity()
     stats_file = hidden = None
     first_weight = 1.0
@@ -283,7 +307,7 @@ def make_layer_method(context):
         fingerprint = {"calib": stats_file.identity["config_hash"], "stats": stats_file.header["calibration"]}
     else:
         inputs = prepare_calibration(context.model_dir, source.data, source.samples, source.seqlen, source.seed,
-                                     sink_weight=source.sink_weight)
+                                     sink_weight=source.sink_weight, all_experts=source.all_experts)
         first_weight = inputs.first_weight
         fingerprint = {"data": inputs.data_hash, "samples": list(inputs.ids.shape), "seed": inputs.seed}
         if first_weight != 1.0:
@@ -334,7 +358,8 @@ def make_layer_method(context):
         else:
             if stats_file is not None:
                 sites = stats_file.layer_sites(prefix)
-                stats = LayerStats(sites={s: stats_file.site(s) for s in sites}, site_modules=sites)
+                stats = LayerStats(sites={s: stats_file.site(s) for s in sites}, site_modules=sites,
+                                   expert_tokens=stats_file.layer_expert_tokens(prefix))
             elif staged:
                 outcome = _quantize_staged(lm, layer, i, hidden, part.specs, options, first_weight, reference)
                 moved = True

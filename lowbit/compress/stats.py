@@ -206,8 +206,10 @@ def save_stats(
     site_modules: dict[str, list[str]],
     identity: dict,
     calibration: dict,
+    expert_tokens: dict[str, list[int]] | None = None,
 ) -> None:
-    """Write a STATS file to `path` (callers wrap it in atomic_file)."""
+    """Write a STATS file to `path` (callers wrap it in atomic_file). expert_tokens: MoE block ->
+    calibration tokens the router sent each expert (kept in the header for quantize's summary)."""
     tensors: dict[str, torch.Tensor] = {}
     tokens = {}
     for site, st in sites.items():
@@ -221,6 +223,8 @@ def save_stats(
         "sites": site_modules,
         "tokens": tokens,
     }
+    if expert_tokens:
+        header["expert_tokens"] = expert_tokens
     save_file(tensors, str(path), metadata={_META_KEY: json.dumps(header, sort_keys=True)})
 
 
@@ -275,8 +279,12 @@ class StatsFile:
         """The file was made on this model, and every site holds finite statistics of the right shapes."""
         check_identity(self.identity, expected_identity, str(self.path))
         shapes = expected_identity["shapes"]
+        # a file measured on routed tokens only (`lowbit calibrate --routed-experts`) has nothing for
+        # an MoE expert the router sent no token; quantize falls back to RTN for it
+        routed_only = self.header.get("calibration", {}).get("all_experts", True) is False
         for module in shapes:
-            self.site_of(module)
+            if not (routed_only and ".experts." in module):
+                self.site_of(module)
         for site, modules in self.site_modules.items():
             stray = [m for m in modules if m not in shapes]
             if stray:
@@ -311,6 +319,11 @@ class StatsFile:
             raise LowbitError(f"{self.path} has no statistics for site {name}")
         tensors = {f: self._handle.get_tensor(f"{name}.{f}") for f in _FIELDS}
         return InputStats(tokens=int(self.header["tokens"][name]), **tensors)
+
+    def layer_expert_tokens(self, prefix: str) -> dict[str, list[int]]:
+        """MoE block -> tokens routed to each expert, for the blocks under `prefix` (empty before
+        STATS files recorded them)."""
+        return {b: list(c) for b, c in self.header.get("expert_tokens", {}).items() if b.startswith(prefix)}
 
     def layer_sites(self, prefix: str) -> dict[str, list[str]]:
         """The sites (and their modules) whose names start with `prefix` (e.g. 'model.layers.3.')."""

@@ -1,5 +1,5 @@
-"""AWQ: folding scales leaves a float model's logits unchanged (Llama, and Gemma-3's (1 + w)
-norms); the search never loses to s = 1 on its own exact score; the clip search never loses."""
+"""AWQ: folding scales leaves a float model's logits unchanged (Llama, Gemma-3's (1 + w) norms,
+mixture-of-experts layers with their routers); the search never loses to s = 1 on its own exact score; the clip search never loses."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def test_folding_scales_keeps_float_outputs(tiny_model, kind):
     folded = 0
     for layer in model.model.layers:
         for group in scale_groups(layer):
-            width = layer.get_submodule(group.linears[0]).in_features
+            width = layer.get_submodule(group.linears[0]).weight.shape[1]
             s = torch.exp(torch.randn(width, generator=gen, dtype=torch.float64))  # scales over ~e^±2
             fold_scale(layer, group, s)
             folded += 1
@@ -33,6 +33,30 @@ def test_folding_scales_keeps_float_outputs(tiny_model, kind):
     tol = 1e-9 if kind == "llama" else 1e-5
     torch.testing.assert_close(after, before, rtol=tol, atol=tol)
     assert not torch.equal(model.model.layers[0].self_attn.q_proj.weight, load_model(tiny_model(kind), dtype=torch.float64).model.layers[0].self_attn.q_proj.weight)
+
+
+@pytest.mark.parametrize("case", ["mixtral", "qwen2_moe", "olmoe"])
+def test_folding_scales_keeps_moe_outputs(tmp_path, case):
+    """A mixture-of-experts layer's groups cover every reader of the folded input: the router and
+    (Qwen2-MoE) the shared expert and its gate take the norm's scale too. Leaving one out changes
+    the routing or the shared term, and the logits by far more than rounding."""
+    from tests.runtime.moe_models import save_moe
+
+    src, _ = save_moe(case, tmp_path / case)
+    model = load_model(src, dtype=torch.float64)
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    before = model(ids)
+    gen = torch.Generator().manual_seed(1)
+    routers = shared_gates = 0
+    for layer in model.model.layers:
+        for group in scale_groups(layer):
+            routers += "mlp.gate" in group.linears
+            shared_gates += "mlp.shared_expert_gate" in group.linears
+            width = layer.get_submodule(group.linears[0]).weight.shape[1]
+            fold_scale(layer, group, torch.exp(torch.randn(width, generator=gen, dtype=torch.float64)))
+    sparse = sum(hasattr(layer.mlp, "experts") for layer in model.model.layers)
+    assert sparse and routers == sparse and shared_gates == (sparse if case == "qwen2_moe" else 0)
+    torch.testing.assert_close(model(ids), before, rtol=1e-9, atol=1e-9)
 
 
 def _stats_with_outlier_channels(k: int):
