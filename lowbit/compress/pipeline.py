@@ -39,7 +39,7 @@ from lowbit.quant.registry import get_format, part_layout
 from lowbit.quant.rtn import shared_global_scale
 from lowbit.quant.spec import FormatSpec, parse_spec
 from lowbit.runtime.config import ModelConfig
-from lowbit.formats.moe_names import to_lowbit as rename_expert
+from lowbit.formats.moe_names import is_router, to_lowbit as rename_expert
 
 ProgressFn = Callable[[int, int, str], None]
 
@@ -47,8 +47,6 @@ HEAD = "lm_head"
 # Projections that read the same input and run as one fused matmul.
 FUSED_SETS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 _LAYER = re.compile(r"^(.*?\blayers\.(\d+))\.")
-# the router (and Qwen2-MoE's shared-expert gate) of a mixture-of-experts layer: [experts, hidden] scores
-_ROUTER = re.compile(r"\.(mlp|block_sparse_moe)\.(gate|shared_expert_gate)$")
 _DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I8": 1, "U8": 1, "I16": 2, "I32": 4, "I64": 8,
                 "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}
 _FOREIGN_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
@@ -257,8 +255,8 @@ def quantize_model(
     _check_weights_fit(model_config, source, source_dir)
     if quantize_head and model_config.tie_word_embeddings:
         source.use_embeddings_as_head()
-    linears = _linear_modules(source, quantize_head)
-    specs = _assign(recipe, linears, source)
+    linears, routers = _linear_modules(source, quantize_head)
+    specs = _assign(recipe, linears, source, routers)
     if quantize_head and model_config.tie_word_embeddings and specs.get(HEAD) is None:
         # a recipe or --skip kept the tied head dense: it stays the embedding table, as stored
         source = SourceTensors(source_dir)
@@ -425,27 +423,40 @@ def _check_output(out: Path, source: Path, overwrite: bool) -> None:
         raise UsageError(f"output {out} would overwrite the model being quantized ({source})")
 
 
-def _linear_modules(source: SourceTensors, quantize_head: bool) -> list[str]:
-    modules = []
+def _linear_modules(source: SourceTensors, quantize_head: bool) -> tuple[list[str], list[str]]:
+    """(the projections to quantize, the MoE routers: quantized only by a rule naming them alone)."""
+    modules, routers = [], []
     for name in source.names:
         if not name.endswith(".weight") or len(source.shapes[name]) != 2:
             continue
         module = name[: -len(".weight")]
-        if _ROUTER.search(module):
-            continue  # MoE routers stay dense: the runtime computes them in float32 (runtime/models/moe.py)
+        if is_router(module):
+            routers.append(module)  # dense unless a rule names routers alone (see _assign)
+            continue
         if _LAYER.match(name) or (quantize_head and module == HEAD):
             modules.append(module)
     if quantize_head and HEAD not in modules:
         raise UsageError("--quantize-head: this checkpoint stores no lm_head.weight (its head is tied to the embeddings)")
     if not modules:
         raise LowbitError(f"{source.directory}: no decoder-layer Linear weights found (expected names like model.layers.0.mlp.down_proj.weight)")
-    return modules
+    return modules, routers
 
 
-def _assign(recipe: Recipe, modules: list[str], source: SourceTensors) -> dict[str, FormatSpec | None]:
-    """module -> spec (None: dense), every spec checked against the module's shape."""
+def _assign(recipe: Recipe, modules: list[str], source: SourceTensors, routers: list[str] = ()) -> dict[str, FormatSpec | None]:
+    """module -> spec (None: dense), every spec checked against the module's shape.
+
+    An MoE router (and Qwen2-MoE's shared-expert gate) stays dense, as llm-compressor's recipes
+    keep it, unless a rule that matches routers and nothing else names it (`re:.*mlp\\.gate$`):
+    a rule like `*` leaves it dense. A quantized router is RTN-quantized whatever the method, and the
+    runtime routes with its dequantized weight (runtime/quant_linear.py)."""
+    router_rules = [r for r in recipe.rules if r.spec is not None and not any(r.matches(m) for m in modules)]
+    chosen = {}
+    for router in routers:
+        rule = next((r for r in recipe.rules if r.matches(router)), None)
+        if rule is not None and rule in router_rules:
+            chosen[router] = rule
     specs = {}
-    for module, rule in match_rules(recipe, modules).items():
+    for module, rule in {**match_rules(recipe, modules, also=list(chosen)), **chosen}.items():
         spec = rule.spec if rule is not None else None
         shape = source.shapes[f"{module}.weight"]
         if spec is not None:

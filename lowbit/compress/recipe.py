@@ -140,10 +140,11 @@ def load_recipe(path: str | os.PathLike) -> Recipe:
     return parse_recipe(data, path.name)
 
 
-def match_rules(recipe: Recipe, modules: list[str]) -> dict[str, RecipeRule | None]:
+def match_rules(recipe: Recipe, modules: list[str], also: list[str] = ()) -> dict[str, RecipeRule | None]:
     """module -> the first rule that matches it (None: no rule, stays dense).
 
-    Raises UsageError for a rule that matches no module at all."""
+    Raises UsageError for a rule that matches no module at all (`also`: modules matched elsewhere,
+    which count as matches here: the MoE routers a router-only rule quantizes)."""
     out: dict[str, RecipeRule | None] = {}
     used = [False] * len(recipe.rules)
     for module in modules:
@@ -154,7 +155,7 @@ def match_rules(recipe: Recipe, modules: list[str]) -> dict[str, RecipeRule | No
                 used[i] = True
                 break
     for rule, hit in zip(recipe.rules, used):
-        if not hit and not any(rule.matches(m) for m in modules):
+        if not hit and not any(rule.matches(m) for m in (*modules, *also)):
             example = modules[0] if modules else "none"
             raise UsageError(f"{rule.source or 'recipe'}: pattern '{rule.pattern}' matches no quantizable module (e.g. {example})")
     return out

@@ -32,6 +32,7 @@ from lowbit.compress.gptq import DEFAULT_BLOCK, DEFAULT_DAMP, float_target, gptq
 from lowbit.compress.methods import LayerResult
 from lowbit.compress.options import MethodOptions
 from lowbit.compress.workdir import WorkDir
+from lowbit.formats.moe_names import is_router
 from lowbit.compress.outliers import DEFAULT_SALIENCE, outlier_mask
 from lowbit.quant.outlier_matrix import pack_outliers, unpack_outliers
 from lowbit.quant.qtensor import PART_NAMES, QTensor
@@ -123,12 +124,13 @@ def quantize_layer(
     by_module = _site_stats(stats)
     # An MoE expert the router sent no calibration token (statistics from routed tokens only) has
     # none: it is quantized with RTN, with a note; any other Linear without statistics is an error.
+    # A router a recipe quantizes has none either (it is no Linear): always RTN.
     unfed = [m for m in specs if m not in by_module]
     for module in unfed:
-        if ".experts." not in module:
+        if ".experts." not in module and not is_router(module):
             raise LowbitError(f"no calibration statistics for {module}")
-    if unfed:
-        outcome.notes.extend(_unfed_notes(unfed))
+    if any(".experts." in m for m in unfed):
+        outcome.notes.extend(_unfed_notes([m for m in unfed if ".experts." in m]))
     site_stats = {site: st for site, st in stats.sites.items()}
     local = {m[len(prefix):]: m for m in specs}
 

@@ -31,6 +31,7 @@ from lowbit.formats.checkpoint import Checkpoint, copy_side_files, write_config
 from lowbit.formats.foreign import detect_checkpoint_kind, read_checkpoint
 from lowbit.formats.gguf_export import write_gguf
 from lowbit.formats.gguf_import import convert_gguf
+from lowbit.formats.moe_names import is_router
 from lowbit.quant.dtypes import parse_dtype
 from lowbit.formats.gguf_tokenizer import write_tokenizer_files
 from lowbit.formats.native import NativeWriter
@@ -106,6 +107,7 @@ def convert(
         convert_gguf(source, output, dtype=dtype, overwrite=overwrite, progress=progress)
     else:
         ckpt = read_checkpoint(source, kind)
+        _dense_routers(ckpt, target)
         _fold_outliers(ckpt, target, allow_requant, result)
         _place_tied_head(ckpt, target, result)
         if target == "gguf":
@@ -132,6 +134,16 @@ def convert(
 
 
 _TARGET_NAMES = {"compressed-tensors": "compressed-tensors", "gptq": "GPTQ", "awq": "AWQ", "gguf": "GGUF"}
+
+
+def _dense_routers(ckpt: Checkpoint, target: str) -> None:
+    """MoE routers a recipe quantized leave lowbit's format dense: vLLM's and llama.cpp's routers are
+    dense weights, so each is written as its dequantized values in float32 (exact: a code times a
+    float16 scale has at most 19 significant bits)."""
+    if target == "native":
+        return
+    for module in [m for m in ckpt.qtensors if is_router(m)]:
+        ckpt.dense[f"{module}.weight"] = ckpt.qtensors.pop(module).dequantize(torch.float32)
 
 
 def _fold_outliers(ckpt: Checkpoint, target: str, allow: bool, result: ConvertResult) -> None:

@@ -15,6 +15,7 @@ import re
 _FROM_MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _TO_MIXTRAL = {"gate": "w1", "up": "w3", "down": "w2"}
 _MIXTRAL_EXPERT = re.compile(r"(\.mlp\.experts\.\d+\.)(w[123])(?=\.|$)")
+_ROUTER = re.compile(r"\.(mlp|block_sparse_moe)\.(gate|shared_expert_gate)$")
 _LOWBIT_EXPERT = re.compile(r"^(model\.layers\.\d+)\.mlp\.(experts\.\d+\.(gate|up|down)_proj|gate)(?=\.|$)")
 
 
@@ -22,6 +23,11 @@ def to_lowbit(name: str) -> str:
     """A checkpoint tensor or module name in lowbit's per-expert spelling."""
     name = name.replace(".block_sparse_moe.", ".mlp.")
     return _MIXTRAL_EXPERT.sub(lambda m: m.group(1) + _FROM_MIXTRAL[m.group(2)], name)
+
+
+def is_router(module: str) -> bool:
+    """An MoE layer's router (or Qwen2-MoE's shared-expert gate), in either spelling."""
+    return _ROUTER.search(module) is not None
 
 
 def to_mixtral(name: str) -> str:

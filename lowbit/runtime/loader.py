@@ -90,7 +90,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
 
-    state: dict[str, torch.Tensor] = {}
+    # what attach_native already filled (a router a recipe quantized, dequantized): not in the files
+    state: dict[str, torch.Tensor] = {n: t.data for n, t in expected.items() if not t.is_meta}
     unexpected: list[str] = []
     narrow = _bf16_names(model, config) if bf16_linears and dtype is torch.float32 else set()
     tensors = iter_tensors(files, skip=quantized_parts)

@@ -88,6 +88,7 @@ def attach_quantized(
     only one unprepared QTensor is in memory. A bias is left to the state dict: the new module
     keeps a meta-device bias parameter of the right shape for `load_state_dict(assign=True)`."""
     from lowbit.formats.moe_names import to_lowbit as rename
+    from lowbit.runtime.models.moe import Gate
 
     for name in names:
         target = rename(name)  # Mixtral's hub names (block_sparse_moe.experts.E.w1) -> lowbit's modules
@@ -95,9 +96,16 @@ def attach_quantized(
             old = model.get_submodule(target)
         except AttributeError:
             raise LowbitError(f"quantized module {name} does not exist in {type(model).__name__}") from None
+        qt = load(name)
+        if isinstance(old, Gate):
+            # a router a recipe quantized: it routes with its dequantized weight (exact in float32),
+            # computed as a dense router is (runtime/models/moe.py)
+            if tuple(qt.shape) != tuple(old.weight.shape):
+                raise LowbitError(f"quantized weight {name} has shape {tuple(qt.shape)}, config.json implies {tuple(old.weight.shape)}")
+            old.weight = nn.Parameter(qt.dequantize(torch.float32).to(device=device, dtype=old.weight.dtype), requires_grad=False)
+            continue
         if not isinstance(old, nn.Linear):
             raise LowbitError(f"quantized module {name} is a {type(old).__name__}, not a Linear")
-        qt = load(name)
         if tuple(qt.shape) != (old.out_features, old.in_features):
             raise LowbitError(
                 f"quantized weight {name} has shape {tuple(qt.shape)}, config.json implies ({old.out_features}, {old.in_features})"
