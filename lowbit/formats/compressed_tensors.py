@@ -9,6 +9,9 @@ Per quantized Linear `<m>` (facts from the compressed-tensors package, v0.20):
     <m>.weight_zero_point  asymmetric only: int32 [ceil(N*b/32), G], zero points packed the same
                            way along the OUTPUT dimension (dim 0)
     <m>.weight_shape       int64 [2] = (N, K)
+    <m>.weight_g_idx       int32 [K], GPTQ with activation order only (actorder "group", removed in
+                           compressed-tensors 0.19): column j's group; imported as exact float32
+                           weights (lowbit's groups are contiguous), never read as j // G
     value = (q - zp) * scale with signed q, zp in [-2^(b-1), 2^(b-1)-1]; lowbit's unsigned
     u = q + 2^(b-1), z = zp + 2^(b-1). Groups must divide K (the package refuses ragged rows).
   float-quantized (fp8 e4m3)
@@ -293,6 +296,16 @@ def _import_int(args: dict, parts: dict, where: str):
         zeros = unpack_bits(zstream, bits, n).t().contiguous()
     name = f"int{bits}" + ("" if symmetric else "-asym")
     group = int(args["group_size"]) if strategy == "group" else -1
+    g_idx = parts.get("weight_g_idx")
+    if g_idx is not None and group > 0:
+        # GPTQ with activation order (llm-compressor's actorder "group", before compressed-tensors
+        # 0.19 removed it): column j belongs to group g_idx[j], not j // group
+        g_idx = g_idx.long().flatten()
+        if g_idx.numel() != k or g_idx.min() < 0 or g_idx.max() >= scales.shape[1]:
+            raise LowbitError(f"{where}: weight_g_idx must hold {k} group indices below {scales.shape[1]}")
+        if not torch.equal(g_idx, torch.arange(k) // group):
+            return (_dense_int(codes, scales, zeros, bits, group, f"{name} g{group}", "", g_idx)[0],
+                    f"{name} g{group} act-order", "act-order groups (weight_g_idx) are not contiguous column ranges")
     try:
         spec = parse_spec(f"{name}-{_SCALE_TOKEN[scales.dtype]}", group)
     except (LowbitError, KeyError) as exc:
@@ -307,13 +320,14 @@ def _import_int(args: dict, parts: dict, where: str):
     return QTensor.from_tensors(tensors, {"spec": spec.to_dict(), "shape": [n, k]}, where=where)
 
 
-def _dense_int(codes, scales, zeros, bits, group, label, reason):
+def _dense_int(codes, scales, zeros, bits, group, label, reason, g_idx=None):
+    """(the float32 weights, label, reason); g_idx: each column's group when not k // group."""
     n, k = codes.shape
     g = k if group <= 0 else group
     mid = zeros.float() if zeros is not None else torch.full_like(scales, float(1 << (bits - 1)), dtype=torch.float32)
-    s = scales.float().repeat_interleave(g, 1)[:, :k]
-    z = mid.repeat_interleave(g, 1)[:, :k]
-    return (codes.float() - z) * s, label, reason
+    if g_idx is None:
+        g_idx = torch.arange(k) // g
+    return (codes.float() - mid[:, g_idx]) * scales.float()[:, g_idx], label, reason
 
 
 def _import_fp8(args: dict, parts: dict, where: str):

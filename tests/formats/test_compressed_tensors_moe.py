@@ -2,7 +2,8 @@
 quantized Linear per expert under the hub names (Mixtral: block_sparse_moe.experts.E.w1/w3/w2;
 Qwen2/3-MoE: mlp.experts.E.gate_proj/up_proj/down_proj), routers dense and in `ignore`. The
 compressed-tensors package decompresses every expert to lowbit's weights; lowbit reads the export
-back to the same QTensors under its own names, and the logits are the original's exactly."""
+back to the same QTensors under its own names, and the logits are the original's exactly. An
+act-order layer (weight_g_idx) is read by its g_idx, never as contiguous groups."""
 
 from __future__ import annotations
 
@@ -80,3 +81,43 @@ def test_moe_compressed_tensors_layout_and_round_trip(tmp_path, case):
     ids = torch.randint(0, 258, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(load_model(tmp_path / "ct")(ids), load_model(tmp_path / "q")(ids))
+
+
+def test_act_order_g_idx_is_honoured(tmp_path):
+    """A GPTQ act-order checkpoint (llm-compressor's actorder "group") carries weight_g_idx: column j
+    is in group g_idx[j]. lowbit had read such groups as j // G, silently wrong weights; it now
+    imports the layer as its exact float32 values and names it unexpressed."""
+    from safetensors.torch import save_file
+
+    from lowbit.compress.pipeline import quantize_model
+    from lowbit.quant.spec import parse_spec
+
+    src, _ = save_moe("mixtral", tmp_path / "src")
+    quantize_model(src, parse_spec("int4-g32"), out_dir=tmp_path / "q")
+    convert(tmp_path / "q", tmp_path / "ct", "compressed-tensors")
+    path = tmp_path / "ct" / "model.safetensors"
+    tensors = load_file(path)
+    module = "model.layers.0.self_attn.q_proj"
+    n, k = (int(v) for v in tensors[f"{module}.weight_shape"])
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(0))
+    g_idx = torch.randperm(k, generator=torch.Generator().manual_seed(1)) // 32  # act-order: groups scattered
+    scales = torch.stack([w[:, g_idx == g].abs().amax(1) / 7 for g in range(k // 32)], 1).half()
+    q = torch.clamp(torch.round(w / scales.float()[:, g_idx]), -8, 7)
+    codes = (q + 8).to(torch.uint8)
+    packed = codes[:, 0::8].int()
+    for i in range(1, 8):  # eight 4-bit codes per int32, element 0 in the lowest bits
+        packed |= codes[:, i::8].int() << (4 * i)
+    tensors[f"{module}.weight_packed"] = packed
+    tensors[f"{module}.weight_scale"] = scales
+    tensors[f"{module}.weight_g_idx"] = g_idx.int()
+    save_file(tensors, path)
+    expected = q * scales.float()[:, g_idx]
+
+    back = read_checkpoint(tmp_path / "ct")
+    assert module not in back.qtensors and "act-order" in back.unexpressed[module][0]
+    assert torch.equal(back.dense[f"{module}.weight"], expected)
+    # a trivial g_idx (j // G) changes nothing: the layer stays int4
+    tensors[f"{module}.weight_g_idx"] = (torch.arange(k) // 32).int()
+    save_file(tensors, path)
+    back = read_checkpoint(tmp_path / "ct")
+    assert torch.equal(back.qtensors[module].dequantize(), (((codes.float() - 8) * scales.float().repeat_interleave(32, 1))))
