@@ -21,30 +21,16 @@ scales train with the rest (the embedding reads the head's rows).
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import save_results  # noqa: E402
+from machine import lowbit, save_results  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "distill.json"
 FORMAT = "int4-g64"  # README command 1's student; its results are distill.json
 Q4_K_M_BYTES, Q4_K_M_KLD = 105.5e6, 0.054  # llama.cpp's Q4_K_M of SmolLM2-135M (issue 27's figures)
-
-
-def lowbit(*args: str) -> dict:
-    """`lowbit ARGS --json` → its JSON summary (stderr, the progress lines, passes through)."""
-    started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "lowbit", *args, "--json"], stdout=subprocess.PIPE, text=True, cwd=ROOT)
-    if done.returncode:
-        sys.exit(f"lowbit {' '.join(args)} failed ({done.returncode})")
-    out = json.loads(done.stdout)
-    out["_wall_s"] = round(time.perf_counter() - started, 1)
-    return out
 
 
 def directory_bytes(path: Path) -> int:

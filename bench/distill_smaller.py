@@ -20,24 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "distill_smaller.json"
-
-
-def lowbit(*args: str) -> dict:
-    """`lowbit ARGS --json` → its JSON summary, with the wall time (progress passes through on stderr)."""
-    started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "lowbit", *args, "--json"], stdout=subprocess.PIPE, text=True, cwd=ROOT)
-    if done.returncode:
-        sys.exit(f"lowbit {' '.join(args)} failed ({done.returncode})")
-    out = json.loads(done.stdout)
-    out["_wall_s"] = round(time.perf_counter() - started, 1)
-    return out
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import lowbit  # noqa: E402
 
 
 def quality(summary: dict) -> dict:

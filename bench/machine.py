@@ -11,9 +11,25 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+ROOT = RESULTS_DIR.parents[1]
+
+
+def lowbit(*args: str) -> dict:
+    """`lowbit ARGS --json` → its JSON summary, with the wall time as `_wall_s` (its progress lines
+    pass through on stderr); a failed command ends the script naming it."""
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "lowbit", *args, "--json"], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    if done.returncode:
+        sys.exit(f"lowbit {' '.join(args)} failed ({done.returncode})")
+    out = json.loads(done.stdout)
+    out["_wall_s"] = round(time.perf_counter() - started, 1)
+    return out
 
 
 def results_file(stem: str) -> Path:
