@@ -39,11 +39,12 @@ from lowbit.formats.requant import (
     LayerChange,
     dequantized,
     refuse_unless_allowed,
+    requantized,
     source_label,
 )
 from lowbit.quant.outlier_matrix import unpack_outliers
 from lowbit.quant.qtensor import QTensor
-from lowbit.quant.rtn import quantize_rtn, tensor_relative_error
+from lowbit.quant.rtn import tensor_relative_error
 from lowbit.quant.spec import FormatSpec, parse_spec
 
 TARGETS = ("native", "compressed-tensors", "gptq", "awq", "gguf", "hf")
@@ -164,7 +165,7 @@ def _fold_outliers(ckpt: Checkpoint, target: str, allow: bool, result: ConvertRe
             del ckpt.qtensors[module]
             ckpt.dense[f"{module}.weight"] = w
             continue
-        folded = quantize_rtn(w, qt.spec)
+        folded = requantized(module, w, qt.spec)
         ckpt.qtensors[module] = folded
         result.changes.append(LayerChange(module, f"{qt.spec.label} + {side['indices'].numel()} outliers", qt.spec.label,
                                           "outliers folded into the weight", tensor_relative_error(w, folded.dequantize())))
@@ -197,7 +198,7 @@ def _projection_values(ckpt: Checkpoint) -> dict[str, torch.Tensor | QTensor]:
 
 def _requantize(module: str, value, spec: FormatSpec, reason: str, result: ConvertResult, fix=None) -> QTensor:
     w = dequantized(value)
-    qt = quantize_rtn(w, spec)
+    qt = requantized(module, w, spec)
     if fix is not None:
         qt = fix(qt)
     result.changes.append(LayerChange(module, source_label(value), spec.label, reason, tensor_relative_error(w, qt.dequantize())))

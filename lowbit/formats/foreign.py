@@ -25,6 +25,7 @@ from lowbit.formats.gguf_import import _embeddings_tied, _plan_tensors, hf_tenso
 from lowbit.formats.gguf_reader import check_finite_tensor, open_gguf
 from lowbit.formats.gptq import read_gptq
 from lowbit.formats.moe_names import to_lowbit
+from lowbit.formats.native import check_finite_part
 from lowbit.quant.qtensor import QTensor
 
 KINDS = ("native", "gptq", "awq", "compressed-tensors", "gguf", "hf")
@@ -69,7 +70,21 @@ def read_checkpoint(path: str | os.PathLike, kind: str | None = None) -> Checkpo
     reader = _READERS.get(kind)
     if reader is None:
         raise LowbitError(f"unknown checkpoint kind '{kind}' (known: {', '.join(KINDS)})")
-    return _lowbit_expert_names(reader(path))
+    ckpt = reader(path)
+    if kind not in ("native", "gguf"):  # those readers check every tensor themselves
+        _check_finite(ckpt, path)
+    return _lowbit_expert_names(ckpt)
+
+
+def _check_finite(ckpt: Checkpoint, path: Path) -> None:
+    """NaN/inf in a foreign checkpoint's tensors or in the values imported from them (an act-order
+    layer's dequantized weights, say) stop every command that reads it, naming the tensor: a
+    conversion must not carry them silently into another format."""
+    for name, tensor in ckpt.dense.items():
+        check_finite_part(tensor, name, path)
+    for module, qt in ckpt.qtensors.items():
+        for part, tensor in qt.to_tensors().items():
+            check_finite_part(tensor, f"{module}.weight.{part}", path)
 
 
 def _lowbit_expert_names(ckpt: Checkpoint) -> Checkpoint:

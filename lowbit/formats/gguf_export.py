@@ -33,9 +33,9 @@ from lowbit.formats.gguf_blocks import exact_gguf_type, gguf_spec, to_gguf_bytes
 from lowbit.formats.gguf_export_gemma3 import check_llama_cpp_gemma3, write_gemma3_metadata
 from lowbit.formats.gguf_export_vocab import write_vocabulary
 from lowbit.formats.gguf_q4k import QK_K, dequantize_q4_k, quantize_q4_k
-from lowbit.formats.requant import LayerChange, dequantized, refuse_unless_allowed, source_label
+from lowbit.formats.requant import LayerChange, dequantized, refuse_unless_allowed, requantized, source_label
 from lowbit.quant.qtensor import QTensor
-from lowbit.quant.rtn import quantize_rtn, tensor_relative_error
+from lowbit.quant.rtn import tensor_relative_error
 
 GGUF_TYPES = ("bf16", "q8_0", "q4_0", "q4_k", "mxfp4")
 _ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
@@ -101,7 +101,7 @@ def _choose(value: torch.Tensor | QTensor, forced: str | None) -> tuple[str, str
     return target, reason
 
 
-def _encode(value: torch.Tensor | QTensor, gtype: str, exact: bool) -> tuple[np.ndarray, torch.Tensor]:
+def _encode(module: str, value: torch.Tensor | QTensor, gtype: str, exact: bool) -> tuple[np.ndarray, torch.Tensor]:
     """(uint8 rows of GGUF blocks, the float32 weights they decode to)."""
     if gtype == "BF16":
         w = dequantized(value).bfloat16()
@@ -109,7 +109,7 @@ def _encode(value: torch.Tensor | QTensor, gtype: str, exact: bool) -> tuple[np.
     if gtype == "Q4_K":
         raw = quantize_q4_k(dequantized(value))
         return raw, dequantize_q4_k(raw, tuple(value.shape))
-    qt = value if exact else quantize_rtn(dequantized(value), gguf_spec(gtype))
+    qt = value if exact else requantized(module, dequantized(value), gguf_spec(gtype))
     return to_gguf_bytes(qt, gtype), qt.dequantize()
 
 
@@ -175,7 +175,7 @@ def write_gguf(
         permute = arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name)
         if module in plan:
             gtype, reason = plan[module]
-            raw, decoded = _encode(value, gtype, reason is None)
+            raw, decoded = _encode(module, value, gtype, reason is None)
             if reason:
                 changes.append(LayerChange(module, source_label(value), gtype, reason, tensor_relative_error(dequantized(value), decoded)))
             if permute:
@@ -211,7 +211,7 @@ def _add_experts(writer, layer: int, kind: str, by_expert: dict[int, str], tenso
         hf_name = by_expert[e]
         value, module = tensors[hf_name], hf_name[: -len(".weight")]
         gtype, reason = plan[module]
-        raw, decoded = _encode(value, gtype, reason is None)
+        raw, decoded = _encode(module, value, gtype, reason is None)
         if reason:
             changes.append(LayerChange(module, source_label(value), gtype, reason, tensor_relative_error(dequantized(value), decoded)))
         rows.append(raw)

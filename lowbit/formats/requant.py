@@ -45,5 +45,16 @@ def source_label(value: torch.Tensor | QTensor) -> str:
     return f"dense {str(value.dtype).removeprefix('torch.')}"
 
 
+def requantized(module: str, w: torch.Tensor, spec) -> QTensor:
+    """quantize_rtn(w, spec) with the module named in its error (a NaN or inf weight of a damaged
+    source stops the conversion naming the layer)."""
+    from lowbit.quant.rtn import quantize_rtn
+
+    try:
+        return quantize_rtn(w, spec)
+    except LowbitError as exc:
+        raise LowbitError(f"{module}: {exc}") from None
+
+
 def dequantized(value: torch.Tensor | QTensor) -> torch.Tensor:
     return value.dequantize(torch.float32) if isinstance(value, QTensor) else value.float()
