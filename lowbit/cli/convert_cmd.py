@@ -55,6 +55,15 @@ def convert_command(
             raise UsageError("--to FORMAT is required unless IN is a GGUF file (native, compressed-tensors, gptq, awq, gguf, hf)")
         to = "hf"
     parse_target(to)
+    if to != "hf" and source.is_dir() and detect_checkpoint_kind(source) == "hf":
+        # a float directory gets the loader's checks first (config fields lowbit cannot honour, an
+        # MoE top-k above its experts, a missing or misshapen weight): one line, nothing written
+        from lowbit.compress.pipeline import SourceTensors
+        from lowbit.formats.hf_files import read_config
+        from lowbit.runtime.config import ModelConfig
+        from lowbit.runtime.loader import check_weights_fit
+
+        check_weights_fit(ModelConfig.from_dict(read_config(source)), SourceTensors(source).shapes, source)
     # no bar for --json or when stderr is not a terminal (logs, pipes): it would only add blank lines
     with progress(transient=True, disable=as_json or not console.is_terminal) as bar:
         task = bar.add_task("converting", total=None, info="")

@@ -38,7 +38,7 @@ from lowbit.kernels import hugepages
 from lowbit.kernels.dispatch import fast_bf16_matmuls
 from lowbit.runtime.attention import AttentionContext
 from lowbit.runtime.config import ModelConfig
-from lowbit.formats.moe_names import to_lowbit as rename_expert
+from lowbit.formats.moe_names import expert_pieces
 from lowbit.runtime.models import build_model
 from lowbit.runtime.tokenizer import load_tokenizer
 
@@ -78,11 +78,12 @@ class LayerwiseModel:
         self.config = ModelConfig.from_dict(self.config_dict)
         self._file_of: dict[str, Path] = {}
         self._stored_name: dict[str, str] = {}  # lowbit's name -> the file's (Mixtral's w1/w2/w3 experts)
+        self._piece: dict[str, tuple[int, int, int] | None] = {}  # an expert's rows of a fused tensor
         for file in weight_files(self.path):
             with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    self._file_of[rename_expert(name)] = file
-                    self._stored_name[rename_expert(name)] = name
+                for stored in f.keys():
+                    for name, _, piece in expert_pieces(stored, tuple(f.get_slice(stored).get_shape())):
+                        self._file_of[name], self._stored_name[name], self._piece[name] = file, stored, piece
         with torch.device("meta"):
             self.model = build_model(self.config)
         for module in self.model.modules():
@@ -131,7 +132,11 @@ class LayerwiseModel:
         if file is None:
             raise LowbitError(f"{self.path} lacks weight {name}")
         with safe_open(str(file), framework="pt") as f:
-            return f.get_tensor(self._stored_name[name])
+            piece = self._piece[name]
+            if piece is None:
+                return f.get_tensor(self._stored_name[name])
+            expert, first, end = piece
+            return f.get_slice(self._stored_name[name])[expert:expert + 1, first:end][0]
 
     def layer_prefix(self, index: int) -> str:
         return f"model.layers.{index}."

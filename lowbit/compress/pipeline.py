@@ -39,7 +39,8 @@ from lowbit.quant.registry import get_format, part_layout
 from lowbit.quant.rtn import shared_global_scale
 from lowbit.quant.spec import FormatSpec, parse_spec
 from lowbit.runtime.config import ModelConfig
-from lowbit.formats.moe_names import is_router, to_lowbit as rename_expert
+from lowbit.runtime.loader import check_weights_fit
+from lowbit.formats.moe_names import expert_pieces, is_router
 
 ProgressFn = Callable[[int, int, str], None]
 
@@ -50,33 +51,6 @@ _LAYER = re.compile(r"^(.*?\blayers\.(\d+))\.")
 _DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I8": 1, "U8": 1, "I16": 2, "I32": 4, "I64": 8,
                 "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}
 _FOREIGN_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
-
-
-def _check_weights_fit(config: ModelConfig, source: SourceTensors, directory: Path) -> None:
-    """The loader's strictness before any work: every weight the architecture needs, with the shape
-    config.json implies, and nothing else. Without it a renamed or misshapen tensor is quantized
-    "successfully" into a checkpoint no lowbit command can load."""
-    if config.moe is not None:
-        return  # expert tensors come in several on-disk layouts; runtime/moe_weights.py maps and checks them
-    from lowbit.runtime.models import build_model
-
-    with torch.device("meta"):
-        expected = {name: tuple(t.shape) for name, t in build_model(config).state_dict().items()}
-    tied = config.tie_word_embeddings
-    if tied:
-        expected.pop("lm_head.weight", None)
-    found = {name: shape for name, shape in source.shapes.items()
-             if not name.endswith("rotary_emb.inv_freq") and not (tied and name == "lm_head.weight")}
-    missing = sorted(set(expected) - set(found))
-    if missing:
-        raise LowbitError(f"checkpoint {directory} lacks {len(missing)} weight(s) {config.architecture} needs, e.g. {missing[0]}")
-    unexpected = sorted(set(found) - set(expected))
-    if unexpected:
-        raise LowbitError(f"checkpoint {directory} has {len(unexpected)} weight(s) that {config.architecture} does not use, "
-                          f"e.g. {unexpected[0]}")
-    for name, shape in found.items():
-        if shape != expected[name]:
-            raise LowbitError(f"weight {name} in {directory} has shape {shape}, config.json implies {expected[name]}")
 
 
 @dataclass(slots=True)
@@ -168,19 +142,24 @@ class SourceTensors:
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.nbytes: dict[str, int] = {}
         # lowbit's names (Mixtral's block_sparse_moe / w1 w2 w3 experts as mlp / gate_proj up_proj
-        # down_proj), so statistics, recipes and the written checkpoint all use one spelling
+        # down_proj, transformers 5's fused experts as one slice per expert), so statistics,
+        # recipes and the written checkpoint all use one spelling
         self._stored_name: dict[str, str] = {}
+        self._piece: dict[str, tuple[int, int, int] | None] = {}
         for file in weight_files(directory):
             try:
                 handle = safe_open(str(file), framework="pt")
                 for stored in handle.keys():
-                    name = rename_expert(stored)
-                    self._stored_name[name] = stored
-                    piece = handle.get_slice(stored)
-                    shape = tuple(piece.get_shape())
-                    self.file_of[name] = len(self._handles)
-                    self.shapes[name] = shape
-                    self.nbytes[name] = _numel(shape) * _DTYPE_BYTES.get(piece.get_dtype(), 4)
+                    view = handle.get_slice(stored)
+                    for name, shape, piece in expert_pieces(stored, tuple(view.get_shape())):
+                        if name in self.file_of:
+                            raise LowbitError(f"checkpoint {directory} holds weight {name} twice (e.g. fused and per expert)")
+                        self._stored_name[name], self._piece[name] = stored, piece
+                        self.file_of[name] = len(self._handles)
+                        self.shapes[name] = shape
+                        self.nbytes[name] = _numel(shape) * _DTYPE_BYTES.get(view.get_dtype(), 4)
+            except LowbitError:
+                raise
             except Exception as exc:  # noqa: BLE001 - safetensors raises several unrelated types
                 raise LowbitError(f"cannot read {file}: {_first_line(exc)}") from None
             self._handles.append(handle)
@@ -190,7 +169,11 @@ class SourceTensors:
         return list(self.file_of)
 
     def get(self, name: str) -> torch.Tensor:
-        return self._handles[self.file_of[name]].get_tensor(self._stored_name[name])
+        handle, stored, piece = self._handles[self.file_of[name]], self._stored_name[name], self._piece[name]
+        if piece is None:
+            return handle.get_tensor(stored)
+        expert, first, end = piece  # one expert's rows of a fused tensor, read alone
+        return handle.get_slice(stored)[expert:expert + 1, first:end][0].contiguous()
 
     def use_embeddings_as_head(self) -> None:
         """A head tied to the embeddings, to be quantized: the embedding matrix is read as
@@ -199,7 +182,7 @@ class SourceTensors:
         embed, head = "model.embed_tokens.weight", f"{HEAD}.weight"
         if embed not in self.file_of:
             raise LowbitError(f"{self.directory}: the head is tied, but there is no {embed} to quantize as it")
-        for table in (self.file_of, self.shapes, self.nbytes, self._stored_name):
+        for table in (self.file_of, self.shapes, self.nbytes, self._stored_name, self._piece):
             table.pop(head, None)
             table[head] = table.pop(embed)
 
@@ -252,7 +235,7 @@ def quantize_model(
                                   name=source_dir.name)
 
     source = SourceTensors(source_dir)
-    _check_weights_fit(model_config, source, source_dir)
+    check_weights_fit(model_config, source.shapes, source_dir)
     if quantize_head and model_config.tie_word_embeddings:
         source.use_embeddings_as_head()
     linears, routers = _linear_modules(source, quantize_head)

@@ -24,7 +24,7 @@ from lowbit.formats.gguf_blocks import BLOCK, BLOCK_BYTES, from_gguf_bytes, perm
 from lowbit.formats.gguf_import import _embeddings_tied, _plan_tensors, hf_tensors
 from lowbit.formats.gguf_reader import check_finite_tensor, open_gguf
 from lowbit.formats.gptq import read_gptq
-from lowbit.formats.moe_names import to_lowbit
+from lowbit.formats.moe_names import expert_pieces, to_lowbit
 from lowbit.formats.native import check_finite_part
 from lowbit.quant.qtensor import QTensor
 
@@ -89,8 +89,16 @@ def _check_finite(ckpt: Checkpoint, path: Path) -> None:
 
 def _lowbit_expert_names(ckpt: Checkpoint) -> Checkpoint:
     """Every layout's expert and router names in lowbit's spelling (formats/moe_names.py), so the
-    writers see one: a hub Mixtral's `block_sparse_moe.experts.E.w1` is `mlp.experts.E.gate_proj`."""
-    for table in (ckpt.qtensors, ckpt.dense, ckpt.unexpressed, ckpt.outliers):
+    writers see one: a hub Mixtral's `block_sparse_moe.experts.E.w1` is `mlp.experts.E.gate_proj`,
+    and transformers 5's fused `mlp.experts.gate_up_proj` one view per expert."""
+    dense: dict[str, torch.Tensor] = {}
+    for name, tensor in ckpt.dense.items():
+        for piece_name, _, piece in expert_pieces(name, tuple(tensor.shape)):
+            if piece_name in dense:
+                raise LowbitError(f"checkpoint holds weight {piece_name} twice (e.g. fused and per expert)")
+            dense[piece_name] = tensor if piece is None else tensor[piece[0], piece[1]:piece[2]]
+    ckpt.dense = dense
+    for table in (ckpt.qtensors, ckpt.unexpressed, ckpt.outliers):
         renamed = {to_lowbit(name): value for name, value in table.items()}
         if len(renamed) != len(table):
             raise LowbitError("checkpoint names one expert weight twice (Mixtral's and lowbit's spelling)")

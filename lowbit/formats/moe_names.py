@@ -25,6 +25,29 @@ def to_lowbit(name: str) -> str:
     return _MIXTRAL_EXPERT.sub(lambda m: m.group(1) + _FROM_MIXTRAL[m.group(2)], name)
 
 
+_FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(?:\.weight)?$")
+
+
+def expert_pieces(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], tuple[int, int, int] | None]]:
+    """The per-expert tensors a stored tensor holds, in lowbit's spelling: [(name, shape, piece)],
+    piece None for the whole tensor, or (expert, first row, end row) of transformers 5's fused
+    layout (`mlp.experts.gate_up_proj` [E, 2I, H]: gate rows then up rows; `mlp.experts.down_proj`
+    [E, H, I]), so readers can take each expert's slice without loading the rest."""
+    name = to_lowbit(name)
+    fused = _FUSED.match(name)
+    if fused is None:
+        return [(name, tuple(shape), None)]
+    prefix, kind = fused.groups()
+    if len(shape) != 3 or (kind == "gate_up_proj" and shape[1] % 2):
+        return [(name, tuple(shape), None)]  # not the fused layout: the shape check names it
+    e, rows, cols = shape
+    if kind == "down_proj":
+        return [(f"{prefix}.{x}.down_proj.weight", (rows, cols), (x, 0, rows)) for x in range(e)]
+    i = rows // 2
+    return [piece for x in range(e) for piece in ((f"{prefix}.{x}.gate_proj.weight", (i, cols), (x, 0, i)),
+                                                   (f"{prefix}.{x}.up_proj.weight", (i, cols), (x, i, rows)))]
+
+
 def is_router(module: str) -> bool:
     """An MoE layer's router (or Qwen2-MoE's shared-expert gate), in either spelling."""
     return _ROUTER.search(module) is not None

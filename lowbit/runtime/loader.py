@@ -59,6 +59,31 @@ def check_layer_count(config: ModelConfig, names, where: str | Path) -> None:
                           f"but its weights hold {count} decoder layer(s)")
 
 
+def check_weights_fit(config: ModelConfig, shapes: dict[str, tuple[int, ...]], directory: str | Path) -> None:
+    """The loader's strictness before any work, from the tensors' shapes alone (lowbit's names:
+    MoE experts however they were stored): every weight the architecture needs, with the shape
+    config.json implies, and nothing else. `lowbit quantize` and `lowbit convert` of a float
+    checkpoint run it first; without it a renamed, missing or misshapen tensor is quantized or
+    converted "successfully" into a file no tool can load."""
+    with torch.device("meta"):
+        expected = {name: tuple(t.shape) for name, t in build_model(config).state_dict().items()}
+    tied = config.tie_word_embeddings
+    if tied:
+        expected.pop("lm_head.weight", None)
+    found = {name: tuple(shape) for name, shape in shapes.items()
+             if not name.endswith(_IGNORED_SUFFIXES) and not (tied and name == "lm_head.weight")}
+    missing = sorted(set(expected) - set(found))
+    if missing:
+        raise LowbitError(f"checkpoint {directory} lacks {len(missing)} weight(s) {config.architecture} needs, e.g. {missing[0]}")
+    unexpected = sorted(set(found) - set(expected))
+    if unexpected:
+        raise LowbitError(f"checkpoint {directory} has {len(unexpected)} weight(s) that {config.architecture} does not use, "
+                          f"e.g. {unexpected[0]}")
+    for name, shape in found.items():
+        if shape != expected[name]:
+            raise LowbitError(f"weight {name} in {directory} has shape {shape}, config.json implies {expected[name]}")
+
+
 def _tensor_names(files: list[Path]) -> list[str]:
     names: list[str] = []
     for file in files:
