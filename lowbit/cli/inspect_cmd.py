@@ -14,7 +14,7 @@ from lowbit.cli.main import app
 
 @app.command("inspect")
 def inspect_command(
-    checkpoint: Path = typer.Argument(..., metavar="CKPT", help="A quantized checkpoint: lowbit's, GPTQ, AWQ or compressed-tensors; directory, demo name or hub id."),
+    checkpoint: Path = typer.Argument(..., metavar="CKPT", help="A quantized checkpoint: lowbit's, GPTQ, AWQ or compressed-tensors directory, or a GGUF file; demo name or hub id too."),
     base: Optional[str] = typer.Option(
         None, "--base",
         help="The float model CKPT was made from (demo name, directory or hub id): adds each layer's relative "

@@ -2,7 +2,8 @@
 
 `inspect_checkpoint(path, base=None)` reads a lowbit checkpoint one module at a time (NativeReader),
 a GPTQ, AWQ or compressed-tensors directory whole (each layer as the QTensor lowbit runs, its bytes
-as lowbit holds them: a GPTQ layer's zero points counted as lowbit stores them, not as int32 words);
+as lowbit holds them: a GPTQ layer's zero points counted as lowbit stores them, not as int32 words),
+a GGUF file by its GGUF types and stored bytes;
 with a base model each layer's relative reconstruction error ‖W − Ŵ‖ / ‖W‖ (float64) is computed
 against the base's weight, read lazily from its safetensors, and rows come worst first.
 A layer's outlier side matrix (`--keep-outliers`) counts in its bytes and bits/weight at 48 bits per
@@ -114,8 +115,7 @@ def inspect_checkpoint(path: str | os.PathLike, base: str | os.PathLike | None =
             raise LowbitError(f"{name} is a float checkpoint: no quantized layers to inspect "
                               f"(make one with `lowbit quantize {name} --format int4 -o OUT`)")
         if kind == "gguf":
-            raise LowbitError(f"{name} is a GGUF file: inspect reads lowbit, GPTQ, AWQ and compressed-tensors "
-                              f"checkpoints (`lowbit convert {name} --to native -o DIR`, then inspect DIR)")
+            return _inspect_gguf(path, base)
         return _inspect_foreign(path, kind, base)
     reader = NativeReader(path)
     source = _base_tensors(base) if base is not None else None
@@ -134,6 +134,55 @@ def _inspect_foreign(path, kind: str, base) -> InspectReport:
     report = _report(path, base, rows, dense, source is not None)
     report.kind, report.read_as_float = kind, dict(ckpt.unexpressed)
     return report
+
+
+def _inspect_gguf(path, base) -> InspectReport:
+    """A GGUF file: each projection under its GGUF type (Q4_0, Q8_0, MXFP4 as the QTensor lowbit runs;
+    K-quants and the rest by their exact float values), its bytes as the file stores them; the
+    dense part is every other tensor of the file at its stored bytes."""
+    from lowbit.formats.gguf_blocks import exact_gguf_type
+
+    ckpt = read_checkpoint(path, "gguf")
+    gguf = ckpt.gguf
+    infos = [gguf.info(n) for n in gguf.tensor_names()]
+    bits_of = {i.type_name: 8.0 * i.n_bytes / max(1, _numel(i.shape)) for i in infos}  # a type's bits per weight
+    source = _base_tensors(base) if base is not None else None
+    rows = []
+    for module, qt in ckpt.qtensors.items():
+        row = _row(module, qt, None, source)
+        row.format = exact_gguf_type(qt.spec, qt.shape[1], qt.scales) or qt.spec.label
+        rows.append(row)
+    for module, (gtype, _) in ckpt.unexpressed.items():
+        w = ckpt.dense[f"{module}.weight"]
+        bits = bits_of.get(gtype, 32.0)
+        row = LayerRow(module, gtype, tuple(w.shape), _gguf_group(gtype), bits, round(bits * w.numel() / 8))
+        if source is not None:
+            row.rel_error = _dense_error_against(source, module, w)
+        rows.append(row)
+    total_params, total_bytes = sum(_numel(i.shape) for i in infos), sum(i.n_bytes for i in infos)
+    quantized = sum(r.shape[0] * r.shape[1] for r in rows)
+    dense = [(total_params - quantized, total_bytes - sum(r.bytes for r in rows))]
+    report = _report(path, base, rows, dense, source is not None)
+    report.kind = "gguf"
+    return report
+
+
+def _gguf_group(type_name: str) -> str:
+    """g32 for llama.cpp's 32-weight blocks (Q5_0, Q4_1, ...), sb256 for a K-quant's super-blocks."""
+    import gguf
+
+    try:
+        block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]][0]
+    except KeyError:
+        return "-"
+    return "-" if block == 1 else f"sb{block}" if block == 256 else f"g{block}"
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 def _row(module: str, qt, side, source) -> LayerRow:
@@ -173,6 +222,13 @@ def _base_tensors(base):
     if is_native(directory):
         raise LowbitError(f"base model {base} is itself quantized; --base needs the float model")
     return SourceTensors(directory)
+
+
+def _dense_error_against(source, module: str, w: torch.Tensor) -> float:
+    name = f"{module}.weight"
+    if name not in source.shapes or tuple(source.shapes[name]) != tuple(w.shape):
+        raise LowbitError(f"base model has no {name} of shape {tuple(w.shape)}: is it the model this file was made from?")
+    return tensor_relative_error(source.get(name).double(), w.double())
 
 
 def _error_against(source, module: str, qt, side=None) -> float:

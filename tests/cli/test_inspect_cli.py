@@ -93,11 +93,30 @@ def test_inspect_reads_exported_formats(tiny_float_model, tmp_path, run_cli, tar
     assert foreign["quantized"] == native["quantized"]
 
 
-def test_inspect_names_a_gguf_file(tiny_float_model, tmp_path, run_cli):
+def test_inspect_reads_a_gguf_file(tiny_float_model, tmp_path, run_cli):
+    """A GGUF file: each projection under its GGUF type with the file's bytes (Q4_0: 18 bytes per 32
+    weights), the same weight error as the checkpoint it was exported from, and the totals the sum of
+    the file's tensors."""
     from lowbit.formats.convert import convert
+    from lowbit.formats.gguf_reader import open_gguf
     from lowbit.quant.spec import parse_spec
 
-    quantize_model(tiny_float_model("llama"), parse_spec("int4", 32), out_dir=tmp_path / "q")
+    src = tiny_float_model("llama")
+    quantize_model(src, parse_spec("int4", 32), out_dir=tmp_path / "q")
     convert(tmp_path / "q", tmp_path / "m.gguf", "gguf")
-    code, _, err = run_cli(["inspect", str(tmp_path / "m.gguf")])
-    assert code == 1 and "is a GGUF file" in err and "--to native" in err and err.count("\n") == 1
+    reports = []
+    for ckpt in (tmp_path / "q", tmp_path / "m.gguf"):
+        code, out, err = run_cli(["inspect", str(ckpt), "--base", str(src), "--json"])
+        assert code == 0, err
+        reports.append(json.loads(out))
+    native, gguf = reports
+    assert gguf["kind"] == "gguf" and gguf["formats"] == {"Q4_0": 14}
+    mine = {layer["name"]: layer for layer in native["layers"]}
+    for layer in gguf["layers"]:
+        n, k = layer["shape"]
+        assert layer["bytes"] == n * k // 32 * 18 and layer["bits_per_weight"] == 4.5 and layer["group"] == "g32"
+        assert layer["rel_error"] == pytest.approx(mine[layer["name"]]["rel_error"], rel=1e-12)
+    file = open_gguf(tmp_path / "m.gguf")
+    infos = [file.info(name) for name in file.tensor_names()]
+    assert gguf["total"]["bytes"] == sum(i.n_bytes for i in infos)
+    assert gguf["total"]["params"] == native["total"]["params"]

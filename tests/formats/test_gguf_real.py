@@ -126,3 +126,22 @@ def test_smollm2_transformers_tokenizer_from_converted_dir(smollm2_f32):
     assert prompt.startswith("<|im_start|>system\n") and prompt.endswith("<|im_start|>assistant\n")
     generation = json.loads((smollm2_f32 / "generation_config.json").read_text())
     assert generation["eos_token_id"][0] == 2
+
+
+def test_inspect_reads_the_demo_ggufs(smollm2_gguf, gemma3_gguf):
+    """`lowbit inspect` on llama.cpp's own files: every projection under its GGUF type with its
+    bits per weight (Q4_1 5.0, Q4_K 4.5, Q5_0 5.5, Q6_K 6.5625, Q8_0 8.5 — the blocks' bytes), the
+    totals the file's tensor bytes."""
+    from lowbit.compress.checkpoint_report import inspect_checkpoint
+    from lowbit.formats.gguf_reader import open_gguf
+
+    bits = {"Q4_0": 4.5, "Q4_1": 5.0, "Q5_0": 5.5, "Q5_1": 6.0, "Q8_0": 8.5, "Q4_K": 4.5, "Q5_K": 5.5, "Q6_K": 6.5625}
+    for path, layers in ((smollm2_gguf, 30), (gemma3_gguf, 18)):
+        report = inspect_checkpoint(path)
+        assert report.kind == "gguf" and len(report.rows) == 7 * layers
+        for row in report.rows:
+            assert row.bits_per_weight == pytest.approx(bits[row.format]), (row.name, row.format)
+            assert row.group == ("sb256" if row.format.endswith("_K") else "g32")
+        file = open_gguf(path)
+        assert report.total_bytes == sum(file.info(n).n_bytes for n in file.tensor_names())
+    assert {r.format for r in inspect_checkpoint(gemma3_gguf).rows} >= {"Q4_K", "Q6_K"}
