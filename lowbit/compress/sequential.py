@@ -104,6 +104,22 @@ def _site_stats(stats: LayerStats) -> dict[str, tuple[str, InputStats]]:
     return {m: (site, stats.sites[site]) for site, mods in stats.site_modules.items() for m in mods}
 
 
+SHARED_ROWS = 16384  # rows of one shared GPTQ pass (a dense model's q|k|v or gate|up fit in one)
+
+
+def _row_chunks(jobs: list) -> list[list]:
+    """jobs (module, weight, ...) cut into runs of at most SHARED_ROWS rows (a larger matrix alone)."""
+    chunks, rows = [[]], 0
+    for job in jobs:
+        n = job[1].shape[0]
+        if chunks[-1] and rows + n > SHARED_ROWS:
+            chunks.append([])
+            rows = 0
+        chunks[-1].append(job)
+        rows += n
+    return chunks
+
+
 def _unfed_notes(modules: list[str]) -> list[str]:
     """One note per MoE block: which of its experts got no calibration token, so RTN."""
     experts: dict[str, set[int]] = {}
@@ -207,22 +223,34 @@ def quantize_layer(
         if keep is not None:
             outcome.outliers[module] = pack_outliers(torch.where(keep, w.to(torch.bfloat16).float(), 0.0), keep)
 
+    # a site's prepared Hessian (float64 factors, ~190 MB at K = 2816) is dropped after its last job:
+    # an MoE layer has one down_proj site per expert, and holding them all had peaked at 3.9 GB
+    # quantizing the synthetic MoE's layers
+    last_job = {site: key for key in gptq_jobs for site in (key[0],)}
     for (site, spec), jobs in gptq_jobs.items():
         st = site_stats[site]
         if prepare(site) is None:
             results = [gptq_quantize(w, spec, st.hessian, global_scale=g, keep=kp) for _, w, g, kp in jobs]
         else:
-            # Linears reading the same input go through GPTQ together (rows are independent).
-            results = gptq_quantize_shared(
-                [w for _, w, _, _ in jobs], spec, prepared[site], block_size=options.block_size,
-                global_scales=[g for _, _, g, _ in jobs], keeps=[kp for _, _, _, kp in jobs], refit=options.refit,
-            )
+            # Linears reading the same input go through GPTQ together (rows are independent, so
+            # the same results), in passes of up to SHARED_ROWS rows: an MoE layer's experts all
+            # read one input, and stacking every expert's gate/up at once had taken ~1.5 GB of
+            # working copies per pass on the synthetic MoE
+            results = []
+            for chunk in _row_chunks(jobs):
+                results += gptq_quantize_shared(
+                    [w for _, w, _, _ in chunk], spec, prepared[site], block_size=options.block_size,
+                    global_scales=[g for _, _, g, _ in chunk], keeps=[kp for _, _, _, kp in chunk], refit=options.refit,
+                )
         for (module, _, _, keep), result in zip(jobs, results):
             if result.fallback:
                 outcome.notes.append(f"{module}: Hessian not positive definite even at maximum dampening; used RTN")
             outcome.qtensors[module] = result.qtensor
             if keep is not None:
                 outcome.outliers[module] = pack_outliers(result.kept, keep)
+        del results
+        if last_job[site] == (site, spec):
+            prepared.pop(site, None)
     # Keep the forward order of the modules (the checkpoint and the notes list them that way).
     outcome.qtensors = {m: outcome.qtensors[m] for m in specs if m in outcome.qtensors}
     outcome.outliers = {m: outcome.outliers[m] for m in specs if m in outcome.outliers}

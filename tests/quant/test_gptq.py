@@ -296,3 +296,31 @@ def test_shift_accumulator_weights_the_first_position_like_the_hessian():
     d = (x_float - x).double()
     want = ((d * weights).reshape(-1, 4).T @ x.double().reshape(-1, 4)) / weights.sum()
     assert torch.allclose(acc.finish().double(), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt_name", ["int4-g32", "nf4", "fp8"])
+@pytest.mark.parametrize("refit", [0, 1])
+def test_shared_pass_gives_each_matrix_its_result_alone(fmt_name, refit):
+    """Rows never interact, so matrices stacked into one shared pass get bit for bit what they get
+    in smaller passes: the layer loop cuts an MoE layer's many experts into passes of SHARED_ROWS
+    (compress/sequential.py) without changing a code."""
+    from lowbit.compress.gptq import gptq_quantize_shared
+    from lowbit.compress.sequential import _row_chunks
+
+    spec = parse_spec(fmt_name)
+    h = correlated_hessian(128)
+    prepared = prepare_hessian(h)
+    gen = torch.Generator().manual_seed(3)
+    ws = [torch.randn(n, 128, generator=gen) for n in (48, 80, 16, 64)]
+    whole = gptq_quantize_shared(ws, spec, prepared, refit=refit)
+    parts = [r for chunk in ([ws[0]], ws[1:3], [ws[3]]) for r in gptq_quantize_shared(chunk, spec, prepared, refit=refit)]
+    for a, b in zip(whole, parts):
+        for name, t in a.qtensor.to_tensors().items():
+            assert torch.equal(t, b.qtensor.to_tensors()[name]), name
+    jobs = [(f"m{i}", w) for i, w in enumerate(ws)]
+    import lowbit.compress.sequential as seq
+    old, seq.SHARED_ROWS = seq.SHARED_ROWS, 100
+    try:
+        assert [[j[0] for j in c] for c in _row_chunks(jobs)] == [["m0"], ["m1", "m2"], ["m3"]]
+    finally:
+        seq.SHARED_ROWS = old
