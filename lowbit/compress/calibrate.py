@@ -38,7 +38,7 @@ from lowbit.kernels import hugepages
 from lowbit.kernels.dispatch import fast_bf16_matmuls
 from lowbit.runtime.attention import AttentionContext
 from lowbit.runtime.config import ModelConfig
-from lowbit.formats.moe_names import expert_pieces
+from lowbit.formats.moe_names import expert_pieces, read_piece
 from lowbit.runtime.models import build_model
 from lowbit.runtime.tokenizer import load_tokenizer
 
@@ -132,11 +132,7 @@ class LayerwiseModel:
         if file is None:
             raise LowbitError(f"{self.path} lacks weight {name}")
         with safe_open(str(file), framework="pt") as f:
-            piece = self._piece[name]
-            if piece is None:
-                return f.get_tensor(self._stored_name[name])
-            expert, first, end = piece
-            return f.get_slice(self._stored_name[name])[expert:expert + 1, first:end][0]
+            return read_piece(f, self._stored_name[name], self._piece[name])
 
     def layer_prefix(self, index: int) -> str:
         return f"model.layers.{index}."

@@ -12,6 +12,7 @@ kept weight, and its error is that of Ŵ + S, what the runtime computes with.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -19,6 +20,7 @@ import torch
 
 from lowbit.compress.pipeline import SourceTensors
 from lowbit.errors import LowbitError
+from lowbit.formats.checkpoint import natural_key
 from lowbit.formats.foreign import detect_checkpoint_kind, read_checkpoint
 from lowbit.formats.resolve import resolve_model
 from lowbit.formats.native import NativeReader, is_native
@@ -145,7 +147,7 @@ def _inspect_gguf(path, base) -> InspectReport:
     ckpt = read_checkpoint(path, "gguf")
     gguf = ckpt.gguf
     infos = [gguf.info(n) for n in gguf.tensor_names()]
-    bits_of = {i.type_name: 8.0 * i.n_bytes / max(1, _numel(i.shape)) for i in infos}  # a type's bits per weight
+    bits_of = {i.type_name: 8.0 * i.n_bytes / max(1, math.prod(i.shape)) for i in infos}  # a type's bits per weight
     source = _base_tensors(base) if base is not None else None
     rows = []
     for module, qt in ckpt.qtensors.items():
@@ -159,7 +161,7 @@ def _inspect_gguf(path, base) -> InspectReport:
         if source is not None:
             row.rel_error = _dense_error_against(source, module, w)
         rows.append(row)
-    total_params, total_bytes = sum(_numel(i.shape) for i in infos), sum(i.n_bytes for i in infos)
+    total_params, total_bytes = sum(math.prod(i.shape) for i in infos), sum(i.n_bytes for i in infos)
     quantized = sum(r.shape[0] * r.shape[1] for r in rows)
     dense = [(total_params - quantized, total_bytes - sum(r.bytes for r in rows))]
     report = _report(path, base, rows, dense, source is not None)
@@ -178,13 +180,6 @@ def _gguf_group(type_name: str) -> str:
     return "-" if block == 1 else f"sb{block}" if block == 256 else f"g{block}"
 
 
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
 def _row(module: str, qt, side, source) -> LayerRow:
     kept = 0 if side is None else int(side["indices"].numel())
     side_bytes = 0 if side is None else sum(t.numel() * t.element_size() for t in side.values())
@@ -200,7 +195,7 @@ def _report(path, base, rows: list[LayerRow], dense, sort_by_error: bool) -> Ins
     if sort_by_error:
         rows.sort(key=lambda r: -r.rel_error)
     else:
-        rows.sort(key=lambda r: _natural(r.name))
+        rows.sort(key=lambda r: natural_key(r.name))
     dense_params = dense_bytes = 0
     for params, nbytes in dense:
         dense_params += params
@@ -209,10 +204,6 @@ def _report(path, base, rows: list[LayerRow], dense, sort_by_error: bool) -> Ins
     for r in rows:
         formats[r.format] = formats.get(r.format, 0) + 1
     return InspectReport(str(path), str(base) if base is not None else None, rows, dense_params, dense_bytes, formats)
-
-
-def _natural(name: str) -> list:
-    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split(".")]
 
 
 def _base_tensors(base):

@@ -40,7 +40,7 @@ from lowbit.quant.rtn import shared_global_scale
 from lowbit.quant.spec import FormatSpec, parse_spec
 from lowbit.runtime.config import ModelConfig
 from lowbit.runtime.loader import check_weights_fit
-from lowbit.formats.moe_names import expert_pieces, is_router
+from lowbit.formats.moe_names import expert_pieces, is_router, read_piece
 
 ProgressFn = Callable[[int, int, str], None]
 
@@ -172,12 +172,8 @@ class SourceTensors:
         """The tensor, read from a handle opened for this read alone: one kept open keeps every page
         any read touched in the process's RSS (the whole source by the last layer: quantizing the
         2.5 GB synthetic MoE peaked at 3.9 GB), while a closed handle's pages go with the tensor."""
-        stored, piece = self._stored_name[name], self._piece[name]
         with safe_open(str(self._files[self.file_of[name]]), framework="pt") as handle:
-            if piece is None:
-                return handle.get_tensor(stored)
-            expert, first, end = piece  # one expert's rows of a fused tensor, read alone
-            return handle.get_slice(stored)[expert:expert + 1, first:end][0].contiguous()
+            return read_piece(handle, self._stored_name[name], self._piece[name])
 
     def use_embeddings_as_head(self) -> None:
         """A head tied to the embeddings, to be quantized: the embedding matrix is read as

@@ -63,7 +63,7 @@ class Checkpoint:
         for name, t in self.dense.items():
             if name.endswith(".weight") and t.dim() == 2 and _is_projection(name):
                 names.add(name[: -len(".weight")])
-        return sorted(names, key=_natural_key)
+        return sorted(names, key=natural_key)
 
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -73,8 +73,10 @@ def _is_projection(name: str) -> bool:
     return name.split(".")[-2] in _PROJECTIONS
 
 
-def _natural_key(name: str) -> list:
-    return [int(p) if p.isdigit() else p for p in name.split(".")]
+def natural_key(name: str) -> list:
+    """Sort key of a dotted name with its numbers compared as numbers (layers.2 before layers.10);
+    a number sorts before a word at the same place."""
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split(".")]
 
 
 def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:

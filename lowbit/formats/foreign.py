@@ -24,7 +24,7 @@ from lowbit.formats.gguf_blocks import BLOCK, BLOCK_BYTES, from_gguf_bytes, perm
 from lowbit.formats.gguf_import import _embeddings_tied, _plan_tensors, hf_tensors
 from lowbit.formats.gguf_reader import check_finite_tensor, open_gguf
 from lowbit.formats.gptq import read_gptq
-from lowbit.formats.moe_names import expert_pieces, to_lowbit
+from lowbit.formats.moe_names import expert_pieces, take_piece, to_lowbit
 from lowbit.formats.native import check_finite_part
 from lowbit.quant.qtensor import QTensor
 
@@ -96,7 +96,7 @@ def _lowbit_expert_names(ckpt: Checkpoint) -> Checkpoint:
         for piece_name, _, piece in expert_pieces(name, tuple(tensor.shape)):
             if piece_name in dense:
                 raise LowbitError(f"checkpoint holds weight {piece_name} twice (e.g. fused and per expert)")
-            dense[piece_name] = tensor if piece is None else tensor[piece[0], piece[1]:piece[2]]
+            dense[piece_name] = take_piece(tensor, piece)
     ckpt.dense = dense
     for table in (ckpt.qtensors, ckpt.unexpressed, ckpt.outliers):
         renamed = {to_lowbit(name): value for name, value in table.items()}

@@ -48,6 +48,26 @@ def expert_pieces(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[in
                                                    (f"{prefix}.{x}.up_proj.weight", (i, cols), (x, i, rows)))]
 
 
+def fused_kind(name: str) -> str | None:
+    """"gate_up_proj" or "down_proj" for a tensor of transformers 5's fused expert layout, else None."""
+    fused = _FUSED.match(to_lowbit(name))
+    return None if fused is None else fused.group(2)
+
+
+def take_piece(tensor, piece: tuple[int, int, int] | None):
+    """An expert_pieces piece of an in-memory tensor: itself, or a view of one expert's rows."""
+    return tensor if piece is None else tensor[piece[0], piece[1]:piece[2]]
+
+
+def read_piece(handle, stored: str, piece: tuple[int, int, int] | None):
+    """An expert_pieces piece read from an open safetensors handle: one expert's rows of a fused
+    tensor come alone, without reading the other experts'."""
+    if piece is None:
+        return handle.get_tensor(stored)
+    expert, first, end = piece
+    return handle.get_slice(stored)[expert:expert + 1, first:end][0]
+
+
 def is_router(module: str) -> bool:
     """An MoE layer's router (or Qwen2-MoE's shared-expert gate), in either spelling."""
     return _ROUTER.search(module) is not None

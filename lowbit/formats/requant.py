@@ -15,6 +15,7 @@ import torch
 
 from lowbit.errors import LowbitError
 from lowbit.quant.qtensor import QTensor
+from lowbit.quant.rtn import quantize_rtn
 
 
 @dataclass(slots=True)
@@ -48,8 +49,6 @@ def source_label(value: torch.Tensor | QTensor) -> str:
 def requantized(module: str, w: torch.Tensor, spec) -> QTensor:
     """quantize_rtn(w, spec) with the module named in its error (a NaN or inf weight of a damaged
     source stops the conversion naming the layer)."""
-    from lowbit.quant.rtn import quantize_rtn
-
     try:
         return quantize_rtn(w, spec)
     except LowbitError as exc:

@@ -18,48 +18,36 @@ and per-expert), is one LowbitError naming the tensor; missing experts are the l
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 
 from lowbit.errors import LowbitError
-from lowbit.formats.moe_names import to_lowbit
+from lowbit.formats.moe_names import expert_pieces, fused_kind, take_piece
 from lowbit.runtime.config import ModelConfig
-
-_FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(?:\.weight)?$")
 
 
 def expert_tensors(items: Iterable[tuple[str, torch.Tensor]], config: ModelConfig,
                    where: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of a checkpoint with the expert layouts above turned into per-expert tensors."""
+    """(name, tensor) of a checkpoint with the expert layouts above turned into per-expert tensors
+    (formats/moe_names.expert_pieces), a fused tensor checked against config.json first."""
     seen: set[str] = set()
     for name, tensor in items:
-        original = name
-        name = to_lowbit(name)
-        fused = _FUSED.match(name)
-        pairs = [(name, tensor)] if fused is None else _split(fused, original, tensor, config, where)
-        for out_name, out in pairs:
+        kind = fused_kind(name)
+        if kind is not None:
+            _check_fused(name, kind, tensor, config, where)
+        for out_name, _, piece in expert_pieces(name, tuple(tensor.shape)):
             if ".mlp.experts." in out_name:
                 if out_name in seen:
                     raise LowbitError(f"checkpoint {where} holds expert weight {out_name} twice (e.g. fused and per expert)")
                 seen.add(out_name)
-            yield out_name, out
+            yield out_name, take_piece(tensor, piece)
 
 
-def _split(match: re.Match, original: str, tensor: torch.Tensor, config: ModelConfig, where: str | Path):
+def _check_fused(name: str, kind: str, tensor: torch.Tensor, config: ModelConfig, where: str | Path) -> None:
     moe = config.moe
-    prefix, kind = match.group(1), match.group(2)
     e, i, h = moe.num_experts, moe.intermediate_size, config.hidden_size
     expected = (e, 2 * i, h) if kind == "gate_up_proj" else (e, h, i)
     if tuple(tensor.shape) != expected:
-        raise LowbitError(f"weight {original} in {where} has shape {tuple(tensor.shape)}, config.json implies {expected}")
-    pairs = []
-    for expert in range(e):
-        if kind == "gate_up_proj":
-            pairs.append((f"{prefix}.{expert}.gate_proj.weight", tensor[expert, :i]))
-            pairs.append((f"{prefix}.{expert}.up_proj.weight", tensor[expert, i:]))
-        else:
-            pairs.append((f"{prefix}.{expert}.down_proj.weight", tensor[expert]))
-    return pairs
+        raise LowbitError(f"weight {name} in {where} has shape {tuple(tensor.shape)}, config.json implies {expected}")
