@@ -268,8 +268,6 @@ def quantize_model(
             _check_result(part, part_specs, result, tensors)
             notes.extend(result.notes)
             expert_tokens.update(result.expert_tokens)
-            notes.extend(_unrouted_note(block, counts) for block, counts in result.expert_tokens.items()
-                         if 0 in counts and not any(n.startswith(f"{block}: no calibration tokens") for n in result.notes))
             for module, qt in result.qtensors.items():
                 writer.add_quantized(module, qt)
                 bytes_after += qt.nbytes
@@ -307,12 +305,6 @@ def quantize_model(
         bytes_before=sum(source.nbytes.values()), bytes_after=bytes_after,
         seconds=time.perf_counter() - started, recipe=recipe.to_list(), notes=notes, expert_tokens=expert_tokens,
     )
-
-
-def _unrouted_note(block: str, counts: list[int]) -> str:
-    idle = [str(e) for e, c in enumerate(counts) if c == 0]
-    return (f"{block}: the router sent no calibration tokens to expert{'s' if len(idle) > 1 else ''} {', '.join(idle)}; "
-            "their statistics come from every token run through every expert")
 
 
 # ---------------------------------------------------------------------------------------------

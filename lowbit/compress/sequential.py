@@ -120,14 +120,29 @@ def _row_chunks(jobs: list) -> list[list]:
     return chunks
 
 
-def _unfed_notes(modules: list[str]) -> list[str]:
-    """One note per MoE block: which of its experts got no calibration token, so RTN."""
-    experts: dict[str, set[int]] = {}
+def _expert_notes(modules: list[str], expert_tokens: dict[str, list[int]]) -> list[str]:
+    """One note per MoE block the router left experts of idle during calibration: those without
+    statistics (`unfed`: routed tokens only) are quantized with RTN; the others took theirs from
+    every token run through every expert (the default)."""
+    unfed: dict[str, set[int]] = {}
     for module in modules:
         block, _, rest = module.partition(".experts.")
-        experts.setdefault(block, set()).add(int(rest.split(".", 1)[0]))
-    return [f"{block}: no calibration tokens reached expert{'s' if len(ids) > 1 else ''} {', '.join(map(str, sorted(ids)))} "
-            "(statistics from routed tokens only); quantized with RTN" for block, ids in experts.items()]
+        unfed.setdefault(block, set()).add(int(rest.split(".", 1)[0]))
+    notes = []
+    for block in dict.fromkeys([*unfed, *expert_tokens]):
+        rtn = sorted(unfed.get(block, ()))
+        idle = [e for e, count in enumerate(expert_tokens.get(block, [])) if count == 0 and e not in rtn]
+        if rtn:
+            notes.append(f"{block}: no calibration tokens reached {_experts(rtn)} (statistics from routed tokens only); "
+                         "quantized with RTN")
+        if idle:
+            notes.append(f"{block}: the router sent no calibration tokens to {_experts(idle)}; "
+                         "their statistics come from every token run through every expert")
+    return notes
+
+
+def _experts(ids: list[int]) -> str:
+    return f"expert{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}"
 
 
 def quantize_layer(
@@ -145,8 +160,7 @@ def quantize_layer(
     for module in unfed:
         if ".experts." not in module and not is_router(module):
             raise LowbitError(f"no calibration statistics for {module}")
-    if any(".experts." in m for m in unfed):
-        outcome.notes.extend(_unfed_notes([m for m in unfed if ".experts." in m]))
+    outcome.notes.extend(_expert_notes([m for m in unfed if ".experts." in m], stats.expert_tokens or {}))
     site_stats = {site: st for site, st in stats.sites.items()}
     local = {m[len(prefix):]: m for m in specs}
 

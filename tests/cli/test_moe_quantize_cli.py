@@ -79,6 +79,8 @@ def test_routed_experts_only_falls_back_to_rtn_for_unrouted(tmp_path, run_cli):
         runs[name] = json.loads(out)
     tokens = runs["routed"]["expert_tokens"]
     assert tokens == runs["from-stats"]["expert_tokens"]
+    # no expert of these runs took statistics from every token (the default's note)
+    assert not any("every token" in n for run in ("routed", "from-stats") for n in runs[run]["notes"])
     rtn = NativeReader(tmp_path / "rtn")
     for layer in (0, 1):
         counts = tokens[f"model.layers.{layer}.mlp"]
