@@ -58,7 +58,7 @@ def convert_command(
     if to != "hf" and source.is_dir() and detect_checkpoint_kind(source) == "hf":
         # a float directory gets the loader's checks first (config fields lowbit cannot honour, an
         # MoE top-k above its experts, a missing or misshapen weight): one line, nothing written
-        from lowbit.compress.pipeline import SourceTensors
+        from lowbit.formats.source_tensors import SourceTensors
         from lowbit.formats.hf_files import read_config
         from lowbit.runtime.config import ModelConfig
         from lowbit.runtime.loader import check_weights_fit

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 
 from lowbit.compress.stats import InputStats, StatsAccumulator, model_identity, save_stats
@@ -32,13 +31,13 @@ from lowbit.compress.workdir import WorkDir, work_dir_for
 from lowbit.data.text import load_text
 from lowbit.errors import LowbitError, UsageError
 from lowbit.formats.atomic import atomic_file, check_output_path
-from lowbit.formats.hf_files import model_dir, read_json, weight_files
+from lowbit.formats.hf_files import model_dir, read_json
 from lowbit.formats.resolve import resolve_model
 from lowbit.kernels import hugepages
 from lowbit.kernels.dispatch import fast_bf16_matmuls
 from lowbit.runtime.attention import AttentionContext
 from lowbit.runtime.config import ModelConfig
-from lowbit.formats.moe_names import expert_pieces, read_piece
+from lowbit.formats.source_tensors import SourceTensors
 from lowbit.runtime.models import build_model
 from lowbit.runtime.tokenizer import load_tokenizer
 
@@ -76,14 +75,7 @@ class LayerwiseModel:
         if "quantization_config" in self.config_dict:
             raise UsageError(f"{self.path} is already quantized; calibrate and quantize the float model")
         self.config = ModelConfig.from_dict(self.config_dict)
-        self._file_of: dict[str, Path] = {}
-        self._stored_name: dict[str, str] = {}  # lowbit's name -> the file's (Mixtral's w1/w2/w3 experts)
-        self._piece: dict[str, tuple[int, int, int] | None] = {}  # an expert's rows of a fused tensor
-        for file in weight_files(self.path):
-            with safe_open(str(file), framework="pt") as f:
-                for stored in f.keys():
-                    for name, _, piece in expert_pieces(stored, tuple(f.get_slice(stored).get_shape())):
-                        self._file_of[name], self._stored_name[name], self._piece[name] = file, stored, piece
+        self.source = SourceTensors(self.path)
         with torch.device("meta"):
             self.model = build_model(self.config)
         for module in self.model.modules():
@@ -107,10 +99,8 @@ class LayerwiseModel:
         if not fast_bf16_matmuls():
             return torch.float32
         prefix = self.layer_prefix(0)
-        for name, file in self._file_of.items():
+        for name, stored in self.source.dtypes.items():
             if name.startswith(prefix) and name.endswith(".weight"):
-                with safe_open(str(file), framework="pt") as f:
-                    stored = f.get_slice(self._stored_name[name]).get_dtype()
                 return torch.bfloat16 if stored in ("BF16", "F16") else torch.float32
         return torch.float32
 
@@ -119,20 +109,13 @@ class LayerwiseModel:
         return self.path.name
 
     def tensor_names(self) -> list[str]:
-        return list(self._file_of)
+        return self.source.names
 
     def tensor(self, name: str) -> torch.Tensor:
-        """A checkpoint tensor as stored (its own dtype): a view of the memory-mapped file.
-
-        Each read opens the file anew: a handle kept open keeps every page any read touched in
-        this process's RSS (~270 MB for SmolLM2 by its last layer), while the mapping of a handle
-        closed here goes away as soon as the returned view is dropped (load_layer copies).
-        """
-        file = self._file_of.get(name)
-        if file is None:
-            raise LowbitError(f"{self.path} lacks weight {name}")
-        with safe_open(str(file), framework="pt") as f:
-            return read_piece(f, self._stored_name[name], self._piece[name])
+        """A checkpoint tensor as stored (its own dtype): a view of the memory-mapped file, opened for
+        this read alone (formats/source_tensors.py: ~270 MB of SmolLM2 stayed in RSS by its last
+        layer through a kept handle), so the mapping goes as soon as the view is dropped (load_layer copies)."""
+        return self.source.get(name)
 
     def layer_prefix(self, index: int) -> str:
         return f"model.layers.{index}."

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lowbit.compress.pipeline import SourceTensors
+from lowbit.formats.source_tensors import SourceTensors
 from lowbit.errors import LowbitError
 from lowbit.formats.checkpoint import natural_key
 from lowbit.formats.foreign import detect_checkpoint_kind, read_checkpoint

@@ -16,6 +16,7 @@ per-tensor global scale (nvfp4) share one, computed from all of them.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import time
@@ -24,12 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from lowbit.errors import LowbitError, UsageError
 from lowbit.formats.atomic import atomic_dir, check_output_path
 from lowbit.formats.checkpoint import copy_side_files
-from lowbit.formats.hf_files import read_config, weight_files
+from lowbit.formats.hf_files import read_config
 from lowbit.formats.native import NativeWriter
 from lowbit.formats.resolve import resolve_model
 from lowbit.compress.methods import LayerWork, MethodContext, get_method
@@ -40,7 +40,8 @@ from lowbit.quant.rtn import shared_global_scale
 from lowbit.quant.spec import FormatSpec, parse_spec
 from lowbit.runtime.config import ModelConfig
 from lowbit.runtime.loader import check_weights_fit
-from lowbit.formats.moe_names import expert_pieces, is_router, read_piece
+from lowbit.formats.moe_names import is_router
+from lowbit.formats.source_tensors import SourceTensors
 
 ProgressFn = Callable[[int, int, str], None]
 
@@ -48,8 +49,6 @@ HEAD = "lm_head"
 # Projections that read the same input and run as one fused matmul.
 FUSED_SETS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 _LAYER = re.compile(r"^(.*?\blayers\.(\d+))\.")
-_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I8": 1, "U8": 1, "I16": 2, "I32": 4, "I64": 8,
-                "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}
 _FOREIGN_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
 
 
@@ -132,61 +131,6 @@ class QuantizeSummary:
         }
 
 
-class SourceTensors:
-    """The tensors of a float checkpoint, read one at a time from memory-mapped safetensors."""
-
-    def __init__(self, directory: Path):
-        self.directory = directory
-        self._files: list[Path] = []
-        self.file_of: dict[str, int] = {}
-        self.shapes: dict[str, tuple[int, ...]] = {}
-        self.nbytes: dict[str, int] = {}
-        # lowbit's names (Mixtral's block_sparse_moe / w1 w2 w3 experts as mlp / gate_proj up_proj
-        # down_proj, transformers 5's fused experts as one slice per expert), so statistics,
-        # recipes and the written checkpoint all use one spelling
-        self._stored_name: dict[str, str] = {}
-        self._piece: dict[str, tuple[int, int, int] | None] = {}
-        for file in weight_files(directory):
-            try:
-                with safe_open(str(file), framework="pt") as handle:
-                    for stored in handle.keys():
-                        view = handle.get_slice(stored)
-                        for name, shape, piece in expert_pieces(stored, tuple(view.get_shape())):
-                            if name in self.file_of:
-                                raise LowbitError(f"checkpoint {directory} holds weight {name} twice (e.g. fused and per expert)")
-                            self._stored_name[name], self._piece[name] = stored, piece
-                            self.file_of[name] = len(self._files)
-                            self.shapes[name] = shape
-                            self.nbytes[name] = _numel(shape) * _DTYPE_BYTES.get(view.get_dtype(), 4)
-            except LowbitError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - safetensors raises several unrelated types
-                raise LowbitError(f"cannot read {file}: {_first_line(exc)}") from None
-            self._files.append(file)
-
-    @property
-    def names(self) -> list[str]:
-        return list(self.file_of)
-
-    def get(self, name: str) -> torch.Tensor:
-        """The tensor, read from a handle opened for this read alone: one kept open keeps every page
-        any read touched in the process's RSS (the whole source by the last layer: quantizing the
-        2.5 GB synthetic MoE peaked at 3.9 GB), while a closed handle's pages go with the tensor."""
-        with safe_open(str(self._files[self.file_of[name]]), framework="pt") as handle:
-            return read_piece(handle, self._stored_name[name], self._piece[name])
-
-    def use_embeddings_as_head(self) -> None:
-        """A head tied to the embeddings, to be quantized: the embedding matrix is read as
-        lm_head.weight and written only there (the runtime reads the embedding rows from it:
-        runtime/quant_embedding.py); a stored lm_head.weight copy of it is dropped."""
-        embed, head = "model.embed_tokens.weight", f"{HEAD}.weight"
-        if embed not in self.file_of:
-            raise LowbitError(f"{self.directory}: the head is tied, but there is no {embed} to quantize as it")
-        for table in (self.file_of, self.shapes, self.nbytes, self._stored_name, self._piece):
-            table.pop(head, None)
-            table[head] = table.pop(embed)
-
-
 @dataclass(slots=True)
 class _Part:
     name: str
@@ -237,7 +181,11 @@ def quantize_model(
     source = SourceTensors(source_dir)
     check_weights_fit(model_config, source.shapes, source_dir)
     if quantize_head and model_config.tie_word_embeddings:
-        source.use_embeddings_as_head()
+        # the embedding matrix is read as lm_head.weight and written only there (the runtime
+        # reads the embedding rows from it: runtime/quant_embedding.py); a stored copy is dropped
+        if "model.embed_tokens.weight" not in source:
+            raise LowbitError(f"{source_dir}: the head is tied, but there is no model.embed_tokens.weight to quantize as it")
+        source.rename("model.embed_tokens.weight", f"{HEAD}.weight")
     linears, routers = _linear_modules(source, quantize_head)
     specs = _assign(recipe, linears, source, routers)
     if quantize_head and model_config.tie_word_embeddings and specs.get(HEAD) is None:
@@ -271,7 +219,7 @@ def quantize_model(
             for module, qt in result.qtensors.items():
                 writer.add_quantized(module, qt)
                 bytes_after += qt.nbytes
-                params += _numel(qt.shape)
+                params += math.prod(qt.shape)
             for module, side in result.outliers.items():
                 writer.add_outliers(module, side)
                 bytes_after += _outlier_bytes(side)
@@ -526,14 +474,3 @@ def _add_provenance(directory: Path, method: str, recipe: Recipe, source: Path, 
         qc["method_options"] = recorded
     path.write_text(json.dumps(config, indent=2) + "\n")
 
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
