@@ -72,6 +72,11 @@ def test_rows_at_once_equal_each_row_alone_bit_for_bit(label):
         alone = torch.cat([qmatmul(x[i : i + 1], pw) for i in range(x.shape[0])])
         for m in range(1, x.shape[0] + 1):
             assert torch.equal(qmatmul(x[:m], pw), alone[:m]), (label, m)
+        # beyond one block of 64 rows (each block's passes run group by group), 4-row passes and a tail
+        x = torch.randn(131, 576).to(dtype)
+        alone = torch.cat([qmatmul(x[i : i + 1], pw) for i in range(x.shape[0])])
+        for m in (67, 131):
+            assert torch.equal(qmatmul(x[:m], pw), alone[:m]), (label, m)
 
 
 def test_joined_weights_equal_their_parts():
