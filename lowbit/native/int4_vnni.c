@@ -88,8 +88,10 @@ int lowbit_i4v_available(void) { return HAVE_I4VNNI ? 1 : HAVE_I4AVX2 ? 2 : 0; }
    6.4-6.9 against 7.7-7.9; an earlier run, int4-g32 at 16: 11.0-11.2 against 11.4-11.7. At 5-7 rows one pass of them all stays (4 + 1 rows took 1.1x
    the time at 5, a speculative verify), and 8-bit codes keep 8 (one engine run: 1.07x the time).
    Measured on Zen 4 only (double-pumped 512-bit units); on a CPU whose broadcast is a plain load
-   the balance may differ: rerun the C harness there (docs/benchmarks.md, issue 24's 16-row step). */
+   the balance may differ: bench/int4_pass_shapes.py measures both shapes there (PASS_ROWS4). */
+#ifndef PASS_ROWS4
 #define PASS_ROWS4 4
+#endif
 #define TILE_CHUNK(BITS) ((BITS) * 16)    /* bytes of one tile's chunk of 8 k */
 #define STRIDE(BITS) (4 * TILE_CHUNK(BITS)) /* from one chunk of a tile to its next: four tiles interleaved */
 /* 4-bit codes: how far ahead of a pass's stream to prefetch (PREFETCH_HINT: into L1), 0 for none:
