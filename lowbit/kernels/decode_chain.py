@@ -68,7 +68,7 @@ class ChainStep(ctypes.Structure):
                 ("tables", c_void_p), ("cos_table", c_void_p * MAX_ROPES), ("sin_table", c_void_p * MAX_ROPES),
                 ("table_rows", c_int64),
                 ("ids", c_void_p), ("embed", c_void_p), ("embed_rows", c_int64), ("embed_bf16", c_int32),
-                ("embed_scale", c_float)]
+                ("embed_scale", c_float), ("embed_scales", c_void_p), ("embed_group", c_int64), ("embed_scale_dtype", c_int32)]
 
 
 def _entry(lib, name: str) -> int:
@@ -190,11 +190,18 @@ class ChainLayerSpec:
 @dataclass(slots=True)
 class Embedding:
     """The rows a step embeds itself: token ids [T] int64 into table [V, hidden] (float32 or bf16,
-    contiguous), each row times scale (a float32 value, 1.0 for none)."""
+    contiguous), each row times scale (a float32 value, 1.0 for none). With `scales`, table holds
+    symmetric int8 codes and scales [V, ceil(hidden / group)] (float32, bf16 or float16) their
+    groups' scales: a row is code * scale in float32, as quant/intq.py dequantizes it."""
 
     ids: torch.Tensor
     table: torch.Tensor
     scale: float = 1.0
+    scales: torch.Tensor | None = None
+    group: int = 0
+
+
+_SCALE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # ChainStep.embed_scale_dtype
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -272,6 +279,9 @@ class DecodeChain:
         if embed is not None:
             step.ids, step.embed, step.embed_rows = embed.ids.data_ptr(), embed.table.data_ptr(), embed.table.shape[0]
             step.embed_bf16, step.embed_scale = int(embed.table.dtype == torch.bfloat16), embed.scale
+            if embed.scales is not None:
+                step.embed_scales, step.embed_group = embed.scales.data_ptr(), embed.group
+                step.embed_scale_dtype = _SCALE_DTYPES[embed.scales.dtype]
         out = x if final_norm is None else torch.empty_like(x)
         rc = self._run(ctypes.byref(self._chain), ctypes.byref(step), first, self.num_layers if last is None else last,
                        x.data_ptr(), None if final_norm is None else final_norm.data_ptr(), out.data_ptr(),

@@ -131,18 +131,54 @@ typedef struct {
    (runtime/engine/paged_attention.py DecodeIndex), and the rotary tables, whole [positions,
    head_dim / 2], which the step indexes by position itself. With ids, the step also fills x: row
    t = embed[ids[t]] (float32 or bf16 widened) times embed_scale, as the model's embedding does
-   (Gemma scales by sqrt(hidden), others by 1). Both spare the engine ~0.1 ms of torch calls a step. */
+   (Gemma scales by sqrt(hidden), others by 1). Both spare the engine ~0.1 ms of torch calls a step.
+   A table quantized to symmetric int8 in groups (a tied head quantized with --quantize-head,
+   runtime/quant_embedding.py) is read the same way: element d of row id is the signed code times
+   its group's scale in float32, then times embed_scale, as QuantEmbedding dequantizes it (the torch
+   calls had cost a Gemma-3 int8-head decode ~0.4 ms a step, their code and data cold). */
 typedef struct {
     int64_t rows, nb;
     const int64_t *pos, *slots, *items, *tables;
     const float *cos_table[MAX_ROPES], *sin_table[MAX_ROPES];
     int64_t table_rows;  /* positions in each cos_table/sin_table */
     const int64_t *ids;  /* or NULL: x is given */
-    const void *embed;   /* [embed_rows, hidden] */
+    const void *embed;   /* [embed_rows, hidden]: float32, bf16 (embed_bf16) or int8 codes (embed_scales) */
     int64_t embed_rows;
     int32_t embed_bf16;
     float embed_scale;
+    const void *embed_scales;  /* or NULL: int8 codes' scales [embed_rows, groups] */
+    int64_t embed_group;       /* the codes' group size (hidden for one scale a row) */
+    int32_t embed_scale_dtype; /* the scales' dtype: 0 float32, 1 bf16, 2 float16 */
 } ChainStep;
+
+/* float16 bits -> float32 (exact for every value: normal, subnormal, zero, inf, NaN), without F16C. */
+static float half_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0x1fu) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else { /* subnormal: man * 2^-24, normalized */
+        int e = -1;
+        uint32_t m = man;
+        do {
+            m <<= 1;
+            e++;
+        } while (!(m & 0x400u));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static float embed_scale_at(const ChainStep *s, int64_t i) {
+    if (s->embed_scale_dtype == 2) return half_float(((const uint16_t *)s->embed_scales)[i]);
+    return lowbit_load(s->embed_scales, i, s->embed_scale_dtype == 1);
+}
 
 static int linear(const ChainLinear *l, const float *x, int64_t ldx, int64_t M, float *y, int threads) {
     if (l->kind == LINEAR_INT4) return ((int4_fn)l->fn)(l->w, x, 0, ldx, M, y, 0, l->n, threads);
@@ -444,10 +480,20 @@ int lowbit_decode_layers(const Chain *c, const ChainStep *s, int64_t first, int6
         cs[ri] = c0, sn[ri] = s0;
     }
     if (s->ids) {
+        if (s->embed_scales && (s->embed_group <= 0 || s->embed_scale_dtype < 0 || s->embed_scale_dtype > 2)) goto done;
         for (int64_t t = 0; t < M; t++) {
             const int64_t id = s->ids[t];
             if (id < 0 || id >= s->embed_rows) goto done;
-            for (int64_t d = 0; d < H; d++) x[t * H + d] = lowbit_load(s->embed, id * H + d, s->embed_bf16) * s->embed_scale;
+            if (s->embed_scales) {
+                const int8_t *q = (const int8_t *)s->embed + id * H;
+                const int64_t g = s->embed_group, groups = (H + g - 1) / g;
+                for (int64_t d = 0; d < H; d++) {
+                    const float v = (float)q[d] * embed_scale_at(s, id * groups + d / g);
+                    x[t * H + d] = v * s->embed_scale;
+                }
+            } else {
+                for (int64_t d = 0; d < H; d++) x[t * H + d] = lowbit_load(s->embed, id * H + d, s->embed_bf16) * s->embed_scale;
+            }
         }
     }
     for (int64_t i = first; i < last; i++) {

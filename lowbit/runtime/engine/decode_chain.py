@@ -33,6 +33,7 @@ from lowbit.runtime.models.fusion import JoinedDense, JoinedLinear
 from lowbit.runtime.models.gemma3 import Gemma3DecoderLayer
 from lowbit.runtime.models.llama import LlamaDecoderLayer
 from lowbit.runtime.models.moe import SparseMoE
+from lowbit.runtime.quant_embedding import QuantEmbedding
 from lowbit.runtime.quant_linear import QuantLinear
 
 
@@ -216,9 +217,11 @@ class ChainedDecoder:
         cos, sin = [c for c, _ in tables], [s for _, s in tables]
         # as DecoderModel.forward rounds it: sqrt(hidden) as a float32 value
         scale = torch.tensor(inner.hidden_size**0.5, dtype=torch.float32).item() if inner.scale_embeddings else 1.0
-        table = _embedding_table(inner.embed_tokens)
-        if table is not None:
-            h, embed = torch.empty(len(ids), inner.hidden_size), decode_chain.Embedding(token_ids, table, scale)
+        source = _embedding_source(inner.embed_tokens)
+        if source is not None:
+            table, scales, group = source
+            h = torch.empty(len(ids), inner.hidden_size)
+            embed = decode_chain.Embedding(token_ids, table, scale, scales, group)
         else:
             h, embed = inner.embed_tokens(token_ids).float(), None  # a table kept in bf16 for the tied head: exact
             if inner.scale_embeddings:
@@ -227,14 +230,27 @@ class ChainedDecoder:
                               inner.norm.weight.data, embed=embed)
 
 
-def _embedding_table(embed) -> torch.Tensor | None:
-    """The weight of a plain embedding lookup the C step can do (float32 or bf16, contiguous), or None."""
+def _embedding_source(embed) -> tuple[torch.Tensor, torch.Tensor | None, int] | None:
+    """(table, scales, group) of an embedding lookup the C step can do: a plain table (float32 or
+    bf16, contiguous; scales None), or a tied head's symmetric int8 codes in groups (QuantEmbedding,
+    whose rows it dequantizes as quant/intq.py does); None for anything else."""
+    if type(embed) is QuantEmbedding:
+        qt = embed.qt
+        spec = qt.spec if qt is not None else None
+        if (spec is None or spec.name != "int8" or not spec.symmetric or spec.double_quant or embed.dtype is not torch.float32
+                or qt.qweight.dtype is not torch.int8 or qt.scales.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+                or not qt.qweight.is_contiguous() or not qt.scales.is_contiguous() or qt.qweight.device.type != "cpu"):
+            return None
+        group = spec.group_size if spec.granularity == "group" else qt.shape[1]
+        if tuple(qt.scales.shape) != (qt.shape[0], -(-qt.shape[1] // group)):
+            return None
+        return qt.qweight, qt.scales, group
     if type(embed) is not nn.Embedding or embed.max_norm is not None:
         return None
     w = embed.weight
     if w.dtype not in (torch.float32, torch.bfloat16) or not w.is_contiguous() or w.device.type != "cpu":
         return None
-    return w.data
+    return w.data, None, 0
 
 
 def build(model, cache) -> ChainedDecoder | None:

@@ -165,6 +165,40 @@ def test_qk_norm_layers_take_the_chain(tmp_path):
     assert rows
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("head", ["int8-g32", "int8-g64-sbf16", "int8-g32-sfp32", "int8-channel"])
+def test_a_quantized_tied_head_embeds_in_the_step(tiny_float_model, tmp_path, family, head):
+    # `quantize --quantize-head` on a tied model: the embedding reads its rows from the int8 head
+    # (QuantEmbedding); the C step dequantizes them itself, bit for bit as QuantEmbedding does
+    # (_checked compares every step with the model's forward, whose embedding is QuantEmbedding's),
+    # Gemma's sqrt(96) scale included; float16, bf16 and float32 group scales, a part group (96 = 64 + 32), one per row
+    from lowbit.compress.pipeline import quantize_model
+    from lowbit.compress.recipe import parse_recipe
+    from lowbit.runtime.quant_embedding import QuantEmbedding
+
+    recipe = parse_recipe([{"pattern": "lm_head", "format": head}, {"pattern": "*", "format": "int4-g32"}])
+    out = tmp_path / "q"
+    quantize_model(tiny_float_model(family=family, tie=True, hidden=96, layers=2), recipe, out_dir=out, quantize_head=True)
+    engine = _engine(out)
+    assert type(engine.model.model.embed_tokens) is QuantEmbedding
+    made = []
+    real = kernel_chain.Embedding
+
+    def spy(*args, **kw):
+        made.append(real(*args, **kw))
+        return made[-1]
+
+    import lowbit.runtime.engine.decode_chain as runtime_chain
+    runtime_chain.decode_chain.Embedding = spy
+    try:
+        rows = _checked(engine.runner)
+        outs = engine.generate(prompts(3), GREEDY)
+    finally:
+        runtime_chain.decode_chain.Embedding = real
+    assert rows and made and all(e.scales is not None for e in made)  # the C step embedded every step
+    assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
+
+
 @pytest.mark.parametrize("case, reason", [
     ("bf16", "float32 model over the paged float32 cache"),
     ("kv-int8", "float32 model over the paged float32 cache"),
