@@ -68,7 +68,8 @@ class ChainStep(ctypes.Structure):
                 ("tables", c_void_p), ("cos_table", c_void_p * MAX_ROPES), ("sin_table", c_void_p * MAX_ROPES),
                 ("table_rows", c_int64),
                 ("ids", c_void_p), ("embed", c_void_p), ("embed_rows", c_int64), ("embed_bf16", c_int32),
-                ("embed_scale", c_float), ("embed_scales", c_void_p), ("embed_group", c_int64), ("embed_scale_dtype", c_int32)]
+                ("embed_scale", c_float), ("embed_scales", c_void_p), ("embed_group", c_int64), ("embed_scale_dtype", c_int32),
+                ("embed_bits", c_int32), ("embed_zeros", c_void_p)]
 
 
 def _entry(lib, name: str) -> int:
@@ -191,14 +192,17 @@ class ChainLayerSpec:
 class Embedding:
     """The rows a step embeds itself: token ids [T] int64 into table [V, hidden] (float32 or bf16,
     contiguous), each row times scale (a float32 value, 1.0 for none). With `scales`, table holds
-    symmetric int8 codes and scales [V, ceil(hidden / group)] (float32, bf16 or float16) their
-    groups' scales: a row is code * scale in float32, as quant/intq.py dequantizes it."""
+    int8 or int4 codes as quant/intq.py stores them (`bits`), scales [V, ceil(hidden / group)]
+    (float32, bf16 or float16) their groups' scales and `zeros` (uint8, same shape, or None:
+    symmetric) their zero points: a row is (code - zero) * scale in float32, as intq dequantizes it."""
 
-    ids: torch.Tensor
+    ids: torch.Tensor | None  # set per step
     table: torch.Tensor
     scale: float = 1.0
     scales: torch.Tensor | None = None
     group: int = 0
+    bits: int = 8
+    zeros: torch.Tensor | None = None
 
 
 _SCALE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # ChainStep.embed_scale_dtype
@@ -282,6 +286,7 @@ class DecodeChain:
             if embed.scales is not None:
                 step.embed_scales, step.embed_group = embed.scales.data_ptr(), embed.group
                 step.embed_scale_dtype = _SCALE_DTYPES[embed.scales.dtype]
+                step.embed_bits, step.embed_zeros = embed.bits, _ptr(embed.zeros)
         out = x if final_norm is None else torch.empty_like(x)
         rc = self._run(ctypes.byref(self._chain), ctypes.byref(step), first, self.num_layers if last is None else last,
                        x.data_ptr(), None if final_norm is None else final_norm.data_ptr(), out.data_ptr(),

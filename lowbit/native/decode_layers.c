@@ -132,23 +132,26 @@ typedef struct {
    head_dim / 2], which the step indexes by position itself. With ids, the step also fills x: row
    t = embed[ids[t]] (float32 or bf16 widened) times embed_scale, as the model's embedding does
    (Gemma scales by sqrt(hidden), others by 1). Both spare the engine ~0.1 ms of torch calls a step.
-   A table quantized to symmetric int8 in groups (a tied head quantized with --quantize-head,
-   runtime/quant_embedding.py) is read the same way: element d of row id is the signed code times
-   its group's scale in float32, then times embed_scale, as QuantEmbedding dequantizes it (the torch
-   calls had cost a Gemma-3 int8-head decode ~0.4 ms a step, their code and data cold). */
+   A table quantized to int8 or int4 codes in groups (a tied head quantized with --quantize-head,
+   runtime/quant_embedding.py) is read the same way: element d of row id is (code - zero) times its
+   group's scale in float32 (zero: 2^(bits-1), or the group's zero point), then times embed_scale,
+   as QuantEmbedding dequantizes it (quant/intq.py; the torch calls had cost a Gemma-3 int8-head
+   decode ~0.4 ms a step, their code and data cold). */
 typedef struct {
     int64_t rows, nb;
     const int64_t *pos, *slots, *items, *tables;
     const float *cos_table[MAX_ROPES], *sin_table[MAX_ROPES];
     int64_t table_rows;  /* positions in each cos_table/sin_table */
     const int64_t *ids;  /* or NULL: x is given */
-    const void *embed;   /* [embed_rows, hidden]: float32, bf16 (embed_bf16) or int8 codes (embed_scales) */
+    const void *embed;   /* [embed_rows, hidden]: float32, bf16 (embed_bf16) or codes (embed_scales) */
     int64_t embed_rows;
     int32_t embed_bf16;
     float embed_scale;
-    const void *embed_scales;  /* or NULL: int8 codes' scales [embed_rows, groups] */
+    const void *embed_scales;  /* or NULL: the codes' scales [embed_rows, groups] */
     int64_t embed_group;       /* the codes' group size (hidden for one scale a row) */
     int32_t embed_scale_dtype; /* the scales' dtype: 0 float32, 1 bf16, 2 float16 */
+    int32_t embed_bits;        /* 8: int8 [rows, hidden] holding code - 128; 4: two codes a byte, the low nibble first */
+    const uint8_t *embed_zeros; /* or NULL (symmetric): zero points [embed_rows, groups] */
 } ChainStep;
 
 /* float16 bits -> float32 (exact for every value: normal, subnormal, zero, inf, NaN), without F16C. */
@@ -480,15 +483,20 @@ int lowbit_decode_layers(const Chain *c, const ChainStep *s, int64_t first, int6
         cs[ri] = c0, sn[ri] = s0;
     }
     if (s->ids) {
-        if (s->embed_scales && (s->embed_group <= 0 || s->embed_scale_dtype < 0 || s->embed_scale_dtype > 2)) goto done;
+        if (s->embed_scales && (s->embed_group <= 0 || s->embed_scale_dtype < 0 || s->embed_scale_dtype > 2
+                                || (s->embed_bits != 8 && s->embed_bits != 4)))
+            goto done;
         for (int64_t t = 0; t < M; t++) {
             const int64_t id = s->ids[t];
             if (id < 0 || id >= s->embed_rows) goto done;
             if (s->embed_scales) {
-                const int8_t *q = (const int8_t *)s->embed + id * H;
-                const int64_t g = s->embed_group, groups = (H + g - 1) / g;
+                const int64_t g = s->embed_group, groups = (H + g - 1) / g, width = s->embed_bits == 8 ? H : (H + 1) / 2;
+                const uint8_t *q = (const uint8_t *)s->embed + id * width;
+                const float mid = s->embed_bits == 8 ? 128.0f : 8.0f;
                 for (int64_t d = 0; d < H; d++) {
-                    const float v = (float)q[d] * embed_scale_at(s, id * groups + d / g);
+                    const int code = s->embed_bits == 8 ? (int)(int8_t)q[d] + 128 : (q[d / 2] >> (4 * (d & 1))) & 15;
+                    const float zero = s->embed_zeros ? (float)s->embed_zeros[id * groups + d / g] : mid;
+                    const float v = ((float)code - zero) * embed_scale_at(s, id * groups + d / g);
                     x[t * H + d] = v * s->embed_scale;
                 }
             } else {

@@ -217,11 +217,10 @@ class ChainedDecoder:
         cos, sin = [c for c, _ in tables], [s for _, s in tables]
         # as DecoderModel.forward rounds it: sqrt(hidden) as a float32 value
         scale = torch.tensor(inner.hidden_size**0.5, dtype=torch.float32).item() if inner.scale_embeddings else 1.0
-        source = _embedding_source(inner.embed_tokens)
-        if source is not None:
-            table, scales, group = source
+        embed = _embedding_source(inner.embed_tokens)
+        if embed is not None:
             h = torch.empty(len(ids), inner.hidden_size)
-            embed = decode_chain.Embedding(token_ids, table, scale, scales, group)
+            embed.ids, embed.scale = token_ids, scale
         else:
             h, embed = inner.embed_tokens(token_ids).float(), None  # a table kept in bf16 for the tied head: exact
             if inner.scale_embeddings:
@@ -230,27 +229,35 @@ class ChainedDecoder:
                               inner.norm.weight.data, embed=embed)
 
 
-def _embedding_source(embed) -> tuple[torch.Tensor, torch.Tensor | None, int] | None:
-    """(table, scales, group) of an embedding lookup the C step can do: a plain table (float32 or
-    bf16, contiguous; scales None), or a tied head's symmetric int8 codes in groups (QuantEmbedding,
-    whose rows it dequantizes as quant/intq.py does); None for anything else."""
+def _embedding_source(embed) -> decode_chain.Embedding | None:
+    """The table part of an embedding lookup the C step can do (ids filled in per step): a plain
+    table (float32 or bf16, contiguous), or a tied head's int8 / int4 codes in groups
+    (QuantEmbedding, whose rows it dequantizes as quant/intq.py does); None for anything else."""
     if type(embed) is QuantEmbedding:
         qt = embed.qt
         spec = qt.spec if qt is not None else None
-        if (spec is None or spec.name != "int8" or not spec.symmetric or spec.double_quant or embed.dtype is not torch.float32
-                or qt.qweight.dtype is not torch.int8 or qt.scales.dtype not in (torch.float32, torch.bfloat16, torch.float16)
-                or not qt.qweight.is_contiguous() or not qt.scales.is_contiguous() or qt.qweight.device.type != "cpu"):
+        if spec is None or spec.bits not in (4, 8) or not spec.name.startswith("int") or spec.double_quant \
+                or embed.dtype is not torch.float32 or qt.qweight.device.type != "cpu":
             return None
-        group = spec.group_size if spec.granularity == "group" else qt.shape[1]
-        if tuple(qt.scales.shape) != (qt.shape[0], -(-qt.shape[1] // group)):
+        n, k = qt.shape
+        group = spec.group_size if spec.granularity == "group" else k
+        groups = -(-k // group)
+        zeros = qt.zeros
+        codes_ok = qt.qweight.dtype is (torch.int8 if spec.bits == 8 else torch.uint8) and \
+            tuple(qt.qweight.shape) == (n, k if spec.bits == 8 else -(-k // 2))
+        scales_ok = qt.scales.dtype in (torch.float32, torch.bfloat16, torch.float16) and tuple(qt.scales.shape) == (n, groups)
+        zeros_ok = (zeros is None) == spec.symmetric and (zeros is None or (zeros.dtype is torch.uint8
+                                                                           and tuple(zeros.shape) == (n, groups)))
+        if not (codes_ok and scales_ok and zeros_ok) or not all(t.is_contiguous() for t in (qt.qweight, qt.scales, zeros)
+                                                                if t is not None):
             return None
-        return qt.qweight, qt.scales, group
+        return decode_chain.Embedding(None, qt.qweight, 1.0, qt.scales, group, spec.bits, zeros)
     if type(embed) is not nn.Embedding or embed.max_norm is not None:
         return None
     w = embed.weight
     if w.dtype not in (torch.float32, torch.bfloat16) or not w.is_contiguous() or w.device.type != "cpu":
         return None
-    return w.data, None, 0
+    return decode_chain.Embedding(None, w.data)
 
 
 def build(model, cache) -> ChainedDecoder | None:

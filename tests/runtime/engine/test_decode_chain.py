@@ -166,12 +166,14 @@ def test_qk_norm_layers_take_the_chain(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-@pytest.mark.parametrize("head", ["int8-g32", "int8-g64-sbf16", "int8-g32-sfp32", "int8-channel"])
+@pytest.mark.parametrize("head", ["int8-g32", "int8-g64-sbf16", "int8-g32-sfp32", "int8-channel", "int4-g32",
+                                  "int4-asym-g64", "int4-asym-channel-sbf16"])
 def test_a_quantized_tied_head_embeds_in_the_step(tiny_float_model, tmp_path, family, head):
-    # `quantize --quantize-head` on a tied model: the embedding reads its rows from the int8 head
+    # `quantize --quantize-head` on a tied model: the embedding reads its rows from the int8 / int4 head
     # (QuantEmbedding); the C step dequantizes them itself, bit for bit as QuantEmbedding does
     # (_checked compares every step with the model's forward, whose embedding is QuantEmbedding's),
-    # Gemma's sqrt(96) scale included; float16, bf16 and float32 group scales, a part group (96 = 64 + 32), one per row
+    # Gemma's sqrt(96) scale included; float16, bf16 and float32 scales, a part group (96 = 64 + 32), one per row,
+    # symmetric and asymmetric 4-bit codes
     from lowbit.compress.pipeline import quantize_model
     from lowbit.compress.recipe import parse_recipe
     from lowbit.runtime.quant_embedding import QuantEmbedding
