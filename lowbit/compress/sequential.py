@@ -240,7 +240,7 @@ def quantize_layer(
     # a site's prepared Hessian (float64 factors, ~190 MB at K = 2816) is dropped after its last job:
     # an MoE layer has one down_proj site per expert, and holding them all had peaked at 3.9 GB
     # quantizing the synthetic MoE's layers
-    last_job = {site: key for key in gptq_jobs for site in (key[0],)}
+    last_job = {key[0]: key for key in gptq_jobs}  # site -> its last (site, spec) job
     for (site, spec), jobs in gptq_jobs.items():
         st = site_stats[site]
         if prepare(site) is None:

@@ -154,32 +154,8 @@ typedef struct {
     const uint8_t *embed_zeros; /* or NULL (symmetric): zero points [embed_rows, groups] */
 } ChainStep;
 
-/* float16 bits -> float32 (exact for every value: normal, subnormal, zero, inf, NaN), without F16C. */
-static float half_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-    uint32_t bits;
-    if (exp == 0x1fu) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112u) << 23) | (man << 13);
-    } else if (man == 0) {
-        bits = sign;
-    } else { /* subnormal: man * 2^-24, normalized */
-        int e = -1;
-        uint32_t m = man;
-        do {
-            m <<= 1;
-            e++;
-        } while (!(m & 0x400u));
-        bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ffu) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
 static float embed_scale_at(const ChainStep *s, int64_t i) {
-    if (s->embed_scale_dtype == 2) return half_float(((const uint16_t *)s->embed_scales)[i]);
+    if (s->embed_scale_dtype == 2) return lowbit_half_float(((const uint16_t *)s->embed_scales)[i]);
     return lowbit_load(s->embed_scales, i, s->embed_scale_dtype == 1);
 }
 

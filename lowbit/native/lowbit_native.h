@@ -53,6 +53,33 @@ INLINE float lowbit_load(const void *p, int64_t i, int bf16) {
     return lowbit_bf16_float(((const uint16_t *)p)[i]);
 }
 
+/* ---- float16, scalar ---------------------------------------------------------------------- */
+
+/* float16 bits -> float32, exact for every value (normal, subnormal, zero, inf, NaN), without F16C
+   (the portable build has none). */
+INLINE float lowbit_half_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0x1fu) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else { /* subnormal: man * 2^-24, normalized */
+        int e = -1;
+        uint32_t m = man;
+        do {
+            m <<= 1;
+            e++;
+        } while (!(m & 0x400u));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
 /* f stored as element i of a float32 or bf16 array (bf16: rounded to nearest even). */
 INLINE void lowbit_store(void *p, int64_t i, float f, int bf16) {
     if (bf16) ((uint16_t *)p)[i] = lowbit_bf16_bits(f);

@@ -25,6 +25,8 @@ from torch.nn.modules import module as torch_module
 
 from lowbit.kernels import cpu_f32, cpu_moe, cpu_rowops, decode_chain
 from lowbit.kernels.cpu_f32 import InvariantLinear
+from lowbit.quant import intq
+from lowbit.quant.registry import get_format, part_layout
 from lowbit.runtime import module_swaps
 from lowbit.runtime.engine.paged_attention import StepMetadata
 from lowbit.runtime.engine.paged_cache import PagedKVCache
@@ -235,23 +237,19 @@ def _embedding_source(embed) -> decode_chain.Embedding | None:
     (QuantEmbedding, whose rows it dequantizes as quant/intq.py does); None for anything else."""
     if type(embed) is QuantEmbedding:
         qt = embed.qt
-        spec = qt.spec if qt is not None else None
-        if spec is None or spec.bits not in (4, 8) or not spec.name.startswith("int") or spec.double_quant \
-                or embed.dtype is not torch.float32 or qt.qweight.device.type != "cpu":
+        spec = None if qt is None else qt.spec
+        # quant/intq.py's codes (8-bit as int8 code - 128, 4-bit two a byte), group scales and zero
+        # points, exactly as its part_layout has them, on the CPU and contiguous
+        if spec is None or get_format(spec) is not intq or spec.bits not in (4, 8) or spec.double_quant \
+                or embed.dtype is not torch.float32:
             return None
-        n, k = qt.shape
-        group = spec.group_size if spec.granularity == "group" else k
-        groups = -(-k // group)
-        zeros = qt.zeros
-        codes_ok = qt.qweight.dtype is (torch.int8 if spec.bits == 8 else torch.uint8) and \
-            tuple(qt.qweight.shape) == (n, k if spec.bits == 8 else -(-k // 2))
-        scales_ok = qt.scales.dtype in (torch.float32, torch.bfloat16, torch.float16) and tuple(qt.scales.shape) == (n, groups)
-        zeros_ok = (zeros is None) == spec.symmetric and (zeros is None or (zeros.dtype is torch.uint8
-                                                                           and tuple(zeros.shape) == (n, groups)))
-        if not (codes_ok and scales_ok and zeros_ok) or not all(t.is_contiguous() for t in (qt.qweight, qt.scales, zeros)
-                                                                if t is not None):
-            return None
-        return decode_chain.Embedding(None, qt.qweight, 1.0, qt.scales, group, spec.bits, zeros)
+        parts = qt.parts()
+        for name, (shape, dtype) in part_layout(spec, qt.shape).items():
+            t = parts[name]
+            if tuple(t.shape) != tuple(shape) or t.dtype is not dtype or not t.is_contiguous() or t.device.type != "cpu":
+                return None
+        return decode_chain.Embedding(None, qt.qweight, 1.0, qt.scales, intq.group_size_of(spec, qt.shape[1]), spec.bits,
+                                      qt.zeros)
     if type(embed) is not nn.Embedding or embed.max_norm is not None:
         return None
     w = embed.weight
