@@ -9,6 +9,8 @@ Typer's classes are patched where they exist, so an older or newer typer keeps i
 
 from __future__ import annotations
 
+import inspect
+import re
 from pathlib import Path
 from typing import get_args, get_origin
 
@@ -50,3 +52,19 @@ def install() -> None:
         TyperArgument.display_name_raw = property(_argument_name)
         TyperArgument._usage_display_name = _argument_usage
         TyperArgument.display_type_rich = lambda self, ctx: None  # the name column already says what it is
+
+
+def first_sentence(callback) -> str:
+    """The first sentence of a command's docstring on one line: its row in `lowbit --help`."""
+    paragraph = " ".join((inspect.getdoc(callback) or "").split("\n\n")[0].split())
+    found = re.match(r"(.+?\.)(\s|$)", paragraph)
+    return found.group(1) if found else paragraph
+
+
+def set_short_helps(commands) -> None:
+    """Give each registered command (typer CommandInfo) without a short help its docstring's first
+    sentence. Why: typer lists a command by its whole first paragraph with the docstring's own line
+    breaks, which broke `lowbit --help`'s rows mid-phrase ("for every Linear" / "input, ...")."""
+    for info in commands:
+        if info.short_help is None and info.callback is not None:
+            info.short_help = first_sentence(info.callback)

@@ -88,6 +88,7 @@ def _register_commands() -> None:
             # A command whose module is not written yet is simply absent.
             if exc.name != f"lowbit.cli.{name}_cmd":
                 raise
+    help_format.set_short_helps(app.registered_commands)
 
 
 _EXIT = (click.exceptions.Exit, _typer_exc.Exit)

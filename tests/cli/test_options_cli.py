@@ -29,6 +29,22 @@ def test_version_and_debug_are_in_the_top_level_help(run_cli):
     assert code == 0 and "--version" in out and "--debug" in out and "LOWBIT_DEBUG" in out
 
 
+def test_the_command_list_gives_each_command_its_first_sentence(run_cli):
+    """`lowbit --help` lists a command by its docstring's first sentence, on one line of words: typer
+    had listed the whole first paragraph with the docstring's own line breaks."""
+    from lowbit.cli import main
+
+    main._register_commands()
+    code, out, _ = run_cli(["--help"])
+    listing = _flat(out)
+    assert code == 0
+    for info in main.app.registered_commands:
+        assert info.short_help and info.short_help.endswith(".") and "\n" not in info.short_help
+        assert info.short_help in listing, info.name
+    assert "Train a student on TEACHER's outputs." in listing
+    assert "With a quantized --student" not in listing  # the rest of distill's paragraph: its own --help
+
+
 @pytest.mark.parametrize("command", COMMAND_MODULES)
 def test_help_shows_placeholders_not_python_types(command, run_cli):
     code, out, _ = run_cli([command, "--help"])
