@@ -78,6 +78,8 @@ def serve_command(
                         ("--max-prefill-tokens", 1 if max_prefill_tokens is None else max_prefill_tokens)):
         if value < 1:
             raise UsageError(f"{name} must be >= 1, got {value}")
+    if port > 65535:
+        raise UsageError(f"--port must be a TCP port, 1 to 65535, got {port}")
     if max_queue < 0:
         raise UsageError(f"--max-queue must be >= 0, got {max_queue}")
     if max_model_len is not None and max_model_len < 2:

@@ -179,6 +179,11 @@ def test_serve_refuses_a_prefill_cap_below_one(tiny_float_model, run_cli):
     assert code == 2 and "--max-prefill-tokens must be >= 1, got 0" in err and err.count("\n") == 1, err
 
 
+def test_serve_refuses_a_port_past_65535_before_loading(tiny_float_model, run_cli):
+    code, _, err = run_cli(["serve", str(tiny_float_model()), "--port", "70000"])  # was: OverflowError from bind()
+    assert code == 2 and "--port must be a TCP port, 1 to 65535, got 70000" in err and err.count("\n") == 1, err
+
+
 @pytest.mark.parametrize("command", [["serve"], ["bench", "--batches", "1"], ["generate", "hi"]])
 def test_a_negative_draft_vocab_is_one_line(tiny_float_model, run_cli, command):
     code, out, err = run_cli([command[0], str(tiny_float_model()), *command[1:], "--draft", "self:int8", "--draft-vocab", "-1"])
