@@ -275,18 +275,7 @@ class DecodeChain:
         rotary, whole float32 tables [positions, head_dim / 2] (contiguous) the step indexes by
         `positions` itself. With `embed`, x is only storage: the step fills it with the rows'
         embeddings first."""
-        t = x.shape[0]
-        step = ChainStep(t, tables.shape[1], positions.data_ptr(), slots.data_ptr(), items.data_ptr(), tables.data_ptr())
-        for i, (c, s) in enumerate(zip(cos, sin)):
-            step.cos_table[i], step.sin_table[i] = c.data_ptr(), s.data_ptr()
-        step.table_rows = min(table.shape[0] for table in cos + sin)
-        if embed is not None:
-            step.ids, step.embed, step.embed_rows = embed.ids.data_ptr(), embed.table.data_ptr(), embed.table.shape[0]
-            step.embed_bf16, step.embed_scale = int(embed.table.dtype == torch.bfloat16), embed.scale
-            if embed.scales is not None:
-                step.embed_scales, step.embed_group = embed.scales.data_ptr(), embed.group
-                step.embed_scale_dtype = _SCALE_DTYPES[embed.scales.dtype]
-                step.embed_bits, step.embed_zeros = embed.bits, _ptr(embed.zeros)
+        step = _step(x.shape[0], positions, slots, items, tables, cos, sin, embed)
         out = x if final_norm is None else torch.empty_like(x)
         rc = self._run(ctypes.byref(self._chain), ctypes.byref(step), first, self.num_layers if last is None else last,
                        x.data_ptr(), None if final_norm is None else final_norm.data_ptr(), out.data_ptr(),
@@ -294,3 +283,44 @@ class DecodeChain:
         if rc != 0:
             raise RuntimeError(f"lowbit_decode_layers failed with code {rc}")
         return out
+
+    def run_steps(self, steps: int, positions: torch.Tensor, slots: torch.Tensor, items: torch.Tensor, tables: torch.Tensor,
+                  cos: list[torch.Tensor], sin: list[torch.Tensor], final_norm: torch.Tensor, embed: Embedding,
+                  head: Linear) -> tuple[torch.Tensor, int]:
+        """`steps` greedy decode steps of the same T rows in one C call (native/decode_layers.c
+        lowbit_decode_steps): positions and slots [steps, T] int64, each step's rows as `run` takes
+        them; embed.ids [T] the first step's tokens, the later steps' those the step before chose
+        (the first index of each row's largest logit of `head`, a projection [V, hidden] as the
+        model's lm_head runs it). Returns the chosen tokens [steps, T] and how many steps gave
+        finite logits: fewer than `steps` (the rows after it unset) means NaN or inf logits."""
+        t = positions.shape[1]
+        step = _step(t, positions[0], slots[0], items, tables, cos, sin, embed)
+        tokens = torch.empty(steps, t, dtype=torch.long)
+        x, hidden = torch.empty(t, self.hidden), torch.empty(t, self.hidden)
+        logits = torch.empty(t, head.struct.n)
+        done = c_int64(0)
+        rc = decode_layers.library().lowbit_decode_steps(
+            ctypes.byref(self._chain), ctypes.byref(step), ctypes.byref(head.struct), _entry(rowops.library(), "lowbit_logit_rows"),
+            steps, positions.data_ptr(), slots.data_ptr(), tokens.data_ptr(), final_norm.data_ptr(), x.data_ptr(),
+            hidden.data_ptr(), logits.data_ptr(), ctypes.byref(done), torch.get_num_threads())
+        if rc not in (0, -5):
+            raise RuntimeError(f"lowbit_decode_steps failed with code {rc}")
+        return tokens, done.value
+
+
+def _step(t: int, positions: torch.Tensor, slots: torch.Tensor, items: torch.Tensor, tables: torch.Tensor,
+          cos: list[torch.Tensor], sin: list[torch.Tensor], embed: Embedding | None) -> ChainStep:
+    """The C struct of one step of t rows (DecodeChain.run's arguments); valid while they live."""
+    step = ChainStep(t, tables.shape[1], positions.data_ptr(), slots.data_ptr(), items.data_ptr(), tables.data_ptr())
+    for i, (c, s) in enumerate(zip(cos, sin)):
+        step.cos_table[i], step.sin_table[i] = c.data_ptr(), s.data_ptr()
+    step.table_rows = min(table.shape[0] for table in cos + sin)
+    if embed is not None:
+        step.ids, step.embed, step.embed_rows = embed.ids.data_ptr(), embed.table.data_ptr(), embed.table.shape[0]
+        step.embed_bf16, step.embed_scale = int(embed.table.dtype == torch.bfloat16), embed.scale
+        if embed.scales is not None:
+            step.embed_scales, step.embed_group = embed.scales.data_ptr(), embed.group
+            step.embed_scale_dtype = _SCALE_DTYPES[embed.scales.dtype]
+            step.embed_bits, step.embed_zeros = embed.bits, _ptr(embed.zeros)
+    return step
+

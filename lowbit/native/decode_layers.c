@@ -527,3 +527,41 @@ done:
     free(w.scale);
     return rc;
 }
+
+typedef int (*logit_rows_fn)(const float *x, int64_t ld, int64_t rows, int64_t n, int64_t *argmax, int threads);
+
+/* n greedy decode steps of the same M rows in one call: step i embeds ids (step 0: first->ids,
+   then the tokens step i - 1 chose), runs every layer and the final norm at positions pos[i * M ..]
+   and KV slots slots[i * M ..] (the rows' items and block tables stay first's), then the head
+   (`head`, as the runner's lm_head runs it: the same kernel, so the same logits) into logits
+   [M, vocab] and each row's first largest logit (rowops.c lowbit_logit_rows, the engine's greedy
+   argmax) into tokens[i * M ..]. Why: a step's Python between the C calls (scheduling, metadata,
+   sampling, bookkeeping) cost ~0.3 ms of a ~3.4 ms SmolLM2 int4 token, its code and data cold
+   after each token's weights streamed through the caches; the engine takes n tokens at once where
+   nothing but greedy argmax would happen between them (runtime/engine/multi_step.py).
+   x, hidden: [M, hidden] scratch. Returns 0; -5 with *done = i when step i's logits hold NaN or
+   inf (tokens from step i on unset); else lowbit_decode_layers' or the head kernel's code. */
+int lowbit_decode_steps(const Chain *c, const ChainStep *first, const ChainLinear *head, const void *logit_rows,
+                        int64_t n, const int64_t *pos, const int64_t *slots, int64_t *tokens, const float *final_norm,
+                        float *x, float *hidden, float *logits, int64_t *done, int threads) {
+    const int64_t M = first->rows, V = head->n;
+    *done = 0;
+    if (n <= 0 || !first->ids || !first->embed || !logit_rows || head->k != c->hidden) return -1;
+    ChainStep s = *first;
+    for (int64_t i = 0; i < n; i++) {
+        s.pos = pos + i * M;
+        s.slots = slots + i * M;
+        if (i > 0) s.ids = tokens + (i - 1) * M;
+        int rc = lowbit_decode_layers(c, &s, 0, c->n_layers, x, final_norm, hidden, threads);
+        if (rc) return rc;
+        rc = linear(head, hidden, c->hidden, M, logits, threads);
+        if (rc) return rc;
+        if (((logit_rows_fn)logit_rows)(logits, V, M, V, tokens + i * M, threads)) {
+            *done = i;
+            return -5;
+        }
+        *done = i + 1;
+    }
+    return 0;
+}
+

@@ -9,6 +9,7 @@ from lowbit.native.build import I64, INT, P
 
 SIGNATURES = {
     "lowbit_decode_layers": [P, P, I64, I64, P, P, P, INT],
+    "lowbit_decode_steps": [P, P, P, P, I64, P, P, P, P, P, P, P, P, INT],
 }
 
 library = build.binding("decode_layers", SIGNATURES)

@@ -12,9 +12,9 @@ from conftest import TINY_ARGS
 STREAM = {"model": "tiny", "prompt": "Hello", "stream": True, "ignore_eos": True, "temperature": 0}
 
 
-def open_stream(server, max_tokens: int) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+def open_stream(server, max_tokens: int, **extra) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    conn.request("POST", "/v1/completions", json.dumps({**STREAM, "max_tokens": max_tokens}),
+    conn.request("POST", "/v1/completions", json.dumps({**STREAM, "max_tokens": max_tokens, **extra}),
                  {"Content-Type": "application/json"})
     response = conn.getresponse()
     assert response.status == 200
@@ -62,7 +62,9 @@ def test_health_is_503_while_loading_then_200(start_server, tiny_model_dir):
 def test_disconnect_mid_stream_aborts_and_frees_kv(module_server):
     server = module_server
     before = server.metrics()
-    conn, response = open_stream(server, max_tokens=200)
+    # sampled, so one token a step: a greedy stream takes 8 steps a C call (runtime/engine/multi_step.py)
+    # and could finish its 200 tokens before the server has seen the client go
+    conn, response = open_stream(server, max_tokens=200, temperature=1.0, seed=5)
     read_events(response, 3)
     assert server.metrics()["lowbit_kv_cache_blocks_used"] > 0  # the request holds blocks now
     conn.sock.close()  # the client vanishes mid-stream

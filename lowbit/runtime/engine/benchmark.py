@@ -120,7 +120,8 @@ def run_requests(engine, prompts: list[list[int]], params: SamplingParams) -> di
         _sync(engine.device)
         t1 = time.perf_counter()
         if decode_start is not None:
-            step_times.append(t1 - t0)
+            # per token: a step of several greedy tokens a sequence (multi_step.py) counts as that many
+            step_times.append((t1 - t0) / max([len(out.new_token_ids) for out in outs], default=1))
         for out in outs:
             if out.new_token_ids and out.request_id not in first:
                 first[out.request_id] = t1 - start

@@ -194,7 +194,14 @@ class ChainedDecoder:
     def usable(self, meta: StepMetadata) -> bool:
         """Whether this step can take the C call: short items only, no forward hooks (calibration
         and tests hook modules, as DecoderModel's deferred path checks), the same modules."""
-        if meta.decode is None or torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        if meta.decode is None or not self.ready():
+            return False
+        # grouped int8 weights take another route past their kernel's rows
+        return self.chain.max_rows is None or meta.slot_mapping.numel() <= self.chain.max_rows
+
+    def ready(self) -> bool:
+        """`usable` without the step: no forward hooks, the chain rebuilt if modules moved."""
+        if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
             return False
         if self._stale():
             self._watch(_slots(self.model))
@@ -202,10 +209,7 @@ class ChainedDecoder:
                 self.chain = _chain(self.model, self.cache)
             except Unsupported:
                 self.chain = None
-        if self.chain is None or any(self._hook_tables):
-            return False
-        # grouped int8 weights take another route past their kernel's rows
-        return self.chain.max_rows is None or meta.slot_mapping.numel() <= self.chain.max_rows
+        return self.chain is not None and not any(self._hook_tables)
 
     def forward(self, ids: list[int], positions: torch.Tensor, max_position: int, meta: StepMetadata) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden] float32, as DecoderModel.forward gives them.
@@ -229,6 +233,38 @@ class ChainedDecoder:
                 h = h * scale
         return self.chain.run(h.contiguous(), d.positions, meta.slot_mapping, d.items, d.tables, cos, sin,
                               inner.norm.weight.data, embed=embed)
+
+
+    def head(self) -> decode_chain.Linear | None:
+        """The model's lm_head as the C step can run it after the layers (multi-step decode), or
+        None: a head on another kernel, a bias on a quantized head, or logit soft-capping (the
+        runner applies it in torch)."""
+        if self.model.config.final_logit_softcapping is not None:
+            return None
+        try:
+            return _linear(self.model.lm_head)
+        except Unsupported:
+            return None
+
+    def embeds_itself(self) -> bool:
+        """Whether the C step embeds token ids itself (the multi-step decode needs it)."""
+        return _embedding_source(self.model.model.embed_tokens) is not None
+
+    def decode_steps(self, ids: list[int], steps: int, positions: torch.Tensor, slots: torch.Tensor, meta: StepMetadata,
+                     head: decode_chain.Linear) -> tuple[torch.Tensor, int]:
+        """`steps` greedy decode steps of one row per sequence (DecodeChain.run_steps): ids the rows'
+        last tokens, positions and slots [steps, rows]; meta the first step's metadata (its items
+        and block tables, which already hold every later step's slot). Returns the tokens [steps,
+        rows] and how many steps gave finite logits."""
+        inner = self.model.model
+        d = meta.decode
+        max_position = int(positions[-1].max())
+        tables = [rotary.tables(max_position, positions.device) for rotary in inner.rotaries]
+        cos, sin = [c for c, _ in tables], [s for _, s in tables]
+        scale = torch.tensor(inner.hidden_size**0.5, dtype=torch.float32).item() if inner.scale_embeddings else 1.0
+        embed = _embedding_source(inner.embed_tokens)
+        embed.ids, embed.scale = torch.tensor(ids, dtype=torch.long), scale
+        return self.chain.run_steps(steps, positions, slots, d.items, d.tables, cos, sin, inner.norm.weight.data, embed, head)
 
 
 def _embedding_source(embed) -> decode_chain.Embedding | None:

@@ -33,6 +33,7 @@ from lowbit.runtime.engine.detokenizer import IncrementalDetokenizer
 from lowbit.runtime.engine.engine_model import load_engine_model
 from lowbit.runtime.engine.draft_vocab import check_draft_vocab, draft_vocabulary
 from lowbit.runtime.engine.drafter import LayerPrefixDrafter, ModelDrafter, NgramDrafter, parse_draft
+from lowbit.runtime.engine import multi_step
 from lowbit.runtime.engine.model_runner import ModelRunner, PromptLogprob, Work
 from lowbit.runtime.engine.paged_cache import PagedKVCache, kv_bytes_per_token, resolve_kv_dtype
 from lowbit.runtime.engine.sampler import Sampler, _logprobs, _uses_outputs, greedy, nonfinite, process_logits
@@ -120,8 +121,9 @@ class Engine:
                  enable_prefix_caching: bool = True, kv_dtype: str | None = None, draft: str | None = None,
                  num_speculative_tokens: int = 4, max_prefill_tokens: int | None = None,
                  quantize_to: str | None = None, cascade: CascadeSettings | None = None,
-                 draft_vocab: int | None = None):
-        """max_prefill_tokens: while other sequences run or wait, a step prefills at most this many
+                 draft_vocab: int | None = None, decode_steps: int | None = None):
+        """decode_steps: the most greedy decode steps one C call may take (multi_step.py; None:
+        LOWBIT_DECODE_STEPS or its default, 1: one at a time). max_prefill_tokens: while other sequences run or wait, a step prefills at most this many
         prompt tokens (a lone prompt takes the whole max_num_batched_tokens); None: CPU_MAX_PREFILL_TOKENS
         on a CPU, no cap elsewhere. quantize_to: a format the model's Linears are RTN-quantized to as
         it loads (the `self:FORMAT` rule of drafts; serve --cascade self:int4 runs such a copy).
@@ -240,6 +242,10 @@ class Engine:
         else:
             self.drafter = None
         self.spec_stats = SpecStats()
+        if decode_steps is not None and decode_steps < 1:
+            raise UsageError(f"decode_steps must be >= 1, got {decode_steps}")
+        self.decode_steps = decode_steps or multi_step.steps_from_env()  # greedy steps one C call may take
+        self.num_multi_steps = 0  # calls that took more than one step
 
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._reported: dict[str, int] = {}
@@ -409,8 +415,39 @@ class Engine:
         room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
         return max(0, min(k, room))
 
+    def _multi_steps(self, out) -> tuple[int, object]:
+        """How many greedy steps this step's items take in one C call (multi_step.py), and the head
+        the call runs; (1, None) for a normal step. Their extra KV slots are allocated here."""
+        items = out.items
+        if self.decode_steps < 2 or self.drafter is not None or self.cascade is not None or self.scheduler.waiting:
+            return 1, None
+        for item in items:
+            seq = item.seq
+            if not item.samples or item.num_new_tokens != 1 or item.start != seq.num_tokens - 1 \
+                    or seq.request_id in self._prompt_lps or not multi_step.plain_greedy(seq.params):
+                return 1, None
+        seqs = [item.seq for item in items]
+        steps = multi_step.steps_for(seqs, self.decode_steps, self.max_model_len)
+        head = self.runner.steps_head(len(items)) if steps > 1 else None
+        bm = self.block_manager
+        if head is None or sum(bm.blocks_needed(s.num_tokens + steps - 1) - len(s.block_table) for s in seqs) > bm.num_free_blocks:
+            return 1, None
+        for item in items:
+            bm.append_slot(item.seq, steps - 1)
+            item.num_new_tokens = steps  # the scheduler's count of computed tokens, as for a verify
+        return steps, head
+
     def _execute(self, out) -> tuple[list[list[int]], list[list]]:
         items = out.items
+        steps, head = self._multi_steps(out)
+        if steps > 1:
+            works = [Work(item.seq.block_table, item.start, [item.seq.token_ids[item.start]], 1) for item in items]
+            tokens, done = self.runner.decode_steps(works, steps, head)
+            if done < steps:
+                raise LowbitError(f"{self.model_path}: the model's logits hold NaN or inf (corrupt weights, or "
+                                  f"activations that overflow {str(self.dtype).removeprefix('torch.')})")
+            self.num_multi_steps += 1
+            return tokens, [[] for _ in items]
         drafts: list[list[int]] = [[] for _ in items]
         draft_probs: list[torch.Tensor | None] = [None] * len(items)
         draft_unsure: list[list[bool] | None] = [None] * len(items)  # a cascade's flags

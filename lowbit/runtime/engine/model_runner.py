@@ -23,7 +23,7 @@ import torch
 
 from lowbit.errors import LowbitError
 from lowbit.runtime.engine import decode_chain
-from lowbit.runtime.engine.paged_attention import build_metadata
+from lowbit.runtime.engine.paged_attention import build_metadata, decode_steps_metadata
 from lowbit.runtime.engine.paged_cache import PagedKVCache
 
 PROMPT_ROWS = 64  # rows of [rows, V] logits alive at once while scoring a prompt
@@ -125,6 +125,30 @@ class ModelRunner:
         if len(rows) != h.shape[0]:
             h = h[torch.tensor(rows, device=self.device)]
         return RunOutput(self._logits(h), prompt)
+
+    def steps_head(self, rows: int):
+        """The lm_head as the one-call step runs it after the layers, where greedy decode steps of
+        `rows` rows can run several at a time in C (`decode_steps`); None where they cannot."""
+        chained = self.chained
+        if chained is None or not chained.ready() or not chained.embeds_itself():
+            return None
+        if chained.chain.max_rows is not None and rows > chained.chain.max_rows:
+            return None
+        return chained.head()
+
+    @torch.inference_mode()
+    def decode_steps(self, works: list[Work], steps: int, head) -> tuple[list[list[int]], int]:
+        """`steps` greedy decode steps of single-token works in one C call (native/decode_layers.c
+        lowbit_decode_steps): each work's token at its start, then the token each step chose, with
+        the KV slots of every step already in its block table; per work the chosen tokens, and how
+        many steps had finite logits (fewer than `steps`: NaN or inf logits). The tokens are the
+        ones `steps` calls of `forward` and the greedy argmax would give (the same kernels in the
+        same order)."""
+        self.num_forwards += steps
+        meta, positions, slots = decode_steps_metadata([(w.block_table, w.start) for w in works], steps,
+                                                       self.cache.block_size)
+        tokens, done = self.chained.decode_steps([w.token_ids[0] for w in works], steps, positions, slots, meta, head)
+        return tokens[:done].t().tolist(), done
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         # float32 logits (exact for bf16 ones): torch's CPU argmax/softmax over bf16 is much slower

@@ -89,6 +89,20 @@ def decode_index(items: list[tuple[list[int], int, int]], block_size: int) -> De
                        torch.tensor(padded, dtype=torch.long))
 
 
+def decode_steps_metadata(items: list[tuple[list[int], int]], steps: int, block_size: int
+                          ) -> tuple[StepMetadata, torch.Tensor, torch.Tensor]:
+    """Metadata of `steps` decode steps of one row per (block_table, start) item, row b at
+    position start + i in step i: the first step's StepMetadata (its block tables cover every
+    step's positions) and the positions and slots [steps, rows] of all of them."""
+    positions = [[start + i for _, start in items] for i in range(steps)]
+    slots = [_slots(bt, start + i, start + i + 1, block_size)[0] for i in range(steps) for bt, start in items]
+    index = decode_index([(bt, start, steps) for bt, start in items], block_size)
+    index.positions = torch.tensor(positions[0], dtype=torch.long)
+    index.items = torch.arange(len(items), dtype=torch.long)
+    slot_rows = torch.tensor(slots, dtype=torch.long).view(steps, len(items))
+    return StepMetadata(slot_rows[0].clone(), decode=index), torch.tensor(positions, dtype=torch.long), slot_rows
+
+
 def build_metadata(items: list[tuple[list[int], int, int]], block_size: int, device: torch.device,
                    with_block_tables: bool = False, fused_decode: bool = False) -> StepMetadata:
     """items: (block_table, start, num_tokens) per scheduled sequence, in flattened order.

@@ -40,10 +40,26 @@ def _checked(runner) -> list[int]:
 
 
 def _engine(path, quantize: str | None = None, **kw) -> Engine:
-    engine = Engine(path, kv_memory=4 << 20, **kw)
+    # one step a call unless asked (the checks below wrap the runner's one-step forward)
+    engine = Engine(path, kv_memory=4 << 20, **{"decode_steps": 1, **kw})
     if quantize:
         quantize_linears_(engine.model, quantize, engine.device)
     return engine
+
+
+def _setup(tiny_float_model, family: str, weights: str, monkeypatch):
+    """A 3-layer tiny model for one `weights` case (skipped where its kernel is missing)."""
+    if weights == "int4" and not cpu_int4dot.available() or weights.startswith("int8") and not cpu_int8.available():
+        pytest.skip(f"no {weights} kernel on this machine")
+    if weights == "int8-w8a8":  # 8-bit codes with int8 activations (Q8_0's arithmetic; the default on VNNI CPUs)
+        if not cpu_int4dot.vnni_int8_available():
+            pytest.skip("no AVX512-VNNI here: 8-bit codes have no int8-activation kernel")
+        monkeypatch.setenv("LOWBIT_INT8_ACTIVATIONS", "int8")
+    if weights == "bf16-a16":  # --dense-activations bf16: x rounded to bf16 for every bf16 Linear, chain and path alike
+        if not cpu_f32.bf16_available():
+            pytest.skip("no AVX512-BF16 here")
+        monkeypatch.setenv("LOWBIT_DENSE_ACTIVATIONS", "bf16")
+    return tiny_float_model(family=family, dtype=torch.float32 if weights == "float32" else torch.bfloat16, layers=3)
 
 
 QUANTIZED = {"int4": "int4-g32", "int8": "int8", "int8-g32": "int8-g32", "int8-w8a8": "int8-g32"}
@@ -56,17 +72,7 @@ KINDS = {"int4": 1, "bf16-stored": 2, "float32": 2, "int8": 3, "int8-g32": 3, "i
                                              ("gemma3", "bf16-a16"), ("llama", "kv-f32"), ("gemma3", "kv-f32")])
 def test_chained_steps_equal_the_model_forward(tiny_float_model, family, weights, monkeypatch):
     # Gemma-3: (1 + w) norms, q/k norms, post-norms, GeGLU, embedding scale, sliding and global layers
-    if weights == "int4" and not cpu_int4dot.available() or weights.startswith("int8") and not cpu_int8.available():
-        pytest.skip(f"no {weights} kernel on this machine")
-    if weights == "int8-w8a8":  # 8-bit codes with int8 activations (Q8_0's arithmetic; the default on VNNI CPUs)
-        if not cpu_int4dot.vnni_int8_available():
-            pytest.skip("no AVX512-VNNI here: 8-bit codes have no int8-activation kernel")
-        monkeypatch.setenv("LOWBIT_INT8_ACTIVATIONS", "int8")
-    if weights == "bf16-a16":  # --dense-activations bf16: x rounded to bf16 for every bf16 Linear, chain and path alike
-        if not cpu_f32.bf16_available():
-            pytest.skip("no AVX512-BF16 here")
-        monkeypatch.setenv("LOWBIT_DENSE_ACTIVATIONS", "bf16")
-    path = tiny_float_model(family=family, dtype=torch.float32 if weights == "float32" else torch.bfloat16, layers=3)
+    path = _setup(tiny_float_model, family, weights, monkeypatch)
     # a bf16 checkpoint's cache is bf16 by default (keys and values rounded, read against float32
     # queries); kv-f32 asks for the float32 pool
     kw = {"kv_dtype": "f32"} if weights == "kv-f32" else {}
@@ -395,3 +401,104 @@ def test_a_moe_step_with_more_routed_rows_than_one_batch_routes_alike(tmp_path):
     plain = _engine(tmp_path, QUANTIZED.get("int4"), max_prefill_tokens=512)
     plain.runner.chained = None
     assert [o.token_ids for o in plain.generate(long, GREEDY)] == [o.token_ids for o in outs]
+
+
+# -- several greedy steps in one C call (runtime/engine/multi_step.py) ------------------------------
+
+
+@pytest.mark.parametrize("family, weights", [("llama", "int4"), ("llama", "float32"), ("llama", "int8-w8a8"),
+                                             ("llama", "bf16-a16"), ("gemma3", "int4"), ("gemma3", "bf16-stored")])
+def test_multi_step_decode_gives_the_single_steps_tokens(tiny_float_model, family, weights, monkeypatch):
+    # Gemma-3: the embedding scale, q/k norms, sliding and global layers, each step in C in turn
+    path = _setup(tiny_float_model, family, weights, monkeypatch)
+    multi = _engine(path, QUANTIZED.get(weights), decode_steps=8)
+    single = _engine(path, QUANTIZED.get(weights))
+    # lengths that end inside a call of 8 steps, and a batch whose rows differ in length
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (5, 13, 21, 30)]
+    got = [o.token_ids for o in multi.generate(prompts(4), params)]
+    assert multi.num_multi_steps > 0 and single.num_multi_steps == 0
+    assert got == [o.token_ids for o in single.generate(prompts(4), params)]
+    assert [len(t) for t in got] == [5, 13, 21, 30]
+
+
+def test_multi_step_stops_where_single_steps_stop(tiny_float_model):
+    path = tiny_float_model(family="llama", dtype=torch.bfloat16, layers=3)
+    single = _engine(path, "int4-g32")
+    long = single.generate(prompts(2), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    # a stop token first met inside a later call of 8 steps
+    out = long[0].token_ids  # (a call's tokens are outputs 1-8, 9-16, ...: index 8k ends one)
+    stop = out[next(i for i in range(11, 40) if i % 8 and out[i] not in out[:i])]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop])
+    multi = _engine(path, "int4-g32", decode_steps=8)
+    got, want = multi.generate(prompts(2), params), single.generate(prompts(2), params)
+    assert multi.num_multi_steps > 0
+    assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in want]
+    assert got[0].finish_reason == "stop" and got[0].token_ids[-1] == stop and len(got[0].token_ids) % 8 != 1
+    # the blocks it cached hold the KV of the tokens it kept: prompts that continue its outputs reuse
+    # blocks its several-step calls filled (3 + 40 tokens: positions 3-31 of the first two blocks),
+    # and go on as a fresh engine's would
+    multi = _engine(path, "int4-g32", decode_steps=8)
+    outs = multi.generate(prompts(2), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    assert multi.num_multi_steps > 0 and [o.token_ids for o in outs] == [o.token_ids for o in long]
+    longer = [p + o.token_ids for p, o in zip(prompts(2), outs)]
+    more = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    again = multi.generate(longer, more)
+    assert [o.token_ids for o in again] == [o.token_ids for o in _engine(path, "int4-g32").generate(longer, more)]
+    assert again[0].num_cached_tokens == 32
+
+
+def test_only_plain_greedy_rows_take_several_steps(tiny_float_model):
+    path = tiny_float_model(family="llama", dtype=torch.bfloat16, layers=2)
+    for params in (SamplingParams(temperature=0.8, max_tokens=20, seed=3), SamplingParams(temperature=0, max_tokens=20, logprobs=2),
+                   SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3)):
+        engine = _engine(path, "int4-g32", decode_steps=8)
+        engine.generate(prompts(2), params)
+        assert engine.num_multi_steps == 0, params
+    engine = _engine(path, "int4-g32", decode_steps=8)
+    engine.generate(prompts(2), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    assert engine.num_multi_steps > 0
+
+
+def test_multi_step_refuses_nan_logits(tiny_float_model):
+    from lowbit.errors import LowbitError
+
+    path = tiny_float_model(family="llama", dtype=torch.bfloat16, layers=2)
+    engine = _engine(path, "int4-g32", decode_steps=8)
+    engine.add_request("r", prompts(1)[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    while not any(o.new_token_ids for o in engine.step()):
+        pass
+    engine.model.model.norm.weight.data[0] = float("nan")  # every later step's hidden state, so its logits
+    with pytest.raises(LowbitError, match="NaN or inf"):
+        engine.step()
+    assert engine.num_multi_steps == 0
+
+
+def test_decode_steps_setting(monkeypatch):
+    from lowbit.errors import UsageError
+    from lowbit.runtime.engine import multi_step
+    from lowbit.runtime.engine.sequence import Sequence
+
+    monkeypatch.delenv(multi_step.STEPS_ENV, raising=False)
+    assert multi_step.steps_from_env() == multi_step.DEFAULT_STEPS
+    monkeypatch.setenv(multi_step.STEPS_ENV, "3")
+    assert multi_step.steps_from_env() == 3
+    for bad in ("0", "-2", "eight"):
+        monkeypatch.setenv(multi_step.STEPS_ENV, bad)
+        with pytest.raises(UsageError, match=multi_step.STEPS_ENV):
+            multi_step.steps_from_env()
+    # no call runs past a sequence's max_tokens or the model's length
+    seqs = [Sequence("a", list(range(10)), SamplingParams(temperature=0, max_tokens=20)),
+            Sequence("b", list(range(30)), SamplingParams(temperature=0, max_tokens=5))]
+    assert multi_step.steps_for(seqs, 8, 100) == 5
+    assert multi_step.steps_for(seqs, 8, 33) == 3
+    assert multi_step.steps_for(seqs[:1], 8, 100) == 8
+
+
+def test_bench_latency_counts_each_token_of_a_call(tiny_float_model):
+    from lowbit.runtime.engine.benchmark import run_requests
+
+    engine = _engine(tiny_float_model(family="llama", dtype=torch.bfloat16, layers=2), "int4-g32", decode_steps=8)
+    r = run_requests(engine, prompts(1), SamplingParams(temperature=0, max_tokens=49, ignore_eos=True))
+    assert engine.num_multi_steps == 6 and r["steps"] == 6
+    # a call's time over its 8 tokens (it had been the call's whole time: ~8x the per-token figure)
+    assert 0.4 < r["inter_token_latency_ms"] / 1000 * r["decode_tok_s"] < 2.5
