@@ -54,3 +54,12 @@ def test_decode_bytes_count_only_the_routed_experts(moe_engine):
     embed = model.model.embed_tokens.weight
     dense = weight_bytes(model) - embed.numel() * embed.element_size()  # untied: the table is read by rows
     assert decode_weight_bytes(model) == pytest.approx(dense - skipped, abs=len(blocks))
+
+
+def test_multi_step_decode_equals_single_steps(moe_dir):
+    # routed experts per row inside each C call of several greedy steps (runtime/engine/multi_step.py)
+    ps = prompts()
+    multi, single = Engine(moe_dir, kv_memory=2 << 20, decode_steps=8), Engine(moe_dir, kv_memory=2 << 20, decode_steps=1)
+    got = [c.token_ids for c in multi.generate(ps, GREEDY)]
+    assert multi.num_multi_steps > 0
+    assert got == [c.token_ids for c in single.generate(ps, GREEDY)]
