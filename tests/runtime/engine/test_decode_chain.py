@@ -205,6 +205,10 @@ def test_a_quantized_tied_head_embeds_in_the_step(tiny_float_model, tmp_path, fa
         runtime_chain.decode_chain.Embedding = real
     assert rows and made and all(e.scales is not None for e in made)  # the C step embedded every step
     assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
+    # several greedy steps a call: the quantized head's own kernel and the embedding from its codes
+    multi = _engine(out, decode_steps=8)
+    assert [o.token_ids for o in multi.generate(prompts(3), GREEDY)] == [o.token_ids for o in outs]
+    assert multi.num_multi_steps > 0
 
 
 @pytest.mark.parametrize("case, reason", [
