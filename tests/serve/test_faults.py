@@ -74,7 +74,10 @@ def run_client(port: int, i: int, results: list[StreamResult], start: threading.
     leaver = i % LEAVE_EVERY == 0
     try:
         start.wait()
-        conn, response = open_stream(port, stream_body(i, LEAVER_TOKENS if leaver else SURVIVOR_TOKENS))
+        # a leaver samples, so its steps run one token each (a batch of plain greedy rows takes several
+        # a C call, runtime/engine/multi_step.py, and could finish a leaver before its disconnect is seen)
+        body = stream_body(i, LEAVER_TOKENS, temperature=1.0) if leaver else stream_body(i, SURVIVOR_TOKENS)
+        conn, response = open_stream(port, body)
         result.status = response.status
         read_events(response, result, LEAVER_READS if leaver else None)
         if leaver:

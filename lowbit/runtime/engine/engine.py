@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -246,6 +247,8 @@ class Engine:
             raise UsageError(f"decode_steps must be >= 1, got {decode_steps}")
         self.decode_steps = decode_steps or multi_step.steps_from_env()  # greedy steps one C call may take
         self.num_multi_steps = 0  # calls that took more than one step
+        self.step_clock = multi_step.StepClock()  # decode steps' times, for the calls' lengths
+        self._timed_rows = 0  # a plain decode step of this many rows is being timed (0: none)
 
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._reported: dict[str, int] = {}
@@ -427,7 +430,9 @@ class Engine:
                     or seq.request_id in self._prompt_lps or not multi_step.plain_greedy(seq.params):
                 return 1, None
         seqs = [item.seq for item in items]
-        steps = multi_step.steps_for(seqs, self.decode_steps, self.max_model_len)
+        self._timed_rows = len(items)  # a plain greedy decode step: its time sizes the next calls
+        steps = min(multi_step.steps_for(seqs, self.decode_steps, self.max_model_len),
+                    self.step_clock.steps_within(len(items), self.decode_steps))
         head = self.runner.steps_head(len(items)) if steps > 1 else None
         bm = self.block_manager
         if head is None or sum(bm.blocks_needed(s.num_tokens + steps - 1) - len(s.block_table) for s in seqs) > bm.num_free_blocks:
@@ -438,16 +443,28 @@ class Engine:
         return steps, head
 
     def _execute(self, out) -> tuple[list[list[int]], list[list]]:
-        items = out.items
+        started = time.perf_counter()
+        self._timed_rows = 0
         steps, head = self._multi_steps(out)
         if steps > 1:
-            works = [Work(item.seq.block_table, item.start, [item.seq.token_ids[item.start]], 1) for item in items]
-            tokens, done = self.runner.decode_steps(works, steps, head)
-            if done < steps:
-                raise LowbitError(f"{self.model_path}: the model's logits hold NaN or inf (corrupt weights, or "
-                                  f"activations that overflow {str(self.dtype).removeprefix('torch.')})")
-            self.num_multi_steps += 1
-            return tokens, [[] for _ in items]
+            result = self._execute_steps(out.items, steps, head)
+        else:
+            result = self._execute_one(out)
+        if self._timed_rows:
+            self.step_clock.record(self._timed_rows, steps, time.perf_counter() - started)
+        return result
+
+    def _execute_steps(self, items, steps: int, head) -> tuple[list[list[int]], list[list]]:
+        works = [Work(item.seq.block_table, item.start, [item.seq.token_ids[item.start]], 1) for item in items]
+        tokens, done = self.runner.decode_steps(works, steps, head)
+        if done < steps:
+            raise LowbitError(f"{self.model_path}: the model's logits hold NaN or inf (corrupt weights, or "
+                              f"activations that overflow {str(self.dtype).removeprefix('torch.')})")
+        self.num_multi_steps += 1
+        return tokens, [[] for _ in items]
+
+    def _execute_one(self, out) -> tuple[list[list[int]], list[list]]:
+        items = out.items
         drafts: list[list[int]] = [[] for _ in items]
         draft_probs: list[torch.Tensor | None] = [None] * len(items)
         draft_unsure: list[list[bool] | None] = [None] * len(items)  # a cascade's flags

@@ -502,7 +502,20 @@ def test_bench_latency_counts_each_token_of_a_call(tiny_float_model):
     from lowbit.runtime.engine.benchmark import run_requests
 
     engine = _engine(tiny_float_model(family="llama", dtype=torch.bfloat16, layers=2), "int4-g32", decode_steps=8)
-    r = run_requests(engine, prompts(1), SamplingParams(temperature=0, max_tokens=49, ignore_eos=True))
-    assert engine.num_multi_steps == 6 and r["steps"] == 6
+    r = run_requests(engine, prompts(1), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    # the first decode step alone (timed: multi_step.StepClock), then 48 tokens in calls of 8
+    assert engine.num_multi_steps == 6 and r["steps"] == 7
     # a call's time over its 8 tokens (it had been the call's whole time: ~8x the per-token figure)
     assert 0.4 < r["inter_token_latency_ms"] / 1000 * r["decode_tok_s"] < 2.5
+
+
+def test_a_call_takes_the_steps_that_fit_its_time_budget():
+    from lowbit.runtime.engine import multi_step
+
+    clock = multi_step.StepClock()
+    assert clock.steps_within(16, 8) == 1  # unmeasured: one step, timed
+    clock.record(16, 1, 0.012)
+    clock.record(1, 8, 0.024)
+    assert clock.steps_within(16, 8, budget=0.04) == 3 and clock.steps_within(1, 8, budget=0.04) == 8
+    assert clock.steps_within(1, 4, budget=0.04) == 4 and clock.steps_within(16, 8, budget=0.005) == 1
+
