@@ -454,12 +454,15 @@ class Engine:
             self.step_clock.record(self._timed_rows, steps, time.perf_counter() - started)
         return result
 
+    def _nonfinite_logits(self) -> LowbitError:
+        return LowbitError(f"{self.model_path}: the model's logits hold NaN or inf (corrupt weights, or "
+                           f"activations that overflow {str(self.dtype).removeprefix('torch.')})")
+
     def _execute_steps(self, items, steps: int, head) -> tuple[list[list[int]], list[list]]:
         works = [Work(item.seq.block_table, item.start, [item.seq.token_ids[item.start]], 1) for item in items]
         tokens, done = self.runner.decode_steps(works, steps, head)
         if done < steps:
-            raise LowbitError(f"{self.model_path}: the model's logits hold NaN or inf (corrupt weights, or "
-                              f"activations that overflow {str(self.dtype).removeprefix('torch.')})")
+            raise self._nonfinite_logits()
         self.num_multi_steps += 1
         return tokens, [[] for _ in items]
 
@@ -508,8 +511,7 @@ class Engine:
                 done.extend(got)
         if logits is not None and nonfinite(logits):
             # argmax over NaN is token 0 and sampling is undefined: never emit text from such logits
-            raise LowbitError(f"{self.model_path}: the model's logits hold NaN or inf (corrupt weights, or "
-                              f"activations that overflow {str(self.dtype).removeprefix('torch.')})")
+            raise self._nonfinite_logits()
 
         result: list[list[int]] = [[] for _ in items]
         logprobs: list[list] = [[] for _ in items]
