@@ -323,4 +323,3 @@ def _step(t: int, positions: torch.Tensor, slots: torch.Tensor, items: torch.Ten
             step.embed_scale_dtype = _SCALE_DTYPES[embed.scales.dtype]
             step.embed_bits, step.embed_zeros = embed.bits, _ptr(embed.zeros)
     return step
-

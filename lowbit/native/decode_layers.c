@@ -57,6 +57,8 @@ typedef int (*paged_decode_fn)(const void *q, int64_t ldq, const void *k, int64_
                                int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t window, float scale,
                                int threads);
 
+typedef int (*logit_rows_fn)(const float *x, int64_t ld, int64_t rows, int64_t n, int64_t *argmax, int threads);
+
 enum { LINEAR_INT4 = 1, LINEAR_DENSE = 2, LINEAR_INT8F = 3 };
 
 /* One projection: `fn` is lowbit_i4v_matmul / lowbit_i4_matmul (kind LINEAR_INT4, `w` its weight
@@ -528,8 +530,6 @@ done:
     return rc;
 }
 
-typedef int (*logit_rows_fn)(const float *x, int64_t ld, int64_t rows, int64_t n, int64_t *argmax, int threads);
-
 /* n greedy decode steps of the same M rows in one call: step i embeds ids (step 0: first->ids,
    then the tokens step i - 1 chose), runs every layer and the final norm at positions pos[i * M ..]
    and KV slots slots[i * M ..] (the rows' items and block tables stay first's), then the head
@@ -564,4 +564,3 @@ int lowbit_decode_steps(const Chain *c, const ChainStep *first, const ChainLinea
     }
     return 0;
 }
-

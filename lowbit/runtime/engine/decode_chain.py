@@ -194,10 +194,7 @@ class ChainedDecoder:
     def usable(self, meta: StepMetadata) -> bool:
         """Whether this step can take the C call: short items only, no forward hooks (calibration
         and tests hook modules, as DecoderModel's deferred path checks), the same modules."""
-        if meta.decode is None or not self.ready():
-            return False
-        # grouped int8 weights take another route past their kernel's rows
-        return self.chain.max_rows is None or meta.slot_mapping.numel() <= self.chain.max_rows
+        return meta.decode is not None and self.ready() and self.fits(meta.slot_mapping.numel())
 
     def ready(self) -> bool:
         """`usable` without the step: no forward hooks, the chain rebuilt if modules moved."""
@@ -219,21 +216,34 @@ class ChainedDecoder:
         inner = self.model.model
         token_ids = torch.tensor(ids, dtype=torch.long)
         d = meta.decode
-        tables = [rotary.tables(max_position, positions.device) for rotary in inner.rotaries]
-        cos, sin = [c for c, _ in tables], [s for _, s in tables]
-        # as DecoderModel.forward rounds it: sqrt(hidden) as a float32 value
-        scale = torch.tensor(inner.hidden_size**0.5, dtype=torch.float32).item() if inner.scale_embeddings else 1.0
-        embed = _embedding_source(inner.embed_tokens)
+        cos, sin, scale, embed = self._step_inputs(token_ids, max_position, positions.device)
         if embed is not None:
             h = torch.empty(len(ids), inner.hidden_size)
-            embed.ids, embed.scale = token_ids, scale
         else:
-            h, embed = inner.embed_tokens(token_ids).float(), None  # a table kept in bf16 for the tied head: exact
+            h = inner.embed_tokens(token_ids).float()  # a table kept in bf16 for the tied head: exact
             if inner.scale_embeddings:
                 h = h * scale
         return self.chain.run(h.contiguous(), d.positions, meta.slot_mapping, d.items, d.tables, cos, sin,
                               inner.norm.weight.data, embed=embed)
 
+    def _step_inputs(self, token_ids: torch.Tensor, max_position: int, device
+                     ) -> tuple[list[torch.Tensor], list[torch.Tensor], float, decode_chain.Embedding | None]:
+        """The rotary tables grown to max_position (cos, sin), the embedding scale, and the step's own
+        embedding of token_ids (None where the C step cannot embed them)."""
+        inner = self.model.model
+        tables = [rotary.tables(max_position, device) for rotary in inner.rotaries]
+        cos, sin = [c for c, _ in tables], [s for _, s in tables]
+        # as DecoderModel.forward rounds it: sqrt(hidden) as a float32 value
+        scale = torch.tensor(inner.hidden_size**0.5, dtype=torch.float32).item() if inner.scale_embeddings else 1.0
+        embed = _embedding_source(inner.embed_tokens)
+        if embed is not None:
+            embed.ids, embed.scale = token_ids, scale
+        return cos, sin, scale, embed
+
+    def fits(self, rows: int) -> bool:
+        """Whether a step of `rows` rows stays within every kernel's rows (grouped int8 weights take
+        another route past their kernel's)."""
+        return self.chain.max_rows is None or rows <= self.chain.max_rows
 
     def head(self) -> decode_chain.Linear | None:
         """The model's lm_head as the C step can run it after the layers (multi-step decode), or
@@ -256,15 +266,10 @@ class ChainedDecoder:
         last tokens, positions and slots [steps, rows]; meta the first step's metadata (its items
         and block tables, which already hold every later step's slot). Returns the tokens [steps,
         rows] and how many steps gave finite logits."""
-        inner = self.model.model
         d = meta.decode
-        max_position = int(positions[-1].max())
-        tables = [rotary.tables(max_position, positions.device) for rotary in inner.rotaries]
-        cos, sin = [c for c, _ in tables], [s for _, s in tables]
-        scale = torch.tensor(inner.hidden_size**0.5, dtype=torch.float32).item() if inner.scale_embeddings else 1.0
-        embed = _embedding_source(inner.embed_tokens)
-        embed.ids, embed.scale = torch.tensor(ids, dtype=torch.long), scale
-        return self.chain.run_steps(steps, positions, slots, d.items, d.tables, cos, sin, inner.norm.weight.data, embed, head)
+        cos, sin, _, embed = self._step_inputs(torch.tensor(ids, dtype=torch.long), int(positions[-1].max()), positions.device)
+        return self.chain.run_steps(steps, positions, slots, d.items, d.tables, cos, sin, self.model.model.norm.weight.data,
+                                    embed, head)
 
 
 def _embedding_source(embed) -> decode_chain.Embedding | None:

@@ -248,7 +248,6 @@ class Engine:
         self.decode_steps = decode_steps or multi_step.steps_from_env()  # greedy steps one C call may take
         self.num_multi_steps = 0  # calls that took more than one step
         self.step_clock = multi_step.StepClock()  # decode steps' times, for the calls' lengths
-        self._timed_rows = 0  # a plain decode step of this many rows is being timed (0: none)
 
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._reported: dict[str, int] = {}
@@ -418,40 +417,36 @@ class Engine:
         room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
         return max(0, min(k, room))
 
-    def _multi_steps(self, out) -> tuple[int, object]:
-        """How many greedy steps this step's items take in one C call (multi_step.py), and the head
-        the call runs; (1, None) for a normal step. Their extra KV slots are allocated here."""
+    def _multi_steps(self, out) -> tuple[int, object, bool]:
+        """How many greedy steps this step's items take in one C call (multi_step.py), the head the
+        call runs (None for a normal step), and whether the step is a plain greedy decode, whose time
+        sizes the next calls. The extra KV slots of a call are allocated here."""
         items = out.items
         if self.decode_steps < 2 or self.drafter is not None or self.cascade is not None or self.scheduler.waiting:
-            return 1, None
+            return 1, None, False
         for item in items:
             seq = item.seq
             if not item.samples or item.num_new_tokens != 1 or item.start != seq.num_tokens - 1 \
                     or seq.request_id in self._prompt_lps or not multi_step.plain_greedy(seq.params):
-                return 1, None
+                return 1, None, False
         seqs = [item.seq for item in items]
-        self._timed_rows = len(items)  # a plain greedy decode step: its time sizes the next calls
         steps = min(multi_step.steps_for(seqs, self.decode_steps, self.max_model_len),
                     self.step_clock.steps_within(len(items), self.decode_steps))
         head = self.runner.steps_head(len(items)) if steps > 1 else None
         bm = self.block_manager
         if head is None or sum(bm.blocks_needed(s.num_tokens + steps - 1) - len(s.block_table) for s in seqs) > bm.num_free_blocks:
-            return 1, None
+            return 1, None, True
         for item in items:
             bm.append_slot(item.seq, steps - 1)
             item.num_new_tokens = steps  # the scheduler's count of computed tokens, as for a verify
-        return steps, head
+        return steps, head, True
 
     def _execute(self, out) -> tuple[list[list[int]], list[list]]:
         started = time.perf_counter()
-        self._timed_rows = 0
-        steps, head = self._multi_steps(out)
-        if steps > 1:
-            result = self._execute_steps(out.items, steps, head)
-        else:
-            result = self._execute_one(out)
-        if self._timed_rows:
-            self.step_clock.record(self._timed_rows, steps, time.perf_counter() - started)
+        steps, head, timed = self._multi_steps(out)
+        result = self._execute_steps(out.items, steps, head) if steps > 1 else self._execute_one(out)
+        if timed:
+            self.step_clock.record(len(out.items), steps, time.perf_counter() - started)
         return result
 
     def _nonfinite_logits(self) -> LowbitError:

@@ -130,9 +130,7 @@ class ModelRunner:
         """The lm_head as the one-call step runs it after the layers, where greedy decode steps of
         `rows` rows can run several at a time in C (`decode_steps`); None where they cannot."""
         chained = self.chained
-        if chained is None or not chained.ready() or not chained.embeds_itself():
-            return None
-        if chained.chain.max_rows is not None and rows > chained.chain.max_rows:
+        if chained is None or not chained.ready() or not chained.fits(rows) or not chained.embeds_itself():
             return None
         return chained.head()
 

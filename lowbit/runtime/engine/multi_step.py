@@ -71,4 +71,3 @@ class StepClock:
         if per is None:
             return 1
         return max(1, min(most, int(budget / per))) if per > 0 else most
-

@@ -94,13 +94,13 @@ def decode_steps_metadata(items: list[tuple[list[int], int]], steps: int, block_
     """Metadata of `steps` decode steps of one row per (block_table, start) item, row b at
     position start + i in step i: the first step's StepMetadata (its block tables cover every
     step's positions) and the positions and slots [steps, rows] of all of them."""
-    positions = [[start + i for _, start in items] for i in range(steps)]
-    slots = [_slots(bt, start + i, start + i + 1, block_size)[0] for i in range(steps) for bt, start in items]
-    index = decode_index([(bt, start, steps) for bt, start in items], block_size)
-    index.positions = torch.tensor(positions[0], dtype=torch.long)
-    index.items = torch.arange(len(items), dtype=torch.long)
-    slot_rows = torch.tensor(slots, dtype=torch.long).view(steps, len(items))
-    return StepMetadata(slot_rows[0].clone(), decode=index), torch.tensor(positions, dtype=torch.long), slot_rows
+    positions = torch.tensor([[start + i for _, start in items] for i in range(steps)], dtype=torch.long)
+    slots = torch.tensor([[_slots(bt, start + i, start + i + 1, block_size)[0] for bt, start in items] for i in range(steps)],
+                         dtype=torch.long)
+    # the tables as a step of `steps` tokens per item has them: every later step's block included
+    tables = decode_index([(bt, start, steps) for bt, start in items], block_size).tables
+    index = DecodeIndex(positions[0].clone(), torch.arange(len(items), dtype=torch.long), tables)
+    return StepMetadata(slots[0].clone(), decode=index), positions, slots
 
 
 def build_metadata(items: list[tuple[list[int], int, int]], block_size: int, device: torch.device,

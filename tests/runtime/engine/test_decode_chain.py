@@ -518,4 +518,3 @@ def test_a_call_takes_the_steps_that_fit_its_time_budget():
     clock.record(1, 8, 0.024)
     assert clock.steps_within(16, 8, budget=0.04) == 3 and clock.steps_within(1, 8, budget=0.04) == 8
     assert clock.steps_within(1, 4, budget=0.04) == 4 and clock.steps_within(16, 8, budget=0.005) == 1
-
