@@ -112,7 +112,8 @@ def print_report(r: dict) -> None:
     console.print(f"[bold]{r['model']}[/bold]  {r['dtype']} on {r['device']}, {r['threads']} threads")
     kv = f" in {r['kv_dtype']}" if r.get("kv_dtype") else ""
     packed = f" (of which {r['packed_bytes'] / gib:.3f} GiB packed copies of bf16 weights)" if r.get("packed_bytes") else ""
-    console.print(f"weights {r['weight_bytes'] / gib:.3f} GiB{packed}, KV cache {r['kv_cache_bytes'] / gib:.3f} GiB{kv} "
+    screen = f" + {r['head_screen_bytes'] / gib:.3f} GiB int8 copy of the head (greedy argmax)" if r.get("head_screen_bytes") else ""
+    console.print(f"weights {r['weight_bytes'] / gib:.3f} GiB{packed}{screen}, KV cache {r['kv_cache_bytes'] / gib:.3f} GiB{kv} "
                   f"({r['kv_blocks']} blocks)")
     if r.get("resident_bytes_loaded") and r.get("resident_bytes_peak"):
         console.print(f"process memory {r['resident_bytes_loaded'] / gib:.3f} GiB resident once loaded, "

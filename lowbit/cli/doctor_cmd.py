@@ -22,6 +22,7 @@ ENV_SWITCHES = (
     ("LOWBIT_NO_NATIVE", "any value: no C kernels (torch's int4/int8 ops or the reference path instead)"),
     ("LOWBIT_NATIVE_SHARED", "1: the C kernels run from their cached library files, not from a private copy per process (for profilers)"),
     ("LOWBIT_NO_CHAIN", "any value: engine decode steps go layer by layer through Python, not in one C call (same numbers, slower)"),
+    ("LOWBIT_HEAD_SCREEN", "0: several-step greedy calls read the whole dense head instead of taking its argmax through an int8 copy (the same tokens)"),
     ("LOWBIT_DECODE_STEPS", "N: the most greedy decode steps one C call takes while nothing waits (default 8, fewer past 40 ms a call; 1: one a call; the same tokens)"),
     ("LOWBIT_HUGEPAGES", "0: the engine leaves its weights on 4 KB pages instead of copying them onto 2 MB transparent huge pages"),
     ("LOWBIT_PACK_BF16", "0: the engine reads bf16 weights whole at decode steps instead of packed in 12 bits a weight (the same numbers, more bytes a step, less memory)"),

@@ -228,8 +228,10 @@ def _scales16(scales: torch.Tensor, bits: int) -> torch.Tensor | None:
 STREAMED = ("codes", "scales", "zeros", "szs")  # the arrays a matmul reads (place() moves them)
 
 
-def _struct(tensors: dict, n: int, k: int, groups: int, cpg: int, gps: int = 1) -> dict:
-    """groups: x's quantization groups of cpg chunks each; gps: of those per weight scale group."""
+def kernel_params(tensors: dict, n: int, k: int, groups: int, cpg: int, gps: int = 1) -> dict:
+    """A PreparedWeight's params for the kernel's arrays in `tensors` (their C struct, which points
+    into them). groups: x's quantization groups of cpg chunks each; gps: of those per weight scale
+    group."""
     if "offset" in tensors and tensors["scales"].dtype is torch.float32:
         half = _scales16(tensors["scales"], int(tensors["bits"]))
         if half is not None:
@@ -304,7 +306,7 @@ def prepare(qt: QTensor, act: str | None = None) -> PreparedWeight:
         # 3.75 -> 4.36 tokens per verify at k = 4
         cpg = 32 // chunk
         groups = gps = kp // 32  # one scale group: every x group in it
-    params = _struct(tensors, n, k, groups, cpg, gps)
+    params = kernel_params(tensors, n, k, groups, cpg, gps)
     # placed at once inside an engine's arena: off the C heap, which long-lived arrays fragment
     return place(PreparedWeight(path=PATH if qt.spec.bits == 4 else INT8_PATH, shape=(n, k), label=qt.spec.label,
                                 device=torch.device("cpu"), tensors=tensors, params=params))
@@ -345,7 +347,7 @@ def concat(parts: list[PreparedWeight]) -> PreparedWeight:
         tensors[name] = tile_groups(torch.cat(extra))
         if vnni:
             tensors[name] = tensors[name].to(torch.int32)
-    params = _struct(tensors, n, k, first.params["groups"], first.params["cpg"], first.params["gps"])
+    params = kernel_params(tensors, n, k, first.params["groups"], first.params["cpg"], first.params["gps"])
     return place(PreparedWeight(path=first.path, shape=(n, k), label=first.label, device=torch.device("cpu"), tensors=tensors,
                                 params=params))
 
@@ -356,7 +358,7 @@ def place(pw: PreparedWeight) -> PreparedWeight:
     stay where they are: rows of a joined weight (`rows`), placed with it."""
     moved = placed(pw, STREAMED)
     if moved is not pw:
-        moved.params = _struct(moved.tensors, pw.shape[0], pw.shape[1], pw.params["groups"], pw.params["cpg"],
+        moved.params = kernel_params(moved.tensors, pw.shape[0], pw.shape[1], pw.params["groups"], pw.params["cpg"],
                                pw.params["gps"])
     return moved
 
@@ -373,7 +375,7 @@ def rows(pw: PreparedWeight, start: int, n: int) -> PreparedWeight | None:
     for name in ("scales", "zeros", "szs"):
         if name in tensors:
             tensors[name] = pw.tensors[name][start // TILE_ROWS : (start + n) // TILE_ROWS]
-    params = _struct(tensors, n, pw.shape[1], pw.params["groups"], pw.params["cpg"], pw.params["gps"])
+    params = kernel_params(tensors, n, pw.shape[1], pw.params["groups"], pw.params["cpg"], pw.params["gps"])
     return PreparedWeight(path=pw.path, shape=(n, pw.shape[1]), label=pw.label, device=pw.device, tensors=tensors, params=params)
 
 

@@ -286,13 +286,14 @@ class DecodeChain:
 
     def run_steps(self, steps: int, positions: torch.Tensor, slots: torch.Tensor, items: torch.Tensor, tables: torch.Tensor,
                   cos: list[torch.Tensor], sin: list[torch.Tensor], final_norm: torch.Tensor, embed: Embedding,
-                  head: Linear) -> tuple[torch.Tensor, int]:
+                  head: Linear, screen=None) -> tuple[torch.Tensor, int]:
         """`steps` greedy decode steps of the same T rows in one C call (native/decode_layers.c
         lowbit_decode_steps): positions and slots [steps, T] int64, each step's rows as `run` takes
         them; embed.ids [T] the first step's tokens, the later steps' those the step before chose
         (the first index of each row's largest logit of `head`, a projection [V, hidden] as the
-        model's lm_head runs it). Returns the chosen tokens [steps, T] and how many steps gave
-        finite logits: fewer than `steps` (the rows after it unset) means NaN or inf logits."""
+        model's lm_head runs it; through `screen`, kernels/screened_head.py, where given: the same
+        tokens). Returns the chosen tokens [steps, T] and how many steps gave finite logits: fewer
+        than `steps` (the rows after it unset) means NaN or inf logits."""
         t = positions.shape[1]
         step = _step(t, positions[0], slots[0], items, tables, cos, sin, embed)
         tokens = torch.empty(steps, t, dtype=torch.long)
@@ -300,7 +301,8 @@ class DecodeChain:
         logits = torch.empty(t, head.struct.n)
         done = c_int64(0)
         rc = decode_layers.library().lowbit_decode_steps(
-            ctypes.byref(self._chain), ctypes.byref(step), ctypes.byref(head.struct), _entry(rowops.library(), "lowbit_logit_rows"),
+            ctypes.byref(self._chain), ctypes.byref(step), ctypes.byref(head.struct),
+            None if screen is None else ctypes.byref(screen.struct), _entry(rowops.library(), "lowbit_logit_rows"),
             steps, positions.data_ptr(), slots.data_ptr(), tokens.data_ptr(), final_norm.data_ptr(), x.data_ptr(),
             hidden.data_ptr(), logits.data_ptr(), ctypes.byref(done), torch.get_num_threads())
         if rc not in (0, -5):

@@ -28,6 +28,7 @@
    and after the last layer out = final_norm(x + P(r)) (or x += P(r) when there is no final norm).
    These are runtime/models/llama.py's and gemma3.py's `forward_deferred`. */
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -530,6 +531,284 @@ done:
     return rc;
 }
 
+/* ---- A dense head's greedy argmax through its int8 copy ----------------------------------------
+   A several-step greedy call needs each row's argmax of the head's logits, not the logits. A
+   dense bf16 head (SmolLM2's 49152 x 576, Gemma-3's 262144 x 640, tied embeddings) is read whole
+   for it every step; its int8 copy in groups of 32 (int4_vnni.c's 8-bit codes, made by
+   lowbit_i4v_screen8) is 0.56 of the bytes and runs on the int8-activation kernel. The copy's
+   logit a_v and the head's own e_v differ by at most (Cauchy-Schwarz on x.(W - W^) and
+   (x - x^).W^, then each kernel's float32 sums)
+       B_v = X2 err2_v + (D2 + gamma (2 X2 + D2)) norm2_v,
+   X2 = ||x|| (x as the head's kernel rounds it: bf16 for the bf16 kernels), D2 = ||x - x^|| (x^ the
+   int8 rounding the copy's kernel makes of each group of 32), err2_v >= ||W_v - W^_v||, norm2_v >=
+   max(||W_v||, ||W^_v||), gamma = (K + G + 48) 2^-23 for the sums' rounding. So a v whose e_v is
+   the largest has a_v + B_v >= max_u (a_u - B_u): the candidates. Their blocks of 16 rows go
+   through the head's own kernel (one row against 16 weight rows: the same arithmetic per logit as
+   the whole call, f32_dot.c's batch invariance), and the first largest of those exact logits is
+   the head's argmax, ties included: every index holding the largest logit is a candidate.
+   Candidates per row on real hidden states: SmolLM2 13 median, 36 mean, 620 at most over 400
+   positions; Gemma-3 7, 13, 158 (the x rounding's D2 term dominates B). */
+
+#define SCREEN_BLOCK 16        /* head rows rescored together (one vector of the copy's logits) */
+#define SCREEN_MAX_BLOCKS 2048 /* candidate blocks per row and thread beyond which the step reads the whole head */
+/* Rows up to which a step screens: SmolLM2's head (C calls, real hidden states, 2 Zen 4 cores) took
+   0.72-0.75x the whole head's time at 1 to 8 rows and 1.00x at 16, where the head's kernel is
+   compute-bound and the screen's own (2 of the 3 ms) barely faster; Gemma-3's 0.76x at one row. */
+#define SCREEN_MAX_ROWS 8
+
+typedef struct {
+    ChainLinear approx;        /* the int8 copy (LINEAR_INT4: lowbit_i4v_matmul, 8-bit codes) */
+    const float *err2, *norm2; /* [V] */
+    int32_t x_bf16;            /* the head's kernel rounds x to bf16 first (lowbit_bf16xw / bf16pxw) */
+    int32_t w_bytes;           /* bytes of one head weight: 2 (bf16) or 4 (float32) */
+    int64_t group;             /* x's rounding group in the copy's kernel (32) */
+} ChainScreen;
+
+/* A float32 at least v (v >= 0). */
+static float up_float(double v) {
+    float f = (float)v;
+    return (double)f < v ? nextafterf(f, INFINITY) : f;
+}
+
+/* Row x's X2 and C = D2 + gamma (2 X2 + D2), each inflated by 2^-20 and rounded up, and an absolute
+   slack for the bf16 kernel's flushing of subnormal inputs and products (below 2^-126 each); -1
+   when x holds NaN or inf. x^ is int4_vnni.c quantize_row's: per group, amax = max|x|,
+   a = rint(x * (127 / amax)) in float32, x^ = a * (amax / 127). */
+static int screen_row(const ChainScreen *s, const float *x, int64_t K, float *x2f, float *cf, float *tiny) {
+    double x2 = 0.0, d2 = 0.0;
+    for (int64_t j = 0; j < K; j += s->group) {
+        const int64_t end = j + s->group < K ? j + s->group : K;
+        float amax = 0.0f;
+        for (int64_t k = j; k < end; k++) {
+            if (!isfinite(x[k])) return -1;
+            amax = fabsf(x[k]) > amax ? fabsf(x[k]) : amax;
+        }
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f, sx = amax / 127.0f;
+        for (int64_t k = j; k < end; k++) {
+            const double xb = s->x_bf16 ? (double)lowbit_bf16_round(x[k]) : (double)x[k];
+            const double dx = xb - (double)rintf(x[k] * inv) * (double)sx;
+            x2 += xb * xb;
+            d2 += dx * dx;
+        }
+    }
+    const double X2 = sqrt(x2) * (1.0 + 1e-12), D2 = sqrt(d2) * (1.0 + 1e-12);
+    const double gamma = (double)(K + K / s->group + 48) * 0x1p-23;
+    *x2f = up_float(X2 * (1.0 + 0x1p-20));
+    *cf = up_float((D2 + gamma * (2.0 * X2 + D2)) * (1.0 + 0x1p-20) + (double)K * 0x1p-125);
+    *tiny = up_float((X2 * sqrt((double)K) + (double)K) * 0x1p-125);
+    return 0;
+}
+
+/* Candidate blocks of rows [r0, r1) over vocabulary [v0, v1) (v0 a multiple of SCREEN_BLOCK) of the copy's
+   logits a [M, V]: pass 1 (lo != NULL) each row's max of a - B into lo[r] and of |a| + B into mag[r];
+   pass 2 the blocks where a + B >= thr[r] into blocks[r * cap ..], counted in count[r]. 1 when a
+   logit is not finite (pass 1) or a row has more than cap blocks (pass 2). */
+static int screen_pass(const ChainScreen *s, const float *a, int64_t V, int64_t r0, int64_t r1, int64_t v0, int64_t v1,
+                       const float *x2f, const float *cf, float *lo, float *mag, const float *thr, int32_t *blocks,
+                       int64_t *count, int64_t cap) {
+    for (int64_t r = r0; r < r1; r++) {
+        const float *ar = a + r * V;
+        const float X2 = x2f[r], C = cf[r];
+#if defined(__AVX512F__)
+        const __m512 vx = _mm512_set1_ps(X2), vc = _mm512_set1_ps(C), grow = _mm512_set1_ps(1.0f + 0x1p-16f);
+        __m512 mlo = _mm512_set1_ps(-INFINITY), mmag = _mm512_setzero_ps();
+        const __m512 vt = _mm512_set1_ps(lo ? 0.0f : thr[r]);
+        __mmask16 bad = 0;
+        for (int64_t v = v0; v < v1; v += SCREEN_BLOCK) {
+            const __mmask16 m = lowbit_lanes(v1 - v);
+            const __m512 av = _mm512_maskz_loadu_ps(m, ar + v);
+            const __m512 b = _mm512_mul_ps(_mm512_fmadd_ps(vx, _mm512_maskz_loadu_ps(m, s->err2 + v),
+                                                           _mm512_mul_ps(vc, _mm512_maskz_loadu_ps(m, s->norm2 + v))), grow);
+            if (lo) {
+                bad |= _mm512_mask_cmp_ps_mask(m, av, av, _CMP_UNORD_Q) | _mm512_mask_cmp_ps_mask(m, _mm512_abs_ps(av), _mm512_set1_ps(INFINITY), _CMP_EQ_OQ);
+                mlo = _mm512_mask_max_ps(mlo, m, mlo, _mm512_sub_ps(av, b));
+                mmag = _mm512_mask_max_ps(mmag, m, mmag, _mm512_add_ps(_mm512_abs_ps(av), b));
+            } else if (_mm512_mask_cmp_ps_mask(m, _mm512_add_ps(av, b), vt, _CMP_GE_OQ)) {
+                if (count[r] == cap) return 1;
+                blocks[r * cap + count[r]++] = (int32_t)(v / SCREEN_BLOCK);
+            }
+        }
+        if (lo) {
+            if (bad) return 1;
+            const float l = _mm512_reduce_max_ps(mlo), g = _mm512_reduce_max_ps(mmag);
+            lo[r] = l > lo[r] ? l : lo[r];
+            mag[r] = g > mag[r] ? g : mag[r];
+        }
+#else
+        for (int64_t v = v0; v < v1; v += SCREEN_BLOCK) {
+            int hit = 0;
+            for (int64_t u = v; u < v + SCREEN_BLOCK && u < v1; u++) {
+                const float b = (X2 * s->err2[u] + C * s->norm2[u]) * (1.0f + 0x1p-16f);
+                if (lo) {
+                    if (!isfinite(ar[u])) return 1;
+                    lo[r] = ar[u] - b > lo[r] ? ar[u] - b : lo[r];
+                    mag[r] = fabsf(ar[u]) + b > mag[r] ? fabsf(ar[u]) + b : mag[r];
+                } else {
+                    hit |= ar[u] + b >= thr[r];
+                }
+            }
+            if (hit) {
+                if (count[r] == cap) return 1;
+                blocks[r * cap + count[r]++] = (int32_t)(v / SCREEN_BLOCK);
+            }
+        }
+#endif
+    }
+    return 0;
+}
+
+typedef struct {
+    const ChainLinear *head;
+    const ChainScreen *s;
+    const float *x;
+    int64_t K, V;
+    int parts;
+    int64_t M, cap;
+    const int32_t *blocks;
+    const int64_t *count;
+    int64_t *tokens;
+} RescoreArgs;
+
+/* A buffer of this thread's that only grows (slot 0: gathered head rows, 1: candidate blocks), so a
+   step neither maps fresh pages for it (glibc maps blocks past 128 KB anew, each page then faulting
+   in) nor frees it; NULL when it cannot grow. */
+static void *grown(int slot, size_t bytes) {
+    static __thread void *buf[2];
+    static __thread size_t cap[2];
+    if (bytes > cap[slot]) {
+        void *p = malloc(bytes);
+        if (!p) return NULL;
+        free(buf[slot]);
+        buf[slot] = p, cap[slot] = bytes;
+    }
+    return buf[slot];
+}
+
+/* The head's logits at x of the `have` weight rows gathered in `rows` (K apart) into y: one part call
+   on this thread (no region of its own), the same arithmetic per logit as the whole head's call. */
+static int rescore_rows(const ChainLinear *head, const char *rows, int64_t have, const float *x, int64_t K, float *y) {
+    ChainLinear view = *head;
+    view.w = rows, view.n = have, view.ldw = K;
+    view.packed = NULL, view.packed_fn = NULL; /* the packed copy's bits are the unpacked weight's */
+    return linear(&view, x, K, 1, y, LOWBIT_PART(0, 1));
+}
+
+/* Row r's candidate blocks through the head's own kernel, GATHER_BLOCKS at a time (their weight
+   rows copied together: one call each, not one per block), and its first largest logit into
+   tokens[r]; nonzero when none is finite or a kernel fails. Blocks ascend (each part's, parts in
+   order), so a strict > keeps the first index among equal logits. */
+#define GATHER_BLOCKS 32
+static int rescore_row(const RescoreArgs *a, int64_t r) {
+    const int64_t K = a->K, wb = a->s->w_bytes, row_bytes = K * wb, full = (GATHER_BLOCKS - 1) * SCREEN_BLOCK;
+    char *rows = grown(0, (size_t)(GATHER_BLOCKS * SCREEN_BLOCK * row_bytes));
+    if (!rows) return 1;
+    float y[GATHER_BLOCKS * SCREEN_BLOCK], best = -INFINITY;
+    int64_t ids[GATHER_BLOCKS * SCREEN_BLOCK], arg = -1, have = 0;
+    int rc = 0;
+    for (int q = 0; q < a->parts && !rc; q++)
+        for (int64_t i = 0; i < a->count[q * a->M + r] && !rc; i++) {
+            const int64_t n0 = (int64_t)a->blocks[(q * a->M + r) * a->cap + i] * SCREEN_BLOCK;
+            for (int64_t n = n0; n < n0 + SCREEN_BLOCK && n < a->V; n++) {
+                memcpy(rows + have * row_bytes, (const char *)a->head->w + n * a->head->ldw * wb, (size_t)row_bytes);
+                ids[have++] = n;
+            }
+            const int last = q == a->parts - 1 && i == a->count[q * a->M + r] - 1;
+            if (have > full || (have && last)) {
+                rc = rescore_rows(a->head, rows, have, a->x + r * K, K, y);
+                for (int64_t j = 0; j < have && !rc; j++)
+                    if (y[j] > best) best = y[j], arg = ids[j];
+                have = 0;
+            }
+        }
+    if (!rc && have) { /* the last parts held none */
+        rc = rescore_rows(a->head, rows, have, a->x + r * K, K, y);
+        for (int64_t j = 0; j < have && !rc; j++)
+            if (y[j] > best) best = y[j], arg = ids[j];
+    }
+    if (rc || arg < 0 || !isfinite(best)) return 1;
+    a->tokens[r] = arg;
+    return 0;
+}
+
+/* Each row's greedy argmax of `head` (dense, no bias) at x [M, K] into tokens, through screen `s`:
+   approx [M, V] scratch for the copy's logits. 0; 1 where the screen cannot decide (x or the copy's
+   logits not finite, too many candidates: the caller runs the whole head); else a kernel's code. */
+static int screened_argmax(const ChainLinear *head, const ChainScreen *s, const float *x, int64_t M, float *approx,
+                           int64_t *tokens, int threads) {
+    const int64_t V = head->n, K = head->k, nblocks = (V + SCREEN_BLOCK - 1) / SCREEN_BLOCK;
+    if (head->kind != LINEAR_DENSE || head->bias || s->approx.n != V || s->approx.k != K || M <= 0 || M > SCREEN_MAX_ROWS)
+        return 1;
+    int rc = linear(&s->approx, x, K, M, approx, threads);
+    if (rc) return rc;
+    float *x2f = malloc((size_t)(3 * M) * sizeof(float));
+    if (!x2f) return -2;
+    float *cf = x2f + M, *tiny = x2f + 2 * M;
+    for (int64_t r = 0; r < M && !rc; r++) rc = screen_row(s, x + r * K, K, &x2f[r], &cf[r], &tiny[r]) ? 1 : 0;
+    /* the vocabulary in `parts` contiguous runs of whole blocks, one per thread where it is large */
+    const int parts = V * M >= (1 << 16) && threads > 1 ? threads : 1;
+    const int64_t cap = SCREEN_MAX_BLOCKS;
+    float *lo = malloc((size_t)(parts * M * 3) * sizeof(float));
+    int32_t *blocks = grown(1, (size_t)(parts * M * cap) * sizeof(int32_t));
+    int64_t *count = calloc((size_t)(parts * M), sizeof(int64_t));
+    if (!lo || !blocks || !count) rc = rc ? rc : -2;
+    if (!rc) {
+        float *mag = lo + parts * M, *thr = lo + 2 * parts * M;
+        for (int64_t i = 0; i < parts * M; i++) lo[i] = -INFINITY, mag[i] = 0.0f;
+        int fail = 0;
+#pragma omp parallel num_threads(parts) if (parts > 1)
+        {
+#ifdef _OPENMP
+            const int p = omp_get_thread_num();
+#else
+            const int p = 0;
+#endif
+            const int64_t v0 = nblocks * p / parts * SCREEN_BLOCK, v1 = nblocks * (p + 1) / parts * SCREEN_BLOCK < V
+                                                                        ? nblocks * (p + 1) / parts * SCREEN_BLOCK : V;
+            if (screen_pass(s, approx, V, 0, M, v0, v1, x2f, cf, lo + p * M, mag + p * M, NULL, NULL, NULL, 0)) {
+#pragma omp atomic write
+                fail = 1;
+            }
+#pragma omp barrier
+#pragma omp single
+            for (int64_t r = 0; r < M; r++) { /* L - delta: delta covers float32 rounding in a +- B, tiny the flushes */
+                float l = -INFINITY, g = 0.0f;
+                for (int q = 0; q < parts; q++) {
+                    l = lo[q * M + r] > l ? lo[q * M + r] : l;
+                    g = mag[q * M + r] > g ? mag[q * M + r] : g;
+                }
+                thr[r] = l - g * 0x1p-20f - tiny[r];
+            }
+            if (!fail && screen_pass(s, approx, V, 0, M, v0, v1, x2f, cf, NULL, NULL, thr, blocks + p * M * cap,
+                                     count + p * M, cap)) {
+#pragma omp atomic write
+                fail = 1;
+            }
+        }
+        rc = fail ? 1 : 0;
+    }
+    if (!rc) { /* the exact logits of each row's candidate blocks, and the first largest */
+        const RescoreArgs args = {head, s, x, K, V, parts, M, cap, blocks, count, tokens};
+        int failed = 0;
+#pragma omp parallel for num_threads(threads) schedule(dynamic) if (M > 1 && threads > 1) reduction(| : failed)
+        for (int64_t r = 0; r < M; r++) failed |= rescore_row(&args, r);
+        rc = failed;
+    }
+    free(x2f), free(lo), free(count);
+    return rc;
+}
+
+/* screen_row's three numbers for row x [K] into out (tests hold them against the formula); -1 for x
+   that is not finite. */
+int lowbit_screen_row(const ChainScreen *s, const float *x, int64_t K, float *out) {
+    return screen_row(s, x, K, &out[0], &out[1], &out[2]);
+}
+
+/* screened_argmax on its own (kernels/screened_head.py: tests and measurements). */
+int lowbit_screened_argmax(const ChainLinear *head, const ChainScreen *s, const float *x, int64_t M, float *approx,
+                           int64_t *tokens, int threads) {
+    return screened_argmax(head, s, x, M, approx, tokens, threads);
+}
+
 /* n greedy decode steps of the same M rows in one call: step i embeds ids (step 0: first->ids,
    then the tokens step i - 1 chose), runs every layer and the final norm at positions pos[i * M ..]
    and KV slots slots[i * M ..] (the rows' items and block tables stay first's), then the head
@@ -541,8 +820,8 @@ done:
    nothing but greedy argmax would happen between them (runtime/engine/multi_step.py).
    x, hidden: [M, hidden] scratch. Returns 0; -5 with *done = i when step i's logits hold NaN or
    inf (tokens from step i on unset); else lowbit_decode_layers' or the head kernel's code. */
-int lowbit_decode_steps(const Chain *c, const ChainStep *first, const ChainLinear *head, const void *logit_rows,
-                        int64_t n, const int64_t *pos, const int64_t *slots, int64_t *tokens, const float *final_norm,
+int lowbit_decode_steps(const Chain *c, const ChainStep *first, const ChainLinear *head, const ChainScreen *screen,
+                        const void *logit_rows, int64_t n, const int64_t *pos, const int64_t *slots, int64_t *tokens, const float *final_norm,
                         float *x, float *hidden, float *logits, int64_t *done, int threads) {
     const int64_t M = first->rows, V = head->n;
     *done = 0;
@@ -554,11 +833,16 @@ int lowbit_decode_steps(const Chain *c, const ChainStep *first, const ChainLinea
         if (i > 0) s.ids = tokens + (i - 1) * M;
         int rc = lowbit_decode_layers(c, &s, 0, c->n_layers, x, final_norm, hidden, threads);
         if (rc) return rc;
-        rc = linear(head, hidden, c->hidden, M, logits, threads);
-        if (rc) return rc;
-        if (((logit_rows_fn)logit_rows)(logits, V, M, V, tokens + i * M, threads)) {
-            *done = i;
-            return -5;
+        rc = screen ? screened_argmax(head, screen, hidden, M, logits, tokens + i * M, threads) : 1;
+        if (rc == 1) { /* no screen, or it could not decide: the whole head */
+            rc = linear(head, hidden, c->hidden, M, logits, threads);
+            if (rc) return rc;
+            if (((logit_rows_fn)logit_rows)(logits, V, M, V, tokens + i * M, threads)) {
+                *done = i;
+                return -5;
+            }
+        } else if (rc) {
+            return rc;
         }
         *done = i + 1;
     }

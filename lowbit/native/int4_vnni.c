@@ -573,3 +573,58 @@ int lowbit_i4v_matmul(const I4VWeight *w, const void *x, int x_bf16, int64_t ldx
     return failed ? -2 : 0;
 #endif
 }
+
+/* A dense weight [N, K] (float32, or bf16 with w_bf16; ldw elements apart; K a multiple of 32)
+   rounded to this kernel's 8-bit codes in groups of 32 for a head's screen (decode_layers.c
+   screened_argmax, kernels/screened_head.py): scale = max|w| / 127 rounded to float16 (0 where that
+   is 0: codes of zero), code = 128 + round-half-even(w / scale) within 1..255, written in
+   tile_codes_vnni's 8-bit layout (codes [ceil(N / 64), kp * 64], kp = K rounded up to 64, padding
+   codes 128) with the scales float16 [ceil(N / 16), K / 32, 16] (padding rows 0). Per row also
+   err2 >= ||w - w^|| and norm2 >= max(||w||, ||w^||) (w^ = (code - 128) * scale, exact in float32),
+   summed in double and rounded up. Returns 0, or -1 for K not a multiple of 32 or a build without
+   AVX512-VNNI (whose kernel would not read the codes). */
+int lowbit_i4v_screen8(const void *w, int w_bf16, int64_t N, int64_t K, int64_t ldw, uint8_t *codes, uint16_t *scales16,
+                       float *err2, float *norm2, int threads) {
+#if !HAVE_I4VNNI
+    (void)w; (void)w_bf16; (void)N; (void)K; (void)ldw; (void)codes; (void)scales16; (void)err2; (void)norm2; (void)threads;
+    return -1;
+#else
+    if (K <= 0 || K % 32 || N <= 0) return -1;
+    const int64_t kp = (K + 63) / 64 * 64, G = K / 32, quads = (N + 63) / 64, tiles = quads * 4;
+    memset(codes, 128, (size_t)(quads * kp * 64));
+    memset(scales16, 0, (size_t)(tiles * G * 16) * sizeof(uint16_t));
+#pragma omp parallel for num_threads(lowbit_team(threads)) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        double e = 0.0, ww = 0.0, qq = 0.0;
+        uint8_t *quad = codes + (n / 64) * kp * 64 + ((n / 16) % 4) * 128 + (n % 16) * 4;
+        for (int64_t j = 0; j < G; j++) {
+            float v[32], amax = 0.0f;
+            for (int i = 0; i < 32; i++) {
+                v[i] = lowbit_load(w, n * ldw + j * 32 + i, w_bf16);
+                amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax; /* NaN stays out: its err2 is NaN below */
+            }
+            const uint16_t h = (uint16_t)_cvtss_sh(amax / 127.0f, _MM_FROUND_TO_NEAREST_INT);
+            const float scale = _cvtsh_ss(h);
+            scales16[((n / 16) * G + j) * 16 + n % 16] = scale > 0.0f ? h : 0;
+            for (int i = 0; i < 32; i++) {
+                float q = scale > 0.0f ? rintf(v[i] / scale) : 0.0f;
+                if (q != q) q = 0.0f; /* NaN or inf weights: their err2 is not finite, so no screen trusts the row */
+                q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
+                const int64_t k = j * 32 + i;
+                quad[(k / 8) * 512 + ((k % 8) / 4) * 64 + k % 4] = (uint8_t)(128 + (int)q);
+                const double back = (double)q * (double)(scale > 0.0f ? scale : 0.0f), d = (double)v[i] - back;
+                e += d * d;
+                ww += (double)v[i] * (double)v[i];
+                qq += back * back;
+            }
+        }
+        const double grow = 1.0 + 1e-12;
+        float f = (float)(sqrt(e) * grow);
+        err2[n] = isnan(f) || (double)f >= sqrt(e) * grow ? f : nextafterf(f, INFINITY);
+        const double big = sqrt(ww > qq ? ww : qq) * grow;
+        f = (float)big;
+        norm2[n] = isnan(f) || (double)f >= big ? f : nextafterf(f, INFINITY);
+    }
+    return 0;
+#endif
+}

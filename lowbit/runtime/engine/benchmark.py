@@ -70,16 +70,22 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def decode_weight_bytes(model: torch.nn.Module, unpacked: bool = False) -> int:
+def decode_weight_bytes(model: torch.nn.Module, unpacked: bool = False, screen=None) -> int:
     """Bytes a one-token decode step streams: all weights except the embedding table (only rows are
     read), unless the lm_head shares it; of a mixture-of-experts block only its top_k experts'
     (runtime/models/moe.py reads no other expert's weights for a token); a packed Linear
     (kernels/cpu_bf16pack.py) by its packed arrays, or with `unpacked` by its bf16 weight (what a
-    tool reading the same weights unpacked streams)."""
+    tool reading the same weights unpacked streams). screen: the head's int8 copy a greedy step
+    reads instead of the head (kernels/screened_head.py), counted by its bytes unless `unpacked`
+    (the few head rows it rescores, ~0.5 % of the head on SmolLM2, are left out)."""
     from lowbit.runtime.models.moe import SparseMoE
 
     packed, bf16 = packed_bytes(model)
     total = weight_bytes(model) - (packed if unpacked else bf16)
+    if screen is not None and not unpacked:
+        head = model.lm_head
+        total += screen.nbytes - (head.packed.nbytes if getattr(head, "packed", None) is not None
+                                  else head.weight.numel() * head.weight.element_size())
     for module in model.modules():
         if isinstance(module, SparseMoE):
             experts = weight_bytes(module.experts)
@@ -203,9 +209,13 @@ def run_bench(engine, batches=(1, 4, 16, 64), prompt_tokens: int = 32, gen_token
     result["stream_bandwidth_gbs"] = statistics.mean(around)
     result["stream_bandwidth_around_gbs"] = around
     one = result["decode"][0]
-    per_step_bytes = decode_weight_bytes(engine.model)
+    # a greedy step of one row takes the head's argmax through its int8 copy where it has one
+    chained = engine.runner.chained
+    screen = chained.head_screen() if chained is not None and engine.num_multi_steps else None
+    per_step_bytes = decode_weight_bytes(engine.model, screen=screen)
     steps_per_s = 1000 / one["inter_token_latency_ms"] if one["inter_token_latency_ms"] else 0.0
     result["decode_weight_bytes"] = per_step_bytes
+    result["head_screen_bytes"] = 0 if screen is None else screen.nbytes  # made at the first greedy call: not in weight_bytes
     result["decode_weight_bytes_unpacked"] = decode_weight_bytes(engine.model, unpacked=True)
     result["weight_bandwidth_gbs"] = per_step_bytes * steps_per_s / 1e9
     result["ttft_s"] = one["ttft_s"]

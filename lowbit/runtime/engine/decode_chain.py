@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-from lowbit.kernels import cpu_f32, cpu_moe, cpu_rowops, decode_chain
+from lowbit.kernels import cpu_f32, cpu_moe, cpu_rowops, decode_chain, screened_head
 from lowbit.kernels.cpu_f32 import InvariantLinear
 from lowbit.quant import intq
 from lowbit.quant.registry import get_format, part_layout
@@ -162,6 +162,7 @@ class ChainedDecoder:
         self.cache = cache
         self.chain: decode_chain.DecodeChain | None = _chain(model, cache)
         self._watch(_slots(model))
+        self._screen: tuple[tuple, screened_head.HeadScreen | None] | None = None  # (head, its screen)
 
     def _watch(self, slots: tuple[list, list]) -> None:
         # parallel lists, so the per-step check runs in C (map, operator.is_): 215 slots on SmolLM2
@@ -269,7 +270,21 @@ class ChainedDecoder:
         d = meta.decode
         cos, sin, _, embed = self._step_inputs(torch.tensor(ids, dtype=torch.long), int(positions[-1].max()), positions.device)
         return self.chain.run_steps(steps, positions, slots, d.items, d.tables, cos, sin, self.model.model.norm.weight.data,
-                                    embed, head)
+                                    embed, head, self.head_screen())
+
+    def head_screen(self) -> screened_head.HeadScreen | None:
+        """The int8 copy through which the several-step calls take a dense head's argmax
+        (kernels/screened_head.py), made at the first call and kept while the head stays the same
+        module and weight; None for other heads, or with LOWBIT_HEAD_SCREEN=0."""
+        lm_head = self.model.lm_head
+        if type(lm_head) is not InvariantLinear or lm_head.bias is not None or not screened_head.enabled():
+            return None
+        key = (lm_head, lm_head.weight.data_ptr())
+        if self._screen is None or self._screen[0] != key:
+            weight = lm_head.weight.data
+            x_bf16 = lm_head.bf16_x and weight.dtype is torch.bfloat16
+            self._screen = (key, screened_head.build(weight, x_bf16))
+        return self._screen[1]
 
 
 def _embedding_source(embed) -> decode_chain.Embedding | None:

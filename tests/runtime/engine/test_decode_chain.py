@@ -425,6 +425,26 @@ def test_multi_step_decode_gives_the_single_steps_tokens(tiny_float_model, famil
     assert [len(t) for t in got] == [5, 13, 21, 30]
 
 
+@pytest.mark.parametrize("weights", ["bf16-stored", "float32", "bf16-a16"])
+def test_multi_step_argmax_through_the_heads_int8_copy_gives_the_same_tokens(tiny_float_model, weights, monkeypatch):
+    """A dense head's several-step argmax goes through its int8 copy (kernels/screened_head.py) where
+    the CPU has AVX512-VNNI: the tokens of one step at a time, and of the copy turned off."""
+    from lowbit.kernels import screened_head
+
+    if screened_head.build(torch.zeros(16, 32), False) is None:
+        pytest.skip("no AVX512-VNNI here")
+    path = _setup(tiny_float_model, "llama", weights, monkeypatch)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (7, 19, 26)]
+    runs = []
+    for screen in ("1", "0"):
+        monkeypatch.setenv(screened_head.ENV, screen)
+        multi = _engine(path, decode_steps=8)
+        runs.append([o.token_ids for o in multi.generate(prompts(3), params)])
+        assert multi.num_multi_steps > 0
+        assert (multi.runner.chained.head_screen() is not None) == (screen == "1")
+    assert runs[0] == runs[1] == [o.token_ids for o in _engine(path).generate(prompts(3), params)]
+
+
 def test_multi_step_stops_where_single_steps_stop(tiny_float_model):
     path = tiny_float_model(family="llama", dtype=torch.bfloat16, layers=3)
     single = _engine(path, "int4-g32")
