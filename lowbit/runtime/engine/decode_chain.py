@@ -272,6 +272,13 @@ class ChainedDecoder:
         return self.chain.run_steps(steps, positions, slots, d.items, d.tables, cos, sin, self.model.model.norm.weight.data,
                                     embed, head, self.head_screen())
 
+    def screened_argmax(self, h: torch.Tensor) -> torch.Tensor | None:
+        """Each row's greedy token of the model's head at hidden states h [rows, hidden] (after the
+        final norm) through the head's int8 copy, or None where there is none or it cannot decide."""
+        screen = self.head_screen()
+        head = self.head() if screen is not None else None
+        return None if head is None else screened_head.argmax(screen, head, h)
+
     def head_screen(self) -> screened_head.HeadScreen | None:
         """The int8 copy through which the several-step calls take a dense head's argmax
         (kernels/screened_head.py), made at the first call and kept while the head stays the same

@@ -497,8 +497,13 @@ class Engine:
                     work.prompt_targets = seq.token_ids[item.start + 1 : end]
                     work.prompt_top = seq.params.prompt_logprobs
             works.append(work)
-        run = self.runner.forward(works)
-        logits = run.logits
+        # rows that want only their argmax (plain greedy, no cascade flags, no prompt log-probs) may
+        # take it through the head's int8 copy (the same tokens, fewer bytes: a verify of 1 + k rows)
+        argmax = self.cascade is None and all(
+            not item.samples or multi_step.plain_greedy(item.seq.params) and item.seq.request_id not in self._prompt_lps
+            for item in items)
+        run = self.runner.forward(works, argmax=argmax)
+        logits, chosen = run.logits, None if run.tokens is None else run.tokens.tolist()
         for item, work, got in zip(items, works, run.prompt_logprobs):
             if got is not None:
                 done = self._prompt_lps[item.seq.request_id]
@@ -516,14 +521,20 @@ class Engine:
                 continue
             if drafts[i]:
                 n = 1 + len(drafts[i])
-                result[i], logprobs[i] = self._verify(item.seq, logits[row : row + n], drafts[i], draft_probs[i],
-                                                      draft_unsure[i])
+                if chosen is not None:
+                    result[i], logprobs[i] = self._accept(item.seq, chosen[row : row + n], drafts[i]), [None] * n
+                else:
+                    result[i], logprobs[i] = self._verify(item.seq, logits[row : row + n], drafts[i], draft_probs[i],
+                                                          draft_unsure[i])
                 row += n
             else:
                 plain_rows.append(row)
                 plain_items.append(i)
                 row += 1
-        if plain_rows:
+        if plain_rows and chosen is not None:
+            for r, i in zip(plain_rows, plain_items):
+                result[i], logprobs[i] = [chosen[r]], [None]
+        elif plain_rows:
             rows = logits if len(plain_rows) == logits.shape[0] else logits[plain_rows]
             sampled = self.sampler(rows, [items[i].seq for i in plain_items])
             for j, i in enumerate(plain_items):
@@ -550,9 +561,7 @@ class Engine:
                 target = greedy(logits).tolist()
             else:
                 target = process_logits(logits, [p] * (k + 1), histories, outputs, eos_ids=eos).argmax(dim=-1).tolist()
-            accepted = 0
-            while accepted < k and (drafts[accepted] == target[accepted] or unsure is not None and not unsure[accepted]):
-                accepted += 1
+            accepted = _accepted(drafts, target, unsure)
             emitted = drafts[:accepted] + [target[accepted]]
         else:
             target_probs = process_logits(logits, [p] * (k + 1), histories, outputs, eos_ids=eos).softmax(dim=-1)
@@ -567,6 +576,20 @@ class Engine:
                 generator=Sampler.generator(seq, logits.device))
             accepted = int(num_accepted[0])
             emitted = tokens[0, : accepted + 1].tolist()
+        return self._emit(seq, emitted, accepted, k, unsure, logits)
+
+    def _accept(self, seq: Sequence, target: list[int], drafts: list[int]) -> list[int]:
+        """A plain greedy verify whose target tokens (one per row over [last, d0..d(k-1)]) came
+        without logits (runner.forward(argmax=True)): the drafts up to the first that differs, then
+        the target's token, as _verify's greedy rule."""
+        accepted = _accepted(drafts, target, None)
+        return self._emit(seq, drafts[:accepted] + [target[accepted]], accepted, len(drafts), None, None)[0]
+
+    def _emit(self, seq: Sequence, emitted: list[int], accepted: int, k: int, unsure: list[bool] | None,
+              logits: torch.Tensor | None):
+        """A verify's emitted tokens counted (speculation's acceptance, or a cascade's cheap and model
+        tokens) and their logprobs where asked (from `logits`)."""
+        p = seq.params
         n = len(emitted)
         if unsure is not None:  # the sure drafts it kept were the cheap model's; the rest the model's
             cheap = sum(not u for u in unsure[:accepted])
@@ -577,3 +600,12 @@ class Engine:
             self._adaptive[seq.request_id].update(k, accepted)
         logprobs = _logprobs(logits[:n], [p] * n, emitted) if p.logprobs is not None else [None] * n
         return emitted, logprobs
+
+
+def _accepted(drafts: list[int], target: list[int], unsure: list[bool] | None) -> int:
+    """How many drafts a greedy verify keeps: those equal to the target's token at their row, or (a
+    token cascade) that the cheap model was sure of, up to the first it is not."""
+    accepted = 0
+    while accepted < len(drafts) and (drafts[accepted] == target[accepted] or unsure is not None and not unsure[accepted]):
+        accepted += 1
+    return accepted

@@ -58,6 +58,9 @@ class PromptLogprob:
 class RunOutput:
     logits: torch.Tensor | None  # [sum of num_logits, V] in work order
     prompt_logprobs: list[list[PromptLogprob] | None]  # per work: one entry per prompt target
+    # forward(argmax=True) where the head's int8 copy decided them: each logit row's greedy token
+    # [sum of num_logits], and logits None
+    tokens: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -75,8 +78,10 @@ class ModelRunner:
         return self.forward(works).logits
 
     @torch.inference_mode()
-    def forward(self, works: list[Work]) -> RunOutput:
-        """One step's forward: every item of the step in one flattened batch. On the CPU (bf16 or
+    def forward(self, works: list[Work], argmax: bool = False) -> RunOutput:
+        """One step's forward: every item of the step in one flattened batch. argmax: the caller
+        wants only each logit row's greedy token, which then comes through the head's int8 copy where
+        the model has one (RunOutput.tokens, the same tokens; else the logits as usual). On the CPU (bf16 or
         float32 KV) every item, prefill chunks included, attends through the fused kernel and the
         step takes the one-call chain where the model has one (paged_attention.build_metadata);
         each item reads and writes only its own sequence's KV, and each row gets the numbers it
@@ -84,9 +89,9 @@ class ModelRunner:
         chunks layer by layer; the chain exists only with the fused attention, which now takes the
         chunks too, so one forward serves.)"""
         self.num_forwards += 1
-        return self._forward(works)
+        return self._forward(works, argmax)
 
-    def _forward(self, works: list[Work]) -> RunOutput:
+    def _forward(self, works: list[Work], argmax: bool) -> RunOutput:
         ids: list[int] = []
         positions: list[int] = []
         rows: list[int] = []
@@ -124,6 +129,10 @@ class ModelRunner:
             return RunOutput(None, prompt)
         if len(rows) != h.shape[0]:
             h = h[torch.tensor(rows, device=self.device)]
+        if argmax and self.chained is not None and self.chained.ready():
+            tokens = self.chained.screened_argmax(h)
+            if tokens is not None:
+                return RunOutput(None, prompt, tokens)
         return RunOutput(self._logits(h), prompt)
 
     def steps_head(self, rows: int):

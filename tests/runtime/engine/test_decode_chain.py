@@ -273,7 +273,7 @@ def test_a_step_mixing_decodes_and_prefill_chunks_runs_whole_on_the_chain(tiny_f
     def traced(engine):
         runner, calls = engine.runner, []
         real = runner._forward
-        runner._forward = lambda works: calls.append([len(w.token_ids) for w in works]) or real(works)
+        runner._forward = lambda works, argmax=False: calls.append([len(w.token_ids) for w in works]) or real(works, argmax)
         return calls, _checked(runner)
 
     engine = _engine(path, "int4-g32")
@@ -443,6 +443,37 @@ def test_multi_step_argmax_through_the_heads_int8_copy_gives_the_same_tokens(tin
         assert multi.num_multi_steps > 0
         assert (multi.runner.chained.head_screen() is not None) == (screen == "1")
     assert runs[0] == runs[1] == [o.token_ids for o in _engine(path).generate(prompts(3), params)]
+
+
+def test_greedy_verifies_and_steps_take_their_tokens_through_the_heads_int8_copy(tiny_float_model, monkeypatch):
+    """One step a call with n-gram drafts: the verifies' rows and the plain rows want only their
+    argmax, which comes through the head's int8 copy (runner.forward(argmax=True)); the tokens are
+    those of the whole head, with drafts or without."""
+    from lowbit.kernels import screened_head
+
+    if screened_head.build(torch.zeros(16, 32), False) is None:
+        pytest.skip("no AVX512-VNNI here")
+    path = tiny_float_model(family="llama", dtype=torch.bfloat16, layers=3)
+    repetitive = [[5, 6, 7, 8, 9] * 6, [40, 41, 42] * 9]  # the n-gram drafter finds its drafts in these
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    runs = []
+    for screen in ("1", "0"):
+        monkeypatch.setenv(screened_head.ENV, screen)
+        engine = _engine(path, draft="ngram")
+        kinds = []
+        real = engine.runner.forward
+
+        def forward(works, argmax=False, real=real, kinds=kinds):
+            out = real(works, argmax)
+            kinds.append((max(w.num_logits for w in works), out.tokens is not None))
+            return out
+
+        engine.runner.forward = forward
+        runs.append([o.token_ids for o in engine.generate(repetitive, params)])
+        assert engine.spec_stats.num_drafted > 0
+        by_copy = {rows > 1 for rows, copy in kinds if copy}
+        assert by_copy == ({True, False} if screen == "1" else set())  # verifies and plain steps alike
+    assert runs[0] == runs[1] == [o.token_ids for o in _engine(path).generate(repetitive, params)]
 
 
 def test_multi_step_stops_where_single_steps_stop(tiny_float_model):
