@@ -497,9 +497,10 @@ class Engine:
                     work.prompt_targets = seq.token_ids[item.start + 1 : end]
                     work.prompt_top = seq.params.prompt_logprobs
             works.append(work)
-        # rows that want only their argmax (plain greedy, no cascade flags, no prompt log-probs) may
-        # take it through the head's int8 copy (the same tokens, fewer bytes: a verify of 1 + k rows)
-        argmax = self.cascade is None and all(
+        # rows that want only their argmax (plain greedy, no prompt log-probs: a token cascade's
+        # flags come from its cheap model) may take it through the head's int8 copy (the same
+        # tokens, fewer bytes: a verify of 1 + k rows)
+        argmax = all(
             not item.samples or multi_step.plain_greedy(item.seq.params) and item.seq.request_id not in self._prompt_lps
             for item in items)
         run = self.runner.forward(works, argmax=argmax)
@@ -522,7 +523,8 @@ class Engine:
             if drafts[i]:
                 n = 1 + len(drafts[i])
                 if chosen is not None:
-                    result[i], logprobs[i] = self._accept(item.seq, chosen[row : row + n], drafts[i]), [None] * n
+                    result[i] = self._accept(item.seq, chosen[row : row + n], drafts[i], draft_unsure[i])
+                    logprobs[i] = [None] * len(result[i])
                 else:
                     result[i], logprobs[i] = self._verify(item.seq, logits[row : row + n], drafts[i], draft_probs[i],
                                                           draft_unsure[i])
@@ -578,12 +580,11 @@ class Engine:
             emitted = tokens[0, : accepted + 1].tolist()
         return self._emit(seq, emitted, accepted, k, unsure, logits)
 
-    def _accept(self, seq: Sequence, target: list[int], drafts: list[int]) -> list[int]:
+    def _accept(self, seq: Sequence, target: list[int], drafts: list[int], unsure: list[bool] | None) -> list[int]:
         """A plain greedy verify whose target tokens (one per row over [last, d0..d(k-1)]) came
-        without logits (runner.forward(argmax=True)): the drafts up to the first that differs, then
-        the target's token, as _verify's greedy rule."""
-        accepted = _accepted(drafts, target, None)
-        return self._emit(seq, drafts[:accepted] + [target[accepted]], accepted, len(drafts), None, None)[0]
+        without logits (runner.forward(argmax=True)): _verify's greedy rule on them."""
+        accepted = _accepted(drafts, target, unsure)
+        return self._emit(seq, drafts[:accepted] + [target[accepted]], accepted, len(drafts), unsure, None)[0]
 
     def _emit(self, seq: Sequence, emitted: list[int], accepted: int, k: int, unsure: list[bool] | None,
               logits: torch.Tensor | None):
