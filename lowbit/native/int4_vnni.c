@@ -580,8 +580,8 @@ int lowbit_i4v_matmul(const I4VWeight *w, const void *x, int x_bf16, int64_t ldx
    is 0: codes of zero), code = 128 + round-half-even(w / scale) within 1..255, written in
    tile_codes_vnni's 8-bit layout (codes [ceil(N / 64), kp * 64], kp = K rounded up to 64, padding
    codes 128) with the scales float16 [ceil(N / 16), K / 32, 16] (padding rows 0). Per row also
-   err2 >= ||w - w^|| and norm2 >= max(||w||, ||w^||) (w^ = (code - 128) * scale, exact in float32),
-   summed in double and rounded up. Returns 0, or -1 for K not a multiple of 32 or a build without
+   err2 >= ||w - w^|| and norm2 >= max(||w||, ||w^||) (w^ = (code - 128) * scale, exact in float32):
+   float32 sums of squares grown by 2^-12, then rounded up. Returns 0, or -1 for K not a multiple of 32 or a build without
    AVX512-VNNI (whose kernel would not read the codes). */
 int lowbit_i4v_screen8(const void *w, int w_bf16, int64_t N, int64_t K, int64_t ldw, uint8_t *codes, uint16_t *scales16,
                        float *err2, float *norm2, int threads) {
@@ -595,33 +595,43 @@ int lowbit_i4v_screen8(const void *w, int w_bf16, int64_t N, int64_t K, int64_t 
     memset(scales16, 0, (size_t)(tiles * G * 16) * sizeof(uint16_t));
 #pragma omp parallel for num_threads(lowbit_team(threads)) schedule(static)
     for (int64_t n = 0; n < N; n++) {
-        double e = 0.0, ww = 0.0, qq = 0.0;
+        /* float32 sums of squares: each term and sum rounds by at most 2^-24 relative, K + 2 times
+           over, far inside the 2^-12 the totals are grown by below */
+        __m512 e = _mm512_setzero_ps(), ww = _mm512_setzero_ps(), qq = _mm512_setzero_ps();
         uint8_t *quad = codes + (n / 64) * kp * 64 + ((n / 16) % 4) * 128 + (n % 16) * 4;
         for (int64_t j = 0; j < G; j++) {
-            float v[32], amax = 0.0f;
-            for (int i = 0; i < 32; i++) {
-                v[i] = lowbit_load(w, n * ldw + j * 32 + i, w_bf16);
-                amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax; /* NaN stays out: its err2 is NaN below */
-            }
-            const uint16_t h = (uint16_t)_cvtss_sh(amax / 127.0f, _MM_FROUND_TO_NEAREST_INT);
-            const float scale = _cvtsh_ss(h);
-            scales16[((n / 16) * G + j) * 16 + n % 16] = scale > 0.0f ? h : 0;
-            for (int i = 0; i < 32; i++) {
-                float q = scale > 0.0f ? rintf(v[i] / scale) : 0.0f;
-                if (q != q) q = 0.0f; /* NaN or inf weights: their err2 is not finite, so no screen trusts the row */
-                q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
-                const int64_t k = j * 32 + i;
-                quad[(k / 8) * 512 + ((k % 8) / 4) * 64 + k % 4] = (uint8_t)(128 + (int)q);
-                const double back = (double)q * (double)(scale > 0.0f ? scale : 0.0f), d = (double)v[i] - back;
-                e += d * d;
-                ww += (double)v[i] * (double)v[i];
-                qq += back * back;
+            __m512 v[2];
+            for (int h = 0; h < 2; h++)
+                v[h] = w_bf16 ? lowbit_bf16_widen16(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + n * ldw + j * 32 + 16 * h)))
+                              : _mm512_loadu_ps((const float *)w + n * ldw + j * 32 + 16 * h);
+            /* max_ps drops NaN (a NaN weight's err2 is NaN below all the same) */
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+            const uint16_t hs = (uint16_t)_cvtss_sh(amax / 127.0f, _MM_FROUND_TO_NEAREST_INT);
+            const float scale = _cvtsh_ss(hs);
+            const int live = scale > 0.0f; /* else codes of zero and a zero scale */
+            scales16[((n / 16) * G + j) * 16 + n % 16] = live ? hs : 0;
+            const __m512 sv = _mm512_set1_ps(live ? scale : 1.0f), lim = _mm512_set1_ps(127.0f);
+            for (int h = 0; h < 2; h++) {
+                __m512 q = _mm512_roundscale_ps(_mm512_div_ps(v[h], sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                q = _mm512_max_ps(_mm512_min_ps(q, lim), _mm512_sub_ps(_mm512_setzero_ps(), lim)); /* NaN -> 127 or -127 */
+                if (!live) q = _mm512_setzero_ps();
+                const __m512 back = _mm512_mul_ps(q, _mm512_set1_ps(live ? scale : 0.0f)), d = _mm512_sub_ps(v[h], back);
+                e = _mm512_fmadd_ps(d, d, e);
+                ww = _mm512_fmadd_ps(v[h], v[h], ww);
+                qq = _mm512_fmadd_ps(back, back, qq);
+                uint32_t bytes[4];
+                _mm_storeu_si128((__m128i *)bytes, _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(q), _mm512_set1_epi32(128))));
+                for (int t = 0; t < 4; t++) { /* codes k..k+3 of the tile's row: one dword of its chunk */
+                    const int64_t k = j * 32 + 16 * h + 4 * t;
+                    memcpy(quad + (k / 8) * 512 + ((k % 8) / 4) * 64, &bytes[t], 4);
+                }
             }
         }
-        const double grow = 1.0 + 1e-12;
-        float f = (float)(sqrt(e) * grow);
-        err2[n] = isnan(f) || (double)f >= sqrt(e) * grow ? f : nextafterf(f, INFINITY);
-        const double big = sqrt(ww > qq ? ww : qq) * grow;
+        const double grow = 1.0 + 0x1p-12;
+        const double es = sqrt((double)_mm512_reduce_add_ps(e)) * grow;
+        const double big = sqrt((double)fmaxf(_mm512_reduce_add_ps(ww), _mm512_reduce_add_ps(qq))) * grow;
+        float f = (float)es;
+        err2[n] = isnan(f) || (double)f >= es ? f : nextafterf(f, INFINITY);
         f = (float)big;
         norm2[n] = isnan(f) || (double)f >= big ? f : nextafterf(f, INFINITY);
     }

@@ -59,8 +59,8 @@ def test_the_copy_is_int8_in_groups_of_32_and_its_tables_bound_the_rows():
     back = (codes.view(200, 3, 32).double() * scales.double()[..., None]).view(200, 96)
     err = (w.double() - back).norm(dim=1)
     norm = torch.maximum(w.double().norm(dim=1), back.norm(dim=1))
-    assert bool((s.err2.double() >= err).all()) and bool((s.err2.double() <= err * (1 + 1e-6) + 1e-30).all())
-    assert bool((s.norm2.double() >= norm).all()) and bool((s.norm2.double() <= norm * (1 + 1e-6)).all())
+    assert bool((s.err2.double() >= err).all()) and bool((s.err2.double() <= err * (1 + 1e-3) + 1e-30).all())
+    assert bool((s.norm2.double() >= norm).all()) and bool((s.norm2.double() <= norm * (1 + 1e-3)).all())
 
 
 @pytest.mark.parametrize("dtype, bf16_x", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, False)])
