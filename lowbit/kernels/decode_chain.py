@@ -72,6 +72,11 @@ class ChainStep(ctypes.Structure):
                 ("embed_bits", c_int32), ("embed_zeros", c_void_p)]
 
 
+class ChainRescore(ctypes.Structure):
+    _fields_ = [("top_rows", c_void_p), ("rescore_rows", c_void_p), ("exact", c_void_p), ("exact_bf16", c_int32),
+                ("pad", c_int32), ("vocab", c_void_p), ("bias", c_void_p), ("top", c_int64)]
+
+
 def _entry(lib, name: str) -> int:
     return ctypes.cast(getattr(lib, name), c_void_p).value
 
@@ -133,6 +138,30 @@ def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None, bf16_x: bool =
         struct.packed_fn = _entry(f32_dot.library(), "lowbit_bf16pxw_matmul")
         struct.packed, struct.packed_rows = ctypes.addressof(packed.struct), cpu_f32.PACKED_MAX_ROWS
     return Linear(struct, (weight, bias, packed))
+
+
+@dataclass(slots=True)
+class Rescore:
+    """A draft head's rescoring as the several-step call runs it after the quantized head (rowops.c
+    lowbit_top_rows and lowbit_rescore_rows, runtime/engine/draft_models.py RescoredHead's calls):
+    each row's `top` best get exact[id] . x (+ bias[id]), id = vocab[index] where the head scores
+    part of the vocabulary; `keep` holds the tensors its struct points into."""
+
+    struct: ChainRescore
+    keep: object
+
+
+def rescore(exact: torch.Tensor, vocab: torch.Tensor | None, bias: torch.Tensor | None, top: int) -> Rescore | None:
+    """The struct for a float head [vocab size, K] (float32 or bf16, contiguous, CPU), its scored
+    token ids (int64, ascending) and bias (float32), or None where rowops.c does not take them."""
+    lib = rowops.library()
+    if (lib is None or exact.dtype not in (torch.float32, torch.bfloat16) or not exact.is_contiguous() or not exact.is_cpu
+            or vocab is not None and (vocab.dtype is not torch.long or not vocab.is_contiguous())
+            or bias is not None and (bias.dtype is not torch.float32 or not bias.is_contiguous())):
+        return None
+    struct = ChainRescore(_entry(lib, "lowbit_top_rows"), _entry(lib, "lowbit_rescore_rows"), exact.data_ptr(),
+                          int(exact.dtype is torch.bfloat16), 0, _ptr(vocab), _ptr(bias), top)
+    return Rescore(struct, (exact, vocab, bias))
 
 
 @dataclass(slots=True)
@@ -286,14 +315,15 @@ class DecodeChain:
 
     def run_steps(self, steps: int, positions: torch.Tensor, slots: torch.Tensor, items: torch.Tensor, tables: torch.Tensor,
                   cos: list[torch.Tensor], sin: list[torch.Tensor], final_norm: torch.Tensor, embed: Embedding,
-                  head: Linear, screen=None) -> tuple[torch.Tensor, int]:
+                  head: Linear, screen=None, rescore: Rescore | None = None) -> tuple[torch.Tensor, int]:
         """`steps` greedy decode steps of the same T rows in one C call (native/decode_layers.c
         lowbit_decode_steps): positions and slots [steps, T] int64, each step's rows as `run` takes
         them; embed.ids [T] the first step's tokens, the later steps' those the step before chose
         (the first index of each row's largest logit of `head`, a projection [V, hidden] as the
         model's lm_head runs it; through `screen`, kernels/screened_head.py, where given: the same
-        tokens). Returns the chosen tokens [steps, T] and how many steps gave finite logits: fewer
-        than `steps` (the rows after it unset) means NaN or inf logits."""
+        tokens; `rescore`: a draft head's candidates rescored first). Returns the chosen tokens
+        [steps, T] and how many steps gave finite logits: fewer than `steps` (the rows after it
+        unset) means NaN or inf logits."""
         t = positions.shape[1]
         step = _step(t, positions[0], slots[0], items, tables, cos, sin, embed)
         tokens = torch.empty(steps, t, dtype=torch.long)
@@ -302,7 +332,8 @@ class DecodeChain:
         done = c_int64(0)
         rc = decode_layers.library().lowbit_decode_steps(
             ctypes.byref(self._chain), ctypes.byref(step), ctypes.byref(head.struct),
-            None if screen is None else ctypes.byref(screen.struct), _entry(rowops.library(), "lowbit_logit_rows"),
+            None if screen is None else ctypes.byref(screen.struct), None if rescore is None else ctypes.byref(rescore.struct),
+            _entry(rowops.library(), "lowbit_logit_rows"),
             steps, positions.data_ptr(), slots.data_ptr(), tokens.data_ptr(), final_norm.data_ptr(), x.data_ptr(),
             hidden.data_ptr(), logits.data_ptr(), ctypes.byref(done), torch.get_num_threads())
         if rc not in (0, -5):

@@ -59,6 +59,9 @@ typedef int (*paged_decode_fn)(const void *q, int64_t ldq, const void *k, int64_
                                int threads);
 
 typedef int (*logit_rows_fn)(const float *x, int64_t ld, int64_t rows, int64_t n, int64_t *argmax, int threads);
+typedef int (*top_rows_fn)(const float *x, int64_t ld, int64_t rows, int64_t n, int64_t k, int64_t *idx);
+typedef int (*rescore_rows_fn)(float *y, int64_t ldy, int64_t rows, const int64_t *idx, int64_t k, const int64_t *vocab,
+                               const void *w, int w_bf16, int64_t K, const float *x, int64_t ldx, const float *bias);
 
 enum { LINEAR_INT4 = 1, LINEAR_DENSE = 2, LINEAR_INT8F = 3 };
 
@@ -809,6 +812,18 @@ int lowbit_screened_argmax(const ChainLinear *head, const ChainScreen *s, const 
     return screened_argmax(head, s, x, M, approx, tokens, threads);
 }
 
+/* A draft's head whose quantized logits' `top` best per row get the float head's values (rowops.c
+lowbit_top_rows and lowbit_rescore_rows, as runtime/engine/draft_models.py RescoredHead calls them),
+   over `vocab`'s tokens: the chosen index is then vocab[index]. */
+typedef struct {
+    const void *top_rows, *rescore_rows;
+    const void *exact;    /* the float head [vocab size, K], float32 or bf16 (exact_bf16) */
+    int32_t exact_bf16, pad;
+    const int64_t *vocab; /* the quantized head's rows' token ids (ascending), or NULL: every token */
+    const float *bias;    /* [vocab size] or NULL */
+    int64_t top;
+} ChainRescore;
+
 /* n greedy decode steps of the same M rows in one call: step i embeds ids (step 0: first->ids,
    then the tokens step i - 1 chose), runs every layer and the final norm at positions pos[i * M ..]
    and KV slots slots[i * M ..] (the rows' items and block tables stay first's), then the head
@@ -818,33 +833,48 @@ int lowbit_screened_argmax(const ChainLinear *head, const ChainScreen *s, const 
    sampling, bookkeeping) cost ~0.3 ms of a ~3.4 ms SmolLM2 int4 token, its code and data cold
    after each token's weights streamed through the caches; the engine takes n tokens at once where
    nothing but greedy argmax would happen between them (runtime/engine/multi_step.py).
+   With `screen`, a dense head's argmax goes through its int8 copy (screened_argmax: the same tokens);
+   with `rescore`, a draft's quantized head has its best candidates rescored first (ChainRescore).
    x, hidden: [M, hidden] scratch. Returns 0; -5 with *done = i when step i's logits hold NaN or
    inf (tokens from step i on unset); else lowbit_decode_layers' or the head kernel's code. */
 int lowbit_decode_steps(const Chain *c, const ChainStep *first, const ChainLinear *head, const ChainScreen *screen,
-                        const void *logit_rows, int64_t n, const int64_t *pos, const int64_t *slots, int64_t *tokens, const float *final_norm,
-                        float *x, float *hidden, float *logits, int64_t *done, int threads) {
+                        const ChainRescore *rescore, const void *logit_rows, int64_t n, const int64_t *pos,
+                        const int64_t *slots, int64_t *tokens, const float *final_norm, float *x, float *hidden,
+                        float *logits, int64_t *done, int threads) {
     const int64_t M = first->rows, V = head->n;
     *done = 0;
     if (n <= 0 || !first->ids || !first->embed || !logit_rows || head->k != c->hidden) return -1;
+    int64_t *top = rescore ? malloc((size_t)(M * rescore->top) * sizeof(int64_t)) : NULL;
+    if (rescore && !top) return -2;
     ChainStep s = *first;
-    for (int64_t i = 0; i < n; i++) {
+    int rc = 0;
+    for (int64_t i = 0; i < n && !rc; i++) {
         s.pos = pos + i * M;
         s.slots = slots + i * M;
         if (i > 0) s.ids = tokens + (i - 1) * M;
-        int rc = lowbit_decode_layers(c, &s, 0, c->n_layers, x, final_norm, hidden, threads);
-        if (rc) return rc;
+        rc = lowbit_decode_layers(c, &s, 0, c->n_layers, x, final_norm, hidden, threads);
+        if (rc) break;
         rc = screen ? screened_argmax(head, screen, hidden, M, logits, tokens + i * M, threads) : 1;
         if (rc == 1) { /* no screen, or it could not decide: the whole head */
             rc = linear(head, hidden, c->hidden, M, logits, threads);
-            if (rc) return rc;
-            if (((logit_rows_fn)logit_rows)(logits, V, M, V, tokens + i * M, threads)) {
-                *done = i;
-                return -5;
+            if (rc) break;
+            /* a rescored head with fewer than `top` logits that are not NaN, or NaN or inf logits:
+               step i's tokens unset (a draft's caller goes on step by step, the engine's refuses) */
+            if ((rescore && (((top_rows_fn)rescore->top_rows)(logits, V, M, V, rescore->top, top) ||
+                             ((rescore_rows_fn)rescore->rescore_rows)(logits, V, M, top, rescore->top, rescore->vocab,
+                                                                      rescore->exact, rescore->exact_bf16, c->hidden,
+                                                                      hidden, c->hidden, rescore->bias))) ||
+                ((logit_rows_fn)logit_rows)(logits, V, M, V, tokens + i * M, threads)) {
+                rc = -5;
+                break;
             }
+            if (rescore && rescore->vocab)
+                for (int64_t r = 0; r < M; r++) tokens[i * M + r] = rescore->vocab[tokens[i * M + r]];
         } else if (rc) {
-            return rc;
+            break;
         }
         *done = i + 1;
     }
-    return 0;
+    free(top);
+    return rc;
 }

@@ -28,6 +28,7 @@ from lowbit.kernels.cpu_f32 import InvariantLinear
 from lowbit.quant import intq
 from lowbit.quant.registry import get_format, part_layout
 from lowbit.runtime import module_swaps
+from lowbit.runtime.engine.draft_models import RescoredHead
 from lowbit.runtime.engine.paged_attention import StepMetadata
 from lowbit.runtime.engine.paged_cache import PagedKVCache
 from lowbit.runtime.layers import GatedMLP, RMSNorm
@@ -247,15 +248,28 @@ class ChainedDecoder:
         return self.chain.max_rows is None or rows <= self.chain.max_rows
 
     def head(self) -> decode_chain.Linear | None:
-        """The model's lm_head as the C step can run it after the layers (multi-step decode), or
-        None: a head on another kernel, a bias on a quantized head, or logit soft-capping (the
-        runner applies it in torch)."""
+        """The model's lm_head as the C step can run it after the layers (multi-step decode; a
+        draft's RescoredHead by its quantized rows, `head_rescore` doing the rest), or None: a head
+        on another kernel, a bias on a quantized head, or logit soft-capping (the runner applies it
+        in torch)."""
         if self.model.config.final_logit_softcapping is not None:
             return None
+        head = self.model.lm_head
+        if type(head) is RescoredHead and self.head_rescore() is None:
+            return None  # its quantized rows alone would choose other tokens
         try:
-            return _linear(self.model.lm_head)
+            return _linear(head.fast if type(head) is RescoredHead else head)
         except Unsupported:
             return None
+
+    def head_rescore(self) -> decode_chain.Rescore | None:
+        """A draft's RescoredHead's rescoring for the several-step calls (after `head`, its quantized
+        rows), None for any other head."""
+        head = self.model.lm_head
+        if type(head) is not RescoredHead:
+            return None
+        rows = head.exact.shape[0] if head.vocab is None else head.vocab.numel()
+        return decode_chain.rescore(head.exact, head.vocab, head.bias, min(head.TOP, rows))  # as RescoredHead.forward
 
     def embeds_itself(self) -> bool:
         """Whether the C step embeds token ids itself (the multi-step decode needs it)."""
@@ -270,7 +284,7 @@ class ChainedDecoder:
         d = meta.decode
         cos, sin, _, embed = self._step_inputs(torch.tensor(ids, dtype=torch.long), int(positions[-1].max()), positions.device)
         return self.chain.run_steps(steps, positions, slots, d.items, d.tables, cos, sin, self.model.model.norm.weight.data,
-                                    embed, head, self.head_screen())
+                                    embed, head, self.head_screen(), self.head_rescore())
 
     def screened_argmax(self, h: torch.Tensor) -> torch.Tensor | None:
         """Each row's greedy token of the model's head at hidden states h [rows, hidden] (after the

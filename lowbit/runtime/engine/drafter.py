@@ -71,16 +71,21 @@ def choose(logits: torch.Tensor, seqs) -> tuple[list[int], list[torch.Tensor | N
     return tokens, probs
 
 
-def draft_tokens(runner: ModelRunner, works: list[Work], drafting, unsure=None
+def draft_tokens(runner: ModelRunner, works: list[Work], drafting, unsure=None, several: bool = True
                  ) -> tuple[list[tuple[list[int], torch.Tensor | None, list[bool] | None]], list[int]]:
     """Run `works` (the last one per drafting sequence yields its first draft logits), then feed
-    each draft back one token at a time until every sequence has its k drafts; with `unsure`
-    (logits [n, V] -> bool [n], a token cascade), each draft is flagged unsure or not.
-    Returns the proposals and, per sequence, the positions the draft model computed."""
+    each draft back until every sequence has its k drafts: greedy drafts with `several` in one C
+    call of the steps every row still takes (ModelRunner.decode_steps: the same tokens), else one
+    step at a time; with `unsure` (logits [n, V] -> bool [n], a token cascade), each draft is
+    flagged unsure or not. Returns the proposals and, per sequence, the positions the draft model
+    computed."""
     drafts = [[] for _ in drafting]
     probs = [[] for _ in drafting]
     flags = [[] for _ in drafting]
     active = list(range(len(drafting)))
+    # greedy drafts without a cascade's flags need only each step's argmax: after the first pass
+    # (which mirrors the target's step), the steps all rows still take run in one C call
+    several = several and unsure is None and all(seq.params.greedy and not seq.params.changes_logits for seq, _ in drafting)
     while active:
         logits = runner.run(works).float()  # the draft may run in bf16; its probabilities are float32
         tokens, dists = choose(logits, [drafting[i][0] for i in active])
@@ -90,20 +95,36 @@ def draft_tokens(runner: ModelRunner, works: list[Work], drafting, unsure=None
             probs[i].append(p)
             flags[i].append(doubt)
         active = [i for i in active if drafting[i][1] > len(drafts[i])]
-        works = [Work(drafting[i][0].block_table, drafting[i][0].num_tokens - 1 + len(drafts[i]), [drafts[i][-1]], 1)
-                 for i in active]
+        works = _next_works(drafting, drafts, active)
+        steps = min((drafting[i][1] - len(drafts[i]) for i in active), default=0)
+        head = runner.steps_head(len(active)) if several and steps > 1 else None
+        if head is not None:
+            got, _ = runner.decode_steps(works, steps, head)  # fewer where a step's logits were not finite
+            for i, more in zip(active, got):
+                drafts[i] += more
+                probs[i] += [None] * len(more)
+                flags[i] += [False] * len(more)
+            active = [i for i in active if drafting[i][1] > len(drafts[i])]
+            works = _next_works(drafting, drafts, active)
     proposals = [(d, None if not p or p[0] is None else torch.stack(p), f if unsure is not None else None)
                  for d, p, f in zip(drafts, probs, flags)]
     return proposals, [len(d) for d in drafts]
 
 
+def _next_works(drafting, drafts: list[list[int]], active: list[int]) -> list[Work]:
+    """Each active sequence's last draft, to be fed back at its position."""
+    return [Work(drafting[i][0].block_table, drafting[i][0].num_tokens - 1 + len(drafts[i]), [drafts[i][-1]], 1)
+            for i in active]
+
+
 class ModelDrafter:
     kind = "model"
 
-    def __init__(self, model, cache: PagedKVCache):
+    def __init__(self, model, cache: PagedKVCache, several_steps: bool = True):
         self.model = model
         self.runner = ModelRunner(model, cache)
         self.done: dict[str, int] = {}
+        self.several_steps = several_steps  # greedy drafts' later steps in one C call
 
     def propose(self, items, drafting, unsure=None):
         drafting_ids = {seq.request_id for seq, _ in drafting}
@@ -124,7 +145,7 @@ class ModelDrafter:
             if works:
                 self.runner.run(works)
             return []
-        out, passes = draft_tokens(self.runner, works, drafting, unsure)
+        out, passes = draft_tokens(self.runner, works, drafting, unsure, self.several_steps)
         for (seq, _), n in zip(drafting, passes):
             self.done[seq.request_id] = seq.num_tokens - 1 + n
         return out
@@ -146,15 +167,16 @@ class LayerPrefixDrafter:
 
     kind = "layers"
 
-    def __init__(self, view, cache: PagedKVCache):
+    def __init__(self, view, cache: PagedKVCache, several_steps: bool = True):
         self.model = view
         self.runner = ModelRunner(view, cache)
+        self.several_steps = several_steps
 
     def propose(self, items, drafting, unsure=None):
         if not drafting:
             return []
         works = [Work(seq.block_table, seq.num_tokens - 1, [seq.token_ids[-1]], 1) for seq, _ in drafting]
-        return draft_tokens(self.runner, works, drafting, unsure)[0]
+        return draft_tokens(self.runner, works, drafting, unsure, self.several_steps)[0]
 
     def sync(self, seq) -> None:
         pass

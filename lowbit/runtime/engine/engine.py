@@ -233,19 +233,20 @@ class Engine:
         self.scheduler.needs_prompt_logits = self._needs_prompt_logits
         self.sampler = Sampler(eos)
         self.guided = None  # guided.GuidedDecoding, made at the first structured-output request
-        if draft_kind == "ngram":
-            self.drafter = NgramDrafter()
-        elif draft_kind == "layers":
-            self.drafter = LayerPrefixDrafter(draft_model, self.cache)
-        elif draft_model is not None:
-            draft_cache = PagedKVCache(draft_model.config, num_blocks, block_size, self.draft_dtype, self.device, draft_kv)
-            self.drafter = ModelDrafter(draft_model, draft_cache)
-        else:
-            self.drafter = None
-        self.spec_stats = SpecStats()
         if decode_steps is not None and decode_steps < 1:
             raise UsageError(f"decode_steps must be >= 1, got {decode_steps}")
         self.decode_steps = decode_steps or multi_step.steps_from_env()  # greedy steps one C call may take
+        several = self.decode_steps > 1  # a greedy draft's steps after its first in one C call
+        if draft_kind == "ngram":
+            self.drafter = NgramDrafter()
+        elif draft_kind == "layers":
+            self.drafter = LayerPrefixDrafter(draft_model, self.cache, several)
+        elif draft_model is not None:
+            draft_cache = PagedKVCache(draft_model.config, num_blocks, block_size, self.draft_dtype, self.device, draft_kv)
+            self.drafter = ModelDrafter(draft_model, draft_cache, several)
+        else:
+            self.drafter = None
+        self.spec_stats = SpecStats()
         self.num_multi_steps = 0  # calls that took more than one step
         self.step_clock = multi_step.StepClock()  # decode steps' times, for the calls' lengths
 

@@ -124,3 +124,32 @@ def test_a_cascade_keeps_the_whole_head(engine_llama_dir, frequency_text):
     engine = Engine(engine_llama_dir, kv_memory=4 << 20, draft="self:int8", cascade=CascadeSettings(0.5),
                     draft_vocab=12)
     assert engine.draft_head_vocab is None and engine.drafter.model.lm_head.vocab is None
+
+
+@pytest.mark.parametrize("draft, vocab", [("self:int8", 12), ("self:int8", 0), ("self:int4", 0), ("self:layers=1", None)])
+def test_a_greedy_drafts_later_steps_in_one_call_propose_the_step_by_step_drafts(engine_llama_dir, frequency_text,
+                                                                                  draft, vocab):
+    """A greedy draft's steps after its first run in one C call (the rescored head's top 16, over the
+    frequent tokens or all, mapped back to token ids, in C): the same drafts, so the same acceptance,
+    as one step at a time, and the model's own output."""
+    ps = [[40 + i, 41, 42 + 2 * i, 43, 44] for i in range(3)]
+    runs = []
+    for steps in (8, 1):
+        spec = Engine(engine_llama_dir, kv_memory=4 << 20, draft=draft, num_speculative_tokens=4, draft_vocab=vocab,
+                      decode_steps=steps)
+        calls, proposed = [], []
+        real = spec.drafter.runner.decode_steps
+        spec.drafter.runner.decode_steps = lambda works, n, head: calls.append(n) or real(works, n, head)
+
+        def record(*args, propose=spec.drafter.propose, proposed=proposed):
+            out = propose(*args)
+            proposed.append([tokens for tokens, _, _ in out])
+            return out
+
+        spec.drafter.propose = record
+        out = [c.token_ids for c in spec.generate(ps, GREEDY)]
+        stats = spec.stats()
+        runs.append((out, proposed, stats.spec_draft_tokens, stats.spec_accepted_tokens))
+        assert bool(calls) == (steps > 1) and all(n > 1 for n in calls)
+    assert runs[0] == runs[1]
+    assert runs[0][0] == [c.token_ids for c in Engine(engine_llama_dir, kv_memory=4 << 20).generate(ps, GREEDY)]
