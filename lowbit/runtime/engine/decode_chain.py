@@ -163,7 +163,6 @@ class ChainedDecoder:
         self.cache = cache
         self.chain: decode_chain.DecodeChain | None = _chain(model, cache)
         self._watch(_slots(model))
-        self._screen: tuple[tuple, screened_head.HeadScreen | None] | None = None  # (head, its screen)
 
     def _watch(self, slots: tuple[list, list]) -> None:
         # parallel lists, so the per-step check runs in C (map, operator.is_): 215 slots on SmolLM2
@@ -294,18 +293,19 @@ class ChainedDecoder:
         return None if head is None else screened_head.argmax(screen, head, h)
 
     def head_screen(self) -> screened_head.HeadScreen | None:
-        """The int8 copy through which the several-step calls take a dense head's argmax
-        (kernels/screened_head.py), made at the first call and kept while the head stays the same
-        module and weight; None for other heads, or with LOWBIT_HEAD_SCREEN=0."""
+        """The int8 copy through which greedy rows take a dense head's argmax (kernels/screened_head.py),
+        made at the first call and kept on the head module while its weight stays (one copy for every
+        decoder over the head: a layer-prefix draft's view shares the model's); None for other heads,
+        or with LOWBIT_HEAD_SCREEN=0."""
         lm_head = self.model.lm_head
         if type(lm_head) is not InvariantLinear or lm_head.bias is not None or not screened_head.enabled():
             return None
-        key = (lm_head, lm_head.weight.data_ptr())
-        if self._screen is None or self._screen[0] != key:
-            weight = lm_head.weight.data
-            x_bf16 = lm_head.bf16_x and weight.dtype is torch.bfloat16
-            self._screen = (key, screened_head.build(weight, x_bf16))
-        return self._screen[1]
+        weight = lm_head.weight.data
+        cached = getattr(lm_head, "_int8_screen", None)  # (the weight's address, its screen)
+        if cached is None or cached[0] != weight.data_ptr():
+            cached = (weight.data_ptr(), screened_head.build(weight, lm_head.bf16_x and weight.dtype is torch.bfloat16))
+            lm_head._int8_screen = cached  # a plain attribute: not a module, so no swap is counted
+        return cached[1]
 
 
 def _embedding_source(embed) -> decode_chain.Embedding | None:
