@@ -168,6 +168,7 @@ def run_bench(engine, batches=(1, 4, 16, 64), prompt_tokens: int = 32, gen_token
         if e is not None:
             e.touch_kv(max(batches), prompt_tokens + gen_tokens)
             e.touch_kv(1, prefill_len + 1)
+            e.make_head_copies()
     long_prompt = bench_prompt(tok, prefill_len)
     one_token = SamplingParams(temperature=0, max_tokens=1)
     prefill_times = []
@@ -211,7 +212,7 @@ def run_bench(engine, batches=(1, 4, 16, 64), prompt_tokens: int = 32, gen_token
     one = result["decode"][0]
     # a greedy step of one row takes the head's argmax through its int8 copy where it has one
     chained = engine.runner.chained
-    screen = chained.head_screen() if chained is not None and engine.num_multi_steps else None
+    screen = chained.head_screen(now=True) if chained is not None and engine.num_multi_steps else None
     per_step_bytes = decode_weight_bytes(engine.model, screen=screen)
     steps_per_s = 1000 / one["inter_token_latency_ms"] if one["inter_token_latency_ms"] else 0.0
     result["decode_weight_bytes"] = per_step_bytes

@@ -163,6 +163,7 @@ class ChainedDecoder:
         self.cache = cache
         self.chain: decode_chain.DecodeChain | None = _chain(model, cache)
         self._watch(_slots(model))
+        self.greedy_tokens = 0  # taken through the head (several-step calls, argmax rows): head_screen's clock
 
     def _watch(self, slots: tuple[list, list]) -> None:
         # parallel lists, so the per-step check runs in C (map, operator.is_): 215 slots on SmolLM2
@@ -282,26 +283,34 @@ class ChainedDecoder:
         rows] and how many steps gave finite logits."""
         d = meta.decode
         cos, sin, _, embed = self._step_inputs(torch.tensor(ids, dtype=torch.long), int(positions[-1].max()), positions.device)
+        screen = self.head_screen()
+        self.greedy_tokens += steps * len(ids)
         return self.chain.run_steps(steps, positions, slots, d.items, d.tables, cos, sin, self.model.model.norm.weight.data,
-                                    embed, head, self.head_screen(), self.head_rescore())
+                                    embed, head, screen, self.head_rescore())
 
     def screened_argmax(self, h: torch.Tensor) -> torch.Tensor | None:
         """Each row's greedy token of the model's head at hidden states h [rows, hidden] (after the
         final norm) through the head's int8 copy, or None where there is none or it cannot decide."""
         screen = self.head_screen()
+        self.greedy_tokens += h.shape[0]
         head = self.head() if screen is not None else None
         return None if head is None else screened_head.argmax(screen, head, h)
 
-    def head_screen(self) -> screened_head.HeadScreen | None:
+    def head_screen(self, now: bool = False) -> screened_head.HeadScreen | None:
         """The int8 copy through which greedy rows take a dense head's argmax (kernels/screened_head.py),
-        made at the first call and kept on the head module while its weight stays (one copy for every
-        decoder over the head: a layer-prefix draft's view shares the model's); None for other heads,
-        or with LOWBIT_HEAD_SCREEN=0."""
+        made once this decoder has taken `screened_head.after_tokens()` greedy tokens without it (or
+        `now`: `lowbit bench` makes it before timing, as it touches the KV pages) and kept on the head
+        module while its weight stays (one copy for every decoder over the head: a layer-prefix
+        draft's view shares the model's); None until then, for other heads, or with
+        LOWBIT_HEAD_SCREEN=0."""
         lm_head = self.model.lm_head
         if type(lm_head) is not InvariantLinear or lm_head.bias is not None or not screened_head.enabled():
             return None
         weight = lm_head.weight.data
         cached = getattr(lm_head, "_int8_screen", None)  # (the weight's address, its screen)
+        if (cached is None or cached[0] != weight.data_ptr()) and not now \
+                and self.greedy_tokens < screened_head.after_tokens():
+            return None
         if cached is None or cached[0] != weight.data_ptr():
             cached = (weight.data_ptr(), screened_head.build(weight, lm_head.bf16_x and weight.dtype is torch.bfloat16))
             lm_head._int8_screen = cached  # a plain attribute: not a module, so no swap is counted

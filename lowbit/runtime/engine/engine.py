@@ -305,6 +305,15 @@ class Engine:
         if draft_cache is not None and draft_cache is not self.cache:
             draft_cache.touch(blocks)
 
+    def make_head_copies(self) -> None:
+        """Make now the int8 head copies that greedy steps (the model's and a draft's) read once their
+        decoder has taken its first tokens (kernels/screened_head.py), so a timed run does not pay
+        for them midway, as touch_kv spares it the first touch of its KV pages."""
+        for runner in (self.runner, getattr(self.drafter, "runner", None)):
+            chained = getattr(runner, "chained", None)
+            if chained is not None:
+                chained.head_screen(now=True)
+
     def stats(self) -> EngineStats:
         bm, s = self.block_manager, self.spec_stats
         return EngineStats(

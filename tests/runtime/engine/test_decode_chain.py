@@ -434,6 +434,7 @@ def test_multi_step_argmax_through_the_heads_int8_copy_gives_the_same_tokens(tin
     if screened_head.build(torch.zeros(16, 32), False) is None:
         pytest.skip("no AVX512-VNNI here")
     path = _setup(tiny_float_model, "llama", weights, monkeypatch)
+    monkeypatch.setenv(screened_head.AFTER_ENV, "0")  # the copy from the first greedy token
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (7, 19, 26)]
     runs = []
     for screen in ("1", "0"):
@@ -454,6 +455,7 @@ def test_greedy_verifies_and_steps_take_their_tokens_through_the_heads_int8_copy
     if screened_head.build(torch.zeros(16, 32), False) is None:
         pytest.skip("no AVX512-VNNI here")
     path = tiny_float_model(family="llama", dtype=torch.bfloat16, layers=3)
+    monkeypatch.setenv(screened_head.AFTER_ENV, "0")  # the copy from the first greedy token
     repetitive = [[5, 6, 7, 8, 9] * 6, [40, 41, 42] * 9]  # the n-gram drafter finds its drafts in these
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     runs = []
@@ -474,6 +476,27 @@ def test_greedy_verifies_and_steps_take_their_tokens_through_the_heads_int8_copy
         by_copy = {rows > 1 for rows, copy in kinds if copy}
         assert by_copy == ({True, False} if screen == "1" else set())  # verifies and plain steps alike
     assert runs[0] == runs[1] == [o.token_ids for o in _engine(path).generate(repetitive, params)]
+
+
+def test_the_heads_int8_copy_is_made_after_its_first_greedy_tokens(tiny_float_model, monkeypatch):
+    """A decoder makes the copy once it has taken LOWBIT_HEAD_SCREEN_AFTER greedy tokens through the
+    whole head (a short run never pays for it); make_head_copies makes it at once; the tokens stay."""
+    from lowbit.kernels import screened_head
+
+    if screened_head.build(torch.zeros(16, 32), False) is None:
+        pytest.skip("no AVX512-VNNI here")
+    path = tiny_float_model(family="llama", dtype=torch.bfloat16, layers=2)
+    monkeypatch.setenv(screened_head.AFTER_ENV, "40")
+    short = [SamplingParams(temperature=0, max_tokens=15, ignore_eos=True)] * 2
+    engine = _engine(path, decode_steps=8)
+    first = [o.token_ids for o in engine.generate(prompts(2), short)]
+    assert getattr(engine.model.lm_head, "_int8_screen", None) is None and engine.runner.chained.greedy_tokens >= 28
+    again = [o.token_ids for o in engine.generate(prompts(2), short)]  # crosses 40 tokens: made midway
+    assert engine.model.lm_head._int8_screen[1] is not None and again == first
+    fresh = _engine(path, decode_steps=8)
+    fresh.make_head_copies()
+    assert fresh.model.lm_head._int8_screen[1] is not None and fresh.runner.chained.greedy_tokens == 0
+    assert [o.token_ids for o in fresh.generate(prompts(2), short)] == first
 
 
 def test_multi_step_stops_where_single_steps_stop(tiny_float_model):
