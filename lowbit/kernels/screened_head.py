@@ -52,7 +52,6 @@ class HeadScreen:
     approx: Linear
     err2: torch.Tensor  # [V] float32 >= ||W_v - W^_v||
     norm2: torch.Tensor  # [V] float32 >= max(||W_v||, ||W^_v||)
-    weight: torch.Tensor  # the head's own weight, whose rows the C side rescores
 
     @property
     def nbytes(self) -> int:
@@ -98,7 +97,7 @@ def build(weight: torch.Tensor, x_bf16: bool) -> HeadScreen | None:
     if approx is None:
         return None
     struct = ChainScreen(approx.struct, err2.data_ptr(), norm2.data_ptr(), int(x_bf16), weight.element_size(), GROUP)
-    return HeadScreen(struct, approx, err2, norm2, weight)
+    return HeadScreen(struct, approx, err2, norm2)
 
 
 def argmax(screen: HeadScreen, head: Linear, x: torch.Tensor) -> torch.Tensor | None:

@@ -687,25 +687,34 @@ static void *grown(int slot, size_t bytes) {
     return buf[slot];
 }
 
-/* The head's logits at x of the `have` weight rows gathered in `rows` (K apart) into y: one part call
-   on this thread (no region of its own), the same arithmetic per logit as the whole head's call. */
-static int rescore_rows(const ChainLinear *head, const char *rows, int64_t have, const float *x, int64_t K, float *y) {
+#define GATHER_BLOCKS 32
+
+/* The head's logits at x of the `have` weight rows gathered in `rows` (K apart), ids their indices
+   (ascending), folded into the row's running first largest (*best, *arg; a strict >, so the first
+   index among equal logits stays): one part call on this thread (no region of its own), the same
+   arithmetic per logit as the whole head's call. */
+static int rescore_rows(const ChainLinear *head, const char *rows, const int64_t *ids, int64_t have, const float *x,
+                        int64_t K, float *best, int64_t *arg) {
     ChainLinear view = *head;
     view.w = rows, view.n = have, view.ldw = K;
     view.packed = NULL, view.packed_fn = NULL; /* the packed copy's bits are the unpacked weight's */
-    return linear(&view, x, K, 1, y, LOWBIT_PART(0, 1));
+    float y[GATHER_BLOCKS * SCREEN_BLOCK];
+    const int rc = linear(&view, x, K, 1, y, LOWBIT_PART(0, 1));
+    for (int64_t j = 0; j < have && !rc; j++)
+        if (y[j] > *best) *best = y[j], *arg = ids[j];
+    return rc;
 }
 
 /* Row r's candidate blocks through the head's own kernel, GATHER_BLOCKS at a time (their weight
    rows copied together: one call each, not one per block), and its first largest logit into
    tokens[r]; nonzero when none is finite or a kernel fails. Blocks ascend (each part's, parts in
-   order), so a strict > keeps the first index among equal logits. */
-#define GATHER_BLOCKS 32
+   order). */
 static int rescore_row(const RescoreArgs *a, int64_t r) {
     const int64_t K = a->K, wb = a->s->w_bytes, row_bytes = K * wb, full = (GATHER_BLOCKS - 1) * SCREEN_BLOCK;
     char *rows = grown(0, (size_t)(GATHER_BLOCKS * SCREEN_BLOCK * row_bytes));
     if (!rows) return 1;
-    float y[GATHER_BLOCKS * SCREEN_BLOCK], best = -INFINITY;
+    const float *x = a->x + r * K;
+    float best = -INFINITY;
     int64_t ids[GATHER_BLOCKS * SCREEN_BLOCK], arg = -1, have = 0;
     int rc = 0;
     for (int q = 0; q < a->parts && !rc; q++)
@@ -715,19 +724,12 @@ static int rescore_row(const RescoreArgs *a, int64_t r) {
                 memcpy(rows + have * row_bytes, (const char *)a->head->w + n * a->head->ldw * wb, (size_t)row_bytes);
                 ids[have++] = n;
             }
-            const int last = q == a->parts - 1 && i == a->count[q * a->M + r] - 1;
-            if (have > full || (have && last)) {
-                rc = rescore_rows(a->head, rows, have, a->x + r * K, K, y);
-                for (int64_t j = 0; j < have && !rc; j++)
-                    if (y[j] > best) best = y[j], arg = ids[j];
+            if (have > full) {
+                rc = rescore_rows(a->head, rows, ids, have, x, K, &best, &arg);
                 have = 0;
             }
         }
-    if (!rc && have) { /* the last parts held none */
-        rc = rescore_rows(a->head, rows, have, a->x + r * K, K, y);
-        for (int64_t j = 0; j < have && !rc; j++)
-            if (y[j] > best) best = y[j], arg = ids[j];
-    }
+    if (!rc && have) rc = rescore_rows(a->head, rows, ids, have, x, K, &best, &arg);
     if (rc || arg < 0 || !isfinite(best)) return 1;
     a->tokens[r] = arg;
     return 0;

@@ -308,10 +308,9 @@ class ChainedDecoder:
             return None
         weight = lm_head.weight.data
         cached = getattr(lm_head, "_int8_screen", None)  # (the weight's address, its screen)
-        if (cached is None or cached[0] != weight.data_ptr()) and not now \
-                and self.greedy_tokens < screened_head.after_tokens():
-            return None
         if cached is None or cached[0] != weight.data_ptr():
+            if not now and self.greedy_tokens < screened_head.after_tokens():
+                return None
             cached = (weight.data_ptr(), screened_head.build(weight, lm_head.bf16_x and weight.dtype is torch.bfloat16))
             lm_head._int8_screen = cached  # a plain attribute: not a module, so no swap is counted
         return cached[1]
