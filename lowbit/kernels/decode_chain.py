@@ -77,7 +77,8 @@ class ChainRescore(ctypes.Structure):
                 ("pad", c_int32), ("vocab", c_void_p), ("bias", c_void_p), ("top", c_int64)]
 
 
-def _entry(lib, name: str) -> int:
+def entry(lib, name: str) -> int:
+    """The address of a library function (what a C struct of function pointers holds)."""
     return ctypes.cast(getattr(lib, name), c_void_p).value
 
 
@@ -106,7 +107,7 @@ def int8_linear(pw: PreparedWeight) -> Linear | None:
         return None
     n, k = pw.shape
     codes, scales, params = pw.tensors["codes"], pw.tensors["scales"], pw.params
-    struct = ChainLinear(_INT8F, 0, _entry(int8_gemv.library(), "lowbit_int8f_matmul"), codes.data_ptr(), None, n, k,
+    struct = ChainLinear(_INT8F, 0, entry(int8_gemv.library(), "lowbit_int8f_matmul"), codes.data_ptr(), None, n, k,
                          codes.stride(0), scales.data_ptr(), params["groups"], params["group"])
     return Linear(struct, pw, cpu_int8.GROUPED_KERNEL_ROWS if params["groups"] > 1 else None)
 
@@ -118,7 +119,7 @@ def int4_linear(pw: PreparedWeight) -> Linear | None:
         return None
     lib, name = (int4_vnni.library(), "lowbit_i4v_matmul") if pw.params["act"] == "int8" else (int4_dot.library(), "lowbit_i4_matmul")
     n, k = pw.shape
-    return Linear(ChainLinear(_INT4, 0, _entry(lib, name), ctypes.addressof(pw.params["struct"]), None, n, k, 0), pw)
+    return Linear(ChainLinear(_INT4, 0, entry(lib, name), ctypes.addressof(pw.params["struct"]), None, n, k, 0), pw)
 
 
 def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None, bf16_x: bool = False, packed=None) -> Linear | None:
@@ -132,10 +133,10 @@ def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None, bf16_x: bool =
     if bias is not None and (bias.dtype is not torch.float32 or not bias.is_contiguous()):
         return None
     n, k = weight.shape
-    struct = ChainLinear(_DENSE, 0, _entry(f32_dot.library(), cpu_f32.kernel_name(weight.dtype, bf16_x)), weight.data_ptr(),
+    struct = ChainLinear(_DENSE, 0, entry(f32_dot.library(), cpu_f32.kernel_name(weight.dtype, bf16_x)), weight.data_ptr(),
                          None if bias is None else bias.data_ptr(), n, k, weight.stride(0))
     if packed is not None:
-        struct.packed_fn = _entry(f32_dot.library(), "lowbit_bf16pxw_matmul")
+        struct.packed_fn = entry(f32_dot.library(), "lowbit_bf16pxw_matmul")
         struct.packed, struct.packed_rows = ctypes.addressof(packed.struct), cpu_f32.PACKED_MAX_ROWS
     return Linear(struct, (weight, bias, packed))
 
@@ -159,7 +160,7 @@ def rescore(exact: torch.Tensor, vocab: torch.Tensor | None, bias: torch.Tensor 
             or vocab is not None and (vocab.dtype is not torch.long or not vocab.is_contiguous())
             or bias is not None and (bias.dtype is not torch.float32 or not bias.is_contiguous())):
         return None
-    struct = ChainRescore(_entry(lib, "lowbit_top_rows"), _entry(lib, "lowbit_rescore_rows"), exact.data_ptr(),
+    struct = ChainRescore(entry(lib, "lowbit_top_rows"), entry(lib, "lowbit_rescore_rows"), exact.data_ptr(),
                           int(exact.dtype is torch.bfloat16), 0, _ptr(vocab), _ptr(bias), top)
     return Rescore(struct, (exact, vocab, bias))
 
@@ -272,11 +273,11 @@ class DecodeChain:
         paged = paged_decode.library()
         route = moe_route.library() if top_k else None
         self._chain = Chain(
-            _entry(rows, "lowbit_rmsnorm"), _entry(rows, "lowbit_add_rmsnorm"), _entry(rows, "lowbit_act_mul"),
-            route and _entry(route, "lowbit_moe_route"), route and _entry(route, "lowbit_moe_shared_gate"),
+            entry(rows, "lowbit_rmsnorm"), entry(rows, "lowbit_add_rmsnorm"), entry(rows, "lowbit_act_mul"),
+            route and entry(route, "lowbit_moe_route"), route and entry(route, "lowbit_moe_shared_gate"),
             ctypes.addressof(self._layers), len(layers), hidden, heads, kv_heads, head_dim, max(m.inter for m in mlps), top_k,
             block_size, eps, scale, int(unit_offset), act, int(layers[0].key_pool.dtype == torch.bfloat16),
-            int(os.environ.get(TEAM_ENV, "1") != "0"), _entry(paged, "lowbit_paged_write"), _entry(paged, "lowbit_paged_attend"))
+            int(os.environ.get(TEAM_ENV, "1") != "0"), entry(paged, "lowbit_paged_write"), entry(paged, "lowbit_paged_attend"))
         if any(spec.key_pool.dtype != layers[0].key_pool.dtype or spec.value_pool.dtype != layers[0].key_pool.dtype
                or spec.key_pool.dtype not in (torch.float32, torch.bfloat16) for spec in layers):
             raise ValueError("the chain's KV pools must all be float32 or all bf16")
@@ -333,7 +334,7 @@ class DecodeChain:
         rc = decode_layers.library().lowbit_decode_steps(
             ctypes.byref(self._chain), ctypes.byref(step), ctypes.byref(head.struct),
             None if screen is None else ctypes.byref(screen.struct), None if rescore is None else ctypes.byref(rescore.struct),
-            _entry(rowops.library(), "lowbit_logit_rows"),
+            entry(rowops.library(), "lowbit_logit_rows"),
             steps, positions.data_ptr(), slots.data_ptr(), tokens.data_ptr(), final_norm.data_ptr(), x.data_ptr(),
             hidden.data_ptr(), logits.data_ptr(), ctypes.byref(done), torch.get_num_threads())
         if rc not in (0, -5):

@@ -4,9 +4,10 @@ screened_argmax): the exact tokens at 0.56 of the head's bytes.
 A several-step greedy call (runtime/engine/multi_step.py) needs each row's first largest logit,
 not the logits. The copy (8-bit codes in groups of 32, float16 scales: int4_vnni.c's layout, made
 in one C pass by lowbit_i4v_screen8) gives every logit to within a bound the C side computes per
-row and vocabulary entry; only the blocks of 16 head rows whose bound reaches the best go through
-the head's own kernel, so the chosen token is the one the whole head would give, ties included.
-Where the screen cannot decide (x not finite, too many candidates) the step reads the whole head.
+row and vocabulary entry, screened inside the copy's matmul (int4_vnni.c lowbit_i4v_screen_matmul);
+only the head rows whose bound reaches the best go through the head's own kernel, so the chosen
+token is the one the whole head would give, ties included. Up to 16 rows; where the screen cannot
+decide (x not finite, too many candidates) the step reads the whole head.
 
 `build(weight, x_bf16)` makes the copy of a dense head weight as InvariantLinear runs it (x_bf16:
 its rows of x rounded to bf16 first), or returns None where the screen does not apply (no
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from lowbit.kernels import cpu_int4dot, hugepages
-from lowbit.kernels.decode_chain import ChainLinear, Linear, int4_linear
+from lowbit.kernels.decode_chain import ChainLinear, Linear, entry, int4_linear
 from lowbit.kernels.prepared import PreparedWeight
 from lowbit.native import decode_layers, int4_vnni
 
@@ -40,7 +41,7 @@ GROUP = 32  # the copy's group along K (x is rounded to int8 per group too)
 
 class ChainScreen(ctypes.Structure):
     _fields_ = [("approx", ChainLinear), ("err2", c_void_p), ("norm2", c_void_p), ("x_bf16", c_int32),
-                ("w_bytes", c_int32), ("group", c_int64)]
+                ("w_bytes", c_int32), ("group", c_int64), ("screen_fn", c_void_p)]
 
 
 @dataclass(slots=True)
@@ -96,7 +97,8 @@ def build(weight: torch.Tensor, x_bf16: bool) -> HeadScreen | None:
     approx = int4_linear(pw)
     if approx is None:
         return None
-    struct = ChainScreen(approx.struct, err2.data_ptr(), norm2.data_ptr(), int(x_bf16), weight.element_size(), GROUP)
+    struct = ChainScreen(approx.struct, err2.data_ptr(), norm2.data_ptr(), int(x_bf16), weight.element_size(), GROUP,
+                         entry(lib, "lowbit_i4v_screen_matmul"))
     return HeadScreen(struct, approx, err2, norm2)
 
 
@@ -105,11 +107,9 @@ def argmax(screen: HeadScreen, head: Linear, x: torch.Tensor) -> torch.Tensor | 
     float32, through the screen; None where the screen cannot decide (the caller reads the head)."""
     x = x.float().contiguous()
     m = x.shape[0]
-    approx = torch.empty(m, head.struct.n)
     tokens = torch.empty(m, dtype=torch.long)
     rc = decode_layers.library().lowbit_screened_argmax(ctypes.byref(head.struct), ctypes.byref(screen.struct),
-                                                        x.data_ptr(), m, approx.data_ptr(), tokens.data_ptr(),
-                                                        torch.get_num_threads())
+                                                        x.data_ptr(), m, tokens.data_ptr(), torch.get_num_threads())
     if rc == 1:
         return None
     if rc != 0:

@@ -545,19 +545,26 @@ done:
    X2 = ||x|| (x as the head's kernel rounds it: bf16 for the bf16 kernels), D2 = ||x - x^|| (x^ the
    int8 rounding the copy's kernel makes of each group of 32), err2_v >= ||W_v - W^_v||, norm2_v >=
    max(||W_v||, ||W^_v||), gamma = (K + G + 48) 2^-23 for the sums' rounding. So a v whose e_v is
-   the largest has a_v + B_v >= max_u (a_u - B_u): the candidates. Their blocks of 16 rows go
-   through the head's own kernel (one row against 16 weight rows: the same arithmetic per logit as
-   the whole call, f32_dot.c's batch invariance), and the first largest of those exact logits is
-   the head's argmax, ties included: every index holding the largest logit is a candidate.
-   Candidates per row on real hidden states: SmolLM2 13 median, 36 mean, 620 at most over 400
-   positions; Gemma-3 7, 13, 158 (the x rounding's D2 term dominates B). */
+   the largest has a_v + B_v >= max_u (a_u - B_u): the candidates. The copy's matmul screens its
+   logits tile by tile as it makes them (lowbit_i4v_screen_matmul, LowbitScreen in lowbit_native.h:
+   a running lower bound of the best and the tiles that reach it), so the [M, V] logits are neither
+   written nor read back (Gemma-3 at 16 rows: 17 MB written and read twice a step had cost ~1.5 ms);
+   the candidates go through the head's own kernel one weight row each (a logit's arithmetic does
+   not depend on the rows beside it: f32_dot.c), and the first largest of those exact logits is the
+   head's argmax, ties included: every index holding the largest logit is a candidate. Candidates
+   per row on real hidden states: SmolLM2 13 median, 39 mean, 620 at most over 300 positions;
+   Gemma-3 7, 13, 157 (the x rounding's D2 term dominates B; rounding x and the copy per 64 instead
+   of 32 gave SmolLM2 77, 324, 4500, per 192 1793 median: the copy's float step per group saved is
+   worth far less than rescoring those). */
 
-#define SCREEN_BLOCK 16        /* head rows rescored together (one vector of the copy's logits) */
-#define SCREEN_MAX_BLOCKS 2048 /* candidate blocks per row and thread beyond which the step reads the whole head */
-/* Rows up to which a step screens: SmolLM2's head (C calls, real hidden states, 2 Zen 4 cores) took
-   0.72-0.75x the whole head's time at 1 to 8 rows and 1.00x at 16, where the head's kernel is
-   compute-bound and the screen's own (2 of the 3 ms) barely faster; Gemma-3's 0.76x at one row. */
-#define SCREEN_MAX_ROWS 8
+#define SCREEN_BLOCK 16        /* head rows a record covers (one tile of the copy's logits) */
+#define SCREEN_MAX_BLOCKS 2048 /* tiles recorded per row and thread beyond which the step reads the whole head */
+/* Rows up to which a step screens: the head alone (C calls, real hidden states, 2 Zen 4 cores,
+   alternated) took SmolLM2 0.67x, 0.57x and 0.80x the whole head's time at 1, 8 and 16 rows,
+   Gemma-3 0.73x, 0.62x, 0.71x (at 16 rows both kernels are compute-bound; the copy's runs at about
+   half of `vpdpbusd`'s peak). Beyond 16 the step buffers above would grow. */
+#define SCREEN_MAX_ROWS 16
+#define SCREEN_MAX_PARTS 64 /* threads the screen's matmul runs on (more: the first 64) */
 
 typedef struct {
     ChainLinear approx;        /* the int8 copy (LINEAR_INT4: lowbit_i4v_matmul, 8-bit codes) */
@@ -565,7 +572,9 @@ typedef struct {
     int32_t x_bf16;            /* the head's kernel rounds x to bf16 first (lowbit_bf16xw / bf16pxw) */
     int32_t w_bytes;           /* bytes of one head weight: 2 (bf16) or 4 (float32) */
     int64_t group;             /* x's rounding group in the copy's kernel (32) */
+    const void *screen_fn;     /* int4_vnni.c lowbit_i4v_screen_matmul */
 } ChainScreen;
+typedef int (*screen_matmul_fn)(const void *w, const float *x, int64_t M, LowbitScreen *s, int threads);
 
 /* A float32 at least v (v >= 0). */
 static float up_float(double v) {
@@ -602,82 +611,24 @@ static int screen_row(const ChainScreen *s, const float *x, int64_t K, float *x2
     return 0;
 }
 
-/* Candidate blocks of rows [r0, r1) over vocabulary [v0, v1) (v0 a multiple of SCREEN_BLOCK) of the copy's
-   logits a [M, V]: pass 1 (lo != NULL) each row's max of a - B into lo[r] and of |a| + B into mag[r];
-   pass 2 the blocks where a + B >= thr[r] into blocks[r * cap ..], counted in count[r]. 1 when a
-   logit is not finite (pass 1) or a row has more than cap blocks (pass 2). */
-static int screen_pass(const ChainScreen *s, const float *a, int64_t V, int64_t r0, int64_t r1, int64_t v0, int64_t v1,
-                       const float *x2f, const float *cf, float *lo, float *mag, const float *thr, int32_t *blocks,
-                       int64_t *count, int64_t cap) {
-    for (int64_t r = r0; r < r1; r++) {
-        const float *ar = a + r * V;
-        const float X2 = x2f[r], C = cf[r];
-#if defined(__AVX512F__)
-        const __m512 vx = _mm512_set1_ps(X2), vc = _mm512_set1_ps(C), grow = _mm512_set1_ps(1.0f + 0x1p-16f);
-        __m512 mlo = _mm512_set1_ps(-INFINITY), mmag = _mm512_setzero_ps();
-        const __m512 vt = _mm512_set1_ps(lo ? 0.0f : thr[r]);
-        __mmask16 bad = 0;
-        for (int64_t v = v0; v < v1; v += SCREEN_BLOCK) {
-            const __mmask16 m = lowbit_lanes(v1 - v);
-            const __m512 av = _mm512_maskz_loadu_ps(m, ar + v);
-            const __m512 b = _mm512_mul_ps(_mm512_fmadd_ps(vx, _mm512_maskz_loadu_ps(m, s->err2 + v),
-                                                           _mm512_mul_ps(vc, _mm512_maskz_loadu_ps(m, s->norm2 + v))), grow);
-            if (lo) {
-                bad |= _mm512_mask_cmp_ps_mask(m, av, av, _CMP_UNORD_Q) | _mm512_mask_cmp_ps_mask(m, _mm512_abs_ps(av), _mm512_set1_ps(INFINITY), _CMP_EQ_OQ);
-                mlo = _mm512_mask_max_ps(mlo, m, mlo, _mm512_sub_ps(av, b));
-                mmag = _mm512_mask_max_ps(mmag, m, mmag, _mm512_add_ps(_mm512_abs_ps(av), b));
-            } else if (_mm512_mask_cmp_ps_mask(m, _mm512_add_ps(av, b), vt, _CMP_GE_OQ)) {
-                if (count[r] == cap) return 1;
-                blocks[r * cap + count[r]++] = (int32_t)(v / SCREEN_BLOCK);
-            }
-        }
-        if (lo) {
-            if (bad) return 1;
-            const float l = _mm512_reduce_max_ps(mlo), g = _mm512_reduce_max_ps(mmag);
-            lo[r] = l > lo[r] ? l : lo[r];
-            mag[r] = g > mag[r] ? g : mag[r];
-        }
-#else
-        for (int64_t v = v0; v < v1; v += SCREEN_BLOCK) {
-            int hit = 0;
-            for (int64_t u = v; u < v + SCREEN_BLOCK && u < v1; u++) {
-                const float b = (X2 * s->err2[u] + C * s->norm2[u]) * (1.0f + 0x1p-16f);
-                if (lo) {
-                    if (!isfinite(ar[u])) return 1;
-                    lo[r] = ar[u] - b > lo[r] ? ar[u] - b : lo[r];
-                    mag[r] = fabsf(ar[u]) + b > mag[r] ? fabsf(ar[u]) + b : mag[r];
-                } else {
-                    hit |= ar[u] + b >= thr[r];
-                }
-            }
-            if (hit) {
-                if (count[r] == cap) return 1;
-                blocks[r * cap + count[r]++] = (int32_t)(v / SCREEN_BLOCK);
-            }
-        }
-#endif
-    }
-    return 0;
-}
-
 typedef struct {
     const ChainLinear *head;
     const ChainScreen *s;
     const float *x;
-    int64_t K, V;
-    int parts;
-    int64_t M, cap;
-    const int32_t *blocks;
-    const int64_t *count;
+    int64_t K;
+    const int32_t *ids;   /* row r's candidates (ascending) from ids + r * stride */
+    int64_t stride;
+    const int64_t *count; /* [M] */
     int64_t *tokens;
 } RescoreArgs;
 
-/* A buffer of this thread's that only grows (slot 0: gathered head rows, 1: candidate blocks), so a
+/* A buffer of this thread's that only grows (slot 0: gathered head rows, 1: recorded tiles, 2: their
+   upper bounds, 3: candidates), so a
    step neither maps fresh pages for it (glibc maps blocks past 128 KB anew, each page then faulting
    in) nor frees it; NULL when it cannot grow. */
 static void *grown(int slot, size_t bytes) {
-    static __thread void *buf[2];
-    static __thread size_t cap[2];
+    static __thread void *buf[4];
+    static __thread size_t cap[4];
     if (bytes > cap[slot]) {
         void *p = malloc(bytes);
         if (!p) return NULL;
@@ -687,7 +638,7 @@ static void *grown(int slot, size_t bytes) {
     return buf[slot];
 }
 
-#define GATHER_BLOCKS 32
+#define GATHER_ROWS 512 /* head rows a rescoring call takes */
 
 /* The head's logits at x of the `have` weight rows gathered in `rows` (K apart), ids their indices
    (ascending), folded into the row's running first largest (*best, *arg; a strict >, so the first
@@ -698,108 +649,96 @@ static int rescore_rows(const ChainLinear *head, const char *rows, const int64_t
     ChainLinear view = *head;
     view.w = rows, view.n = have, view.ldw = K;
     view.packed = NULL, view.packed_fn = NULL; /* the packed copy's bits are the unpacked weight's */
-    float y[GATHER_BLOCKS * SCREEN_BLOCK];
+    float y[GATHER_ROWS];
     const int rc = linear(&view, x, K, 1, y, LOWBIT_PART(0, 1));
     for (int64_t j = 0; j < have && !rc; j++)
         if (y[j] > *best) *best = y[j], *arg = ids[j];
     return rc;
 }
 
-/* Row r's candidate blocks through the head's own kernel, GATHER_BLOCKS at a time (their weight
-   rows copied together: one call each, not one per block), and its first largest logit into
-   tokens[r]; nonzero when none is finite or a kernel fails. Blocks ascend (each part's, parts in
-   order). */
+/* Row r's candidates through the head's own kernel, GATHER_ROWS at a time (their weight rows copied
+   together: one call each), and its first largest logit into tokens[r]; nonzero when none is finite
+   or a kernel fails. Each logit's arithmetic is its own (f32_dot.c: one accumulator and one fixed
+   horizontal sum per output), so the rows around it in a call change none of its bits. */
 static int rescore_row(const RescoreArgs *a, int64_t r) {
-    const int64_t K = a->K, wb = a->s->w_bytes, row_bytes = K * wb, full = (GATHER_BLOCKS - 1) * SCREEN_BLOCK;
-    char *rows = grown(0, (size_t)(GATHER_BLOCKS * SCREEN_BLOCK * row_bytes));
+    const int64_t K = a->K, wb = a->s->w_bytes, row_bytes = K * wb;
+    char *rows = grown(0, (size_t)(GATHER_ROWS * row_bytes));
     if (!rows) return 1;
     const float *x = a->x + r * K;
+    const int32_t *cand = a->ids + r * a->stride;
     float best = -INFINITY;
-    int64_t ids[GATHER_BLOCKS * SCREEN_BLOCK], arg = -1, have = 0;
+    int64_t ids[GATHER_ROWS], arg = -1, have = 0;
     int rc = 0;
-    for (int q = 0; q < a->parts && !rc; q++)
-        for (int64_t i = 0; i < a->count[q * a->M + r] && !rc; i++) {
-            const int64_t n0 = (int64_t)a->blocks[(q * a->M + r) * a->cap + i] * SCREEN_BLOCK;
-            for (int64_t n = n0; n < n0 + SCREEN_BLOCK && n < a->V; n++) {
-                memcpy(rows + have * row_bytes, (const char *)a->head->w + n * a->head->ldw * wb, (size_t)row_bytes);
-                ids[have++] = n;
-            }
-            if (have > full) {
-                rc = rescore_rows(a->head, rows, ids, have, x, K, &best, &arg);
-                have = 0;
-            }
+    for (int64_t i = 0; i < a->count[r] && !rc; i++) {
+        const int64_t n = cand[i];
+        memcpy(rows + have * row_bytes, (const char *)a->head->w + n * a->head->ldw * wb, (size_t)row_bytes);
+        ids[have++] = n;
+        if (have == GATHER_ROWS || i + 1 == a->count[r]) {
+            rc = rescore_rows(a->head, rows, ids, have, x, K, &best, &arg);
+            have = 0;
         }
-    if (!rc && have) rc = rescore_rows(a->head, rows, ids, have, x, K, &best, &arg);
+    }
     if (rc || arg < 0 || !isfinite(best)) return 1;
     a->tokens[r] = arg;
     return 0;
 }
 
 /* Each row's greedy argmax of `head` (dense, no bias) at x [M, K] into tokens, through screen `s`:
-   approx [M, V] scratch for the copy's logits. 0; 1 where the screen cannot decide (x or the copy's
-   logits not finite, too many candidates: the caller runs the whole head); else a kernel's code. */
-static int screened_argmax(const ChainLinear *head, const ChainScreen *s, const float *x, int64_t M, float *approx,
-                           int64_t *tokens, int threads) {
-    const int64_t V = head->n, K = head->k, nblocks = (V + SCREEN_BLOCK - 1) / SCREEN_BLOCK;
-    if (head->kind != LINEAR_DENSE || head->bias || s->approx.n != V || s->approx.k != K || M <= 0 || M > SCREEN_MAX_ROWS)
+   the copy's matmul screens its logits as it makes them (lowbit_i4v_screen_matmul: each part's
+   lower bound of the best logit and its recorded tiles), the records below the rows' final bounds
+   are dropped, and the rest go through the head's own kernel. 0; 1 where the screen cannot decide (x
+   or the copy's logits not finite, too many candidates: the caller runs the whole head); else a
+   kernel's code. */
+static int screened_argmax(const ChainLinear *head, const ChainScreen *s, const float *x, int64_t M, int64_t *tokens,
+                           int threads) {
+    const int64_t V = head->n, K = head->k, cap = SCREEN_MAX_BLOCKS;
+    if (head->kind != LINEAR_DENSE || head->bias || s->approx.n != V || s->approx.k != K || M <= 0 || M > SCREEN_MAX_ROWS ||
+        !s->screen_fn || threads < 1)
         return 1;
-    int rc = linear(&s->approx, x, K, M, approx, threads);
-    if (rc) return rc;
-    float *x2f = malloc((size_t)(3 * M) * sizeof(float));
-    if (!x2f) return -2;
-    float *cf = x2f + M, *tiny = x2f + 2 * M;
-    for (int64_t r = 0; r < M && !rc; r++) rc = screen_row(s, x + r * K, K, &x2f[r], &cf[r], &tiny[r]) ? 1 : 0;
-    /* the vocabulary in `parts` contiguous runs of whole blocks, one per thread where it is large */
-    const int parts = V * M >= (1 << 16) && threads > 1 ? threads : 1;
-    const int64_t cap = SCREEN_MAX_BLOCKS;
-    float *lo = malloc((size_t)(parts * M * 3) * sizeof(float));
+    float rowv[3 * SCREEN_MAX_ROWS];
+    float *x2f = rowv, *cf = rowv + M, *tiny = rowv + 2 * M;
+    for (int64_t r = 0; r < M; r++)
+        if (screen_row(s, x + r * K, K, &x2f[r], &cf[r], &tiny[r])) return 1;
+    /* per part and row: lo, count; the records (grown: kept between steps, never mapped afresh) */
+    float lo[SCREEN_MAX_PARTS * SCREEN_MAX_ROWS];
+    int64_t count[SCREEN_MAX_PARTS * SCREEN_MAX_ROWS];
+    int32_t fail[SCREEN_MAX_PARTS];
+    const int parts = threads < SCREEN_MAX_PARTS ? threads : SCREEN_MAX_PARTS;
     int32_t *blocks = grown(1, (size_t)(parts * M * cap) * sizeof(int32_t));
-    int64_t *count = calloc((size_t)(parts * M), sizeof(int64_t));
-    if (!lo || !blocks || !count) rc = rc ? rc : -2;
-    if (!rc) {
-        float *mag = lo + parts * M, *thr = lo + 2 * parts * M;
-        for (int64_t i = 0; i < parts * M; i++) lo[i] = -INFINITY, mag[i] = 0.0f;
-        int fail = 0;
-#pragma omp parallel num_threads(parts) if (parts > 1)
-        {
-#ifdef _OPENMP
-            const int p = omp_get_thread_num();
-#else
-            const int p = 0;
-#endif
-            const int64_t v0 = nblocks * p / parts * SCREEN_BLOCK, v1 = nblocks * (p + 1) / parts * SCREEN_BLOCK < V
-                                                                        ? nblocks * (p + 1) / parts * SCREEN_BLOCK : V;
-            if (screen_pass(s, approx, V, 0, M, v0, v1, x2f, cf, lo + p * M, mag + p * M, NULL, NULL, NULL, 0)) {
-#pragma omp atomic write
-                fail = 1;
-            }
-#pragma omp barrier
-#pragma omp single
-            for (int64_t r = 0; r < M; r++) { /* L - delta: delta covers float32 rounding in a +- B, tiny the flushes */
-                float l = -INFINITY, g = 0.0f;
-                for (int q = 0; q < parts; q++) {
-                    l = lo[q * M + r] > l ? lo[q * M + r] : l;
-                    g = mag[q * M + r] > g ? mag[q * M + r] : g;
-                }
-                thr[r] = l - g * 0x1p-20f - tiny[r];
-            }
-            if (!fail && screen_pass(s, approx, V, 0, M, v0, v1, x2f, cf, NULL, NULL, thr, blocks + p * M * cap,
-                                     count + p * M, cap)) {
-#pragma omp atomic write
-                fail = 1;
+    float *upper = grown(2, (size_t)(parts * M * cap * SCREEN_BLOCK) * sizeof(float));
+    if (!blocks || !upper) return -2;
+    LowbitScreen scr = {s->err2, s->norm2, x2f, cf, tiny, M, cap, lo, blocks, upper, count, fail, 0};
+    int rc = ((screen_matmul_fn)s->screen_fn)(s->approx.w, x, M, &scr, parts);
+    if (rc) return rc == -2 ? -2 : 1;
+    for (int p = 0; p < scr.parts; p++)
+        if (fail[p]) return 1;
+    /* each row's candidates: the entries of its records whose upper bounds reach its final lower
+       bound, in order (parts hold ascending runs of tiles) */
+    const int64_t stride = scr.parts * cap * SCREEN_BLOCK;
+    int32_t *ids = grown(3, (size_t)(M * stride) * sizeof(int32_t));
+    if (!ids) return -2;
+    int64_t n_ids[SCREEN_MAX_ROWS];
+    for (int64_t r = 0; r < M; r++) {
+        float thr = -INFINITY;
+        for (int p = 0; p < scr.parts; p++) thr = lo[p * M + r] > thr ? lo[p * M + r] : thr;
+        thr -= tiny[r];
+        if (!(thr > -INFINITY)) return 1; /* no finite bound (a weight's table not finite) */
+        n_ids[r] = 0;
+        for (int p = 0; p < scr.parts; p++) {
+            const int64_t pr = p * M + r;
+            for (int64_t i = 0; i < count[pr]; i++) {
+                const float *u = upper + (pr * cap + i) * SCREEN_BLOCK;
+                for (int l = 0; l < SCREEN_BLOCK; l++)
+                    if (u[l] >= thr) ids[r * stride + n_ids[r]++] = blocks[pr * cap + i] * SCREEN_BLOCK + l;
             }
         }
-        rc = fail ? 1 : 0;
     }
-    if (!rc) { /* the exact logits of each row's candidate blocks, and the first largest */
-        const RescoreArgs args = {head, s, x, K, V, parts, M, cap, blocks, count, tokens};
-        int failed = 0;
+    /* the exact logits of each row's candidates, and the first largest */
+    const RescoreArgs args = {head, s, x, K, ids, stride, n_ids, tokens};
+    int failed = 0;
 #pragma omp parallel for num_threads(threads) schedule(dynamic) if (M > 1 && threads > 1) reduction(| : failed)
-        for (int64_t r = 0; r < M; r++) failed |= rescore_row(&args, r);
-        rc = failed;
-    }
-    free(x2f), free(lo), free(count);
-    return rc;
+    for (int64_t r = 0; r < M; r++) failed |= rescore_row(&args, r);
+    return failed;
 }
 
 /* screen_row's three numbers for row x [K] into out (tests hold them against the formula); -1 for x
@@ -809,9 +748,9 @@ int lowbit_screen_row(const ChainScreen *s, const float *x, int64_t K, float *ou
 }
 
 /* screened_argmax on its own (kernels/screened_head.py: tests and measurements). */
-int lowbit_screened_argmax(const ChainLinear *head, const ChainScreen *s, const float *x, int64_t M, float *approx,
+int lowbit_screened_argmax(const ChainLinear *head, const ChainScreen *s, const float *x, int64_t M,
                            int64_t *tokens, int threads) {
-    return screened_argmax(head, s, x, M, approx, tokens, threads);
+    return screened_argmax(head, s, x, M, tokens, threads);
 }
 
 /* A draft's head whose quantized logits' `top` best per row get the float head's values (rowops.c
@@ -856,7 +795,7 @@ int lowbit_decode_steps(const Chain *c, const ChainStep *first, const ChainLinea
         if (i > 0) s.ids = tokens + (i - 1) * M;
         rc = lowbit_decode_layers(c, &s, 0, c->n_layers, x, final_norm, hidden, threads);
         if (rc) break;
-        rc = screen ? screened_argmax(head, screen, hidden, M, logits, tokens + i * M, threads) : 1;
+        rc = screen ? screened_argmax(head, screen, hidden, M, tokens + i * M, threads) : 1;
         if (rc == 1) { /* no screen, or it could not decide: the whole head */
             rc = linear(head, hidden, c->hidden, M, logits, threads);
             if (rc) break;

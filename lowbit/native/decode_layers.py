@@ -10,7 +10,7 @@ from lowbit.native.build import I64, INT, P
 SIGNATURES = {
     "lowbit_decode_layers": [P, P, I64, I64, P, P, P, INT],
     "lowbit_decode_steps": [P, P, P, P, P, P, I64, P, P, P, P, P, P, P, P, INT],
-    "lowbit_screened_argmax": [P, P, P, I64, P, P, INT],
+    "lowbit_screened_argmax": [P, P, P, I64, P, INT],
     "lowbit_screen_row": [P, P, I64, P],
 }
 

@@ -327,6 +327,34 @@ static inline void vstore_tile(const float *v, void *y, int y_bf16, int64_t ldy,
     }
 }
 
+/* Tile t's logits v of row m screened (LowbitScreen, lowbit_native.h) for part p: lo raised, the
+   tile recorded where an entry's upper bound reaches lo - tiny. */
+static void vscreen_tile(const LowbitScreen *s, int p, const float *v, int64_t m, int64_t t, int64_t N) {
+    const int64_t n0 = t * ROWS, pm = p * s->M + m;
+    const __mmask16 live = lowbit_lanes(N - n0);
+    const __m512 a = _mm512_loadu_ps(v);
+    const __m512 b = _mm512_mul_ps(_mm512_fmadd_ps(_mm512_set1_ps(s->x2f[m]), _mm512_maskz_loadu_ps(live, s->err2 + n0),
+                                                   _mm512_mul_ps(_mm512_set1_ps(s->cf[m]), _mm512_maskz_loadu_ps(live, s->norm2 + n0))),
+                                   _mm512_set1_ps(1.0f + 0x1p-16f));
+    const __m512 slack = _mm512_mul_ps(_mm512_add_ps(_mm512_abs_ps(a), b), _mm512_set1_ps(0x1p-20f));
+    /* not finite: NaN compares unordered, inf has |a| = inf */
+    if (_mm512_mask_cmp_ps_mask(live, _mm512_abs_ps(a), _mm512_set1_ps(INFINITY), _CMP_NLT_UQ)) {
+        s->fail[p] = 1;
+        return;
+    }
+    const float low = _mm512_mask_reduce_max_ps(live, _mm512_sub_ps(_mm512_sub_ps(a, b), slack));
+    if (low > s->lo[pm]) s->lo[pm] = low;
+    const __m512 up = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, _mm512_add_ps(_mm512_add_ps(a, b), slack));
+    if (!_mm512_cmp_ps_mask(up, _mm512_set1_ps(s->lo[pm] - s->tiny[m]), _CMP_GE_OQ)) return;
+    if (s->count[pm] == s->cap) {
+        s->fail[p] = 1;
+        return;
+    }
+    const int64_t i = pm * s->cap + s->count[pm]++;
+    s->tiles[i] = (int32_t)t;
+    _mm512_storeu_ps(s->upper + i * 16, up);
+}
+
 /* xq: x as int8 by chunk; xs, xa: the groups' scales and integer sums. */
 static void vrun_tiles(LowbitTileCall *c, int tt, int mb, int64_t t, int64_t m0) {
     const I4VWeight *w = c->w;
@@ -334,7 +362,11 @@ static void vrun_tiles(LowbitTileCall *c, int tt, int mb, int64_t t, int64_t m0)
     const int ahead = tt < 4 && m0 % LOWBIT_ROW_BLOCK == 0;
     vpass(tt, mb, w, t, c->xq, c->M, c->xs, c->xa, m0, c->tot, ahead);
     for (int i = 0; i < tt; i++)
-        for (int m = 0; m < mb; m++) vstore_tile(c->tot + (i * mb + m) * 16, c->y, c->y_bf16, c->ldy, m0 + m, t + i, w->N);
+        for (int m = 0; m < mb; m++) {
+            const float *v = c->tot + (i * mb + m) * 16;
+            if (c->screen) vscreen_tile(c->screen, c->part, v, m0 + m, t + i, w->N);
+            else vstore_tile(v, c->y, c->y_bf16, c->ldy, m0 + m, t + i, w->N);
+        }
 }
 #endif
 
@@ -513,7 +545,7 @@ static void vtile_runs2(int64_t ta, int64_t tb, LowbitTileCall *call) {
 /* Tiles ta..tb-1 of y on this thread (one thread's share of a call, or a part call's): x quantized
    for itself (see int4_dot.c: cheaper than sharing across cores). 0, or -2 when out of memory. */
 static int vshare(const I4VWeight *w, const void *x, int x_bf16, int64_t ldx_in, int64_t M, void *y, int y_bf16, int64_t ldy,
-                  int64_t ta, int64_t tb) {
+                  int64_t ta, int64_t tb, const LowbitScreen *screen, int part) {
     if (ta >= tb) return 0;
     const int64_t G = w->G, C = w->chunks, kp = C * 8;
     /* one block: xq (chunk layout), xs, xa, a row of float32 x, and x's int8 rows */
@@ -537,7 +569,8 @@ static int vshare(const I4VWeight *w, const void *x, int x_bf16, int64_t ldx_in,
         for (int64_t m = 0; m < M; m++) quantize_row(w, x, x_bf16, ldx_in, m, kp, f, rows + m * kp, xs, xa);
 #endif
         lowbit_chunks_by_row(xq, rows, M, C, kp);
-        LowbitTileCall call = {.w = w, .xq = xq, .xs = xs, .xa = xa, .M = M, .ldy = ldy, .y = y, .y_bf16 = y_bf16};
+        LowbitTileCall call = {.w = w, .xq = xq, .xs = xs, .xa = xa, .M = M, .ldy = ldy, .y = y, .y_bf16 = y_bf16,
+                               .screen = screen, .part = part};
 #if HAVE_I4VNNI
         lowbit_tile_runs(ta, tb, vrun_tiles, &call, w->bits == 4 && M >= 8 ? PASS_ROWS4 : MAXMB, 1);
 #else
@@ -562,13 +595,45 @@ int lowbit_i4v_matmul(const I4VWeight *w, const void *x, int x_bf16, int64_t ldx
     const int64_t n_tiles = (w->N + ROWS - 1) / ROWS;
     threads = lowbit_team(threads);
     int64_t ta, tb;
-    if (lowbit_part_share(n_tiles, &ta, &tb)) return vshare(w, x, x_bf16, ldx_in, M, y, y_bf16, ldy, ta, tb);
+    if (lowbit_part_share(n_tiles, &ta, &tb)) return vshare(w, x, x_bf16, ldx_in, M, y, y_bf16, ldy, ta, tb, NULL, 0);
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
         int64_t lo, hi;
         lowbit_thread_share(n_tiles, &lo, &hi);
-        if (vshare(w, x, x_bf16, ldx_in, M, y, y_bf16, ldy, lo, hi) != 0) failed = 1;
+        if (vshare(w, x, x_bf16, ldx_in, M, y, y_bf16, ldy, lo, hi, NULL, 0) != 0) failed = 1;
+    }
+    return failed ? -2 : 0;
+#endif
+}
+
+/* The copy w (8-bit codes: lowbit_i4v_screen8) at x [M, K] float32, its logits screened tile by tile
+   into s (LowbitScreen, lowbit_native.h) instead of stored: s->lo set to -inf and s->count and
+   s->fail to 0 here, for parts up to `threads`; s->parts gets the team's size. Returns 0, -1 without
+   AVX512-VNNI or in a part call, -2 when out of memory. */
+int lowbit_i4v_screen_matmul(const I4VWeight *w, const float *x, int64_t M, LowbitScreen *s, int threads) {
+#if !HAVE_I4VNNI
+    (void)w; (void)x; (void)M; (void)s; (void)threads;
+    return -1;
+#else
+    if (threads < 1 || M != s->M) return -1;
+    const int64_t n_tiles = (w->N + ROWS - 1) / ROWS;
+    for (int64_t i = 0; i < threads * M; i++) s->lo[i] = -INFINITY, s->count[i] = 0;
+    for (int p = 0; p < threads; p++) s->fail[p] = 0;
+    s->parts = 1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t lo, hi;
+        lowbit_thread_share(n_tiles, &lo, &hi);
+#ifdef _OPENMP
+        const int p = omp_get_thread_num();
+#pragma omp single nowait
+        s->parts = omp_get_num_threads();
+#else
+        const int p = 0;
+#endif
+        if (vshare(w, x, 0, w->K, M, NULL, 0, 0, lo, hi, s, p) != 0) failed = 1;
     }
     return failed ? -2 : 0;
 #endif

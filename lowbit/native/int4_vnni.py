@@ -12,6 +12,7 @@ SIGNATURES = {
     "lowbit_i4v_available": [],
     "lowbit_i4v_matmul": [P, P, INT, I64, I64, P, INT, I64, INT],
     "lowbit_i4v_screen8": [P, INT, I64, I64, I64, P, P, P, P, INT],
+    "lowbit_i4v_screen_matmul": [P, P, I64, P, INT],
 }
 
 library = build.binding("int4_vnni", SIGNATURES)

@@ -241,8 +241,31 @@ typedef struct {
     int64_t M, ldy;
     void *y;
     int y_bf16;
+    /* or, instead of storing y, each tile screened (int4_vnni.c: a LowbitScreen and this thread's part) */
+    const void *screen;
+    int part;
     float tot[4 * LOWBIT_PASS_ROWS * 16];
 } LowbitTileCall;
+
+/* A dense head's argmax screened inside its int8 copy's matmul (int4_vnni.c lowbit_i4v_screen_matmul,
+   decode_layers.c screened_argmax): each 16-entry tile's logits a of each row m are set against the
+   bound B = (X2_m err2_v + C_m norm2_v)(1 + 2^-16), never stored. Per part p (a thread's contiguous
+   share of the tiles) and row m: lo = the largest a - B - slack seen (slack = (|a| + B) 2^-20 covers
+   the float32 rounding of a +- B: a lower bound of max_v (e_v) over the part's entries), and the tiles
+   with an entry whose upper bound a + B + slack reaches lo - tiny_m at the time are recorded, with
+   those 16 upper bounds (-inf past N), in ascending order. A tile holding an entry whose exact logit
+   is the largest is then among the records, whatever came after it. */
+typedef struct {
+    const float *err2, *norm2;   /* [N] */
+    const float *x2f, *cf, *tiny; /* [M] */
+    int64_t M, cap;              /* rows; tiles a part and row may record */
+    float *lo;                   /* [parts, M] */
+    int32_t *tiles;              /* [parts, M, cap] */
+    float *upper;                /* [parts, M, cap, 16] */
+    int64_t *count;              /* [parts, M] */
+    int32_t *fail;               /* [parts]: 1 where a logit was not finite or a row had more than cap records */
+    int32_t parts;               /* set by the call: its team's size */
+} LowbitScreen;
 
 /* run(call, tt, mb, t, m0): tiles t..t+tt-1 against x rows m0..m0+mb-1, computed and stored. */
 typedef void (*lowbit_tile_run_fn)(LowbitTileCall *call, int tt, int mb, int64_t t, int64_t m0);

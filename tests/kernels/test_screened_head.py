@@ -95,7 +95,7 @@ def test_the_bound_holds_between_the_copy_and_the_head_kernel(dtype, bf16_x):
 
 @pytest.mark.parametrize("dtype, bf16_x, packed", [(torch.bfloat16, True, True), (torch.bfloat16, True, False),
                                                    (torch.bfloat16, False, False), (torch.float32, False, False)])
-@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
 def test_tokens_are_the_whole_heads_argmax(dtype, bf16_x, packed, m):
     if packed and not cpu_bf16pack.enabled():
         pytest.skip("no packed bf16 kernel here")
@@ -135,7 +135,7 @@ def test_x_that_is_not_finite_or_too_many_rows_defer_to_the_whole_head():
     assert screened_head.argmax(s, head, x) is None
     x[1, 5] = float("inf")
     assert screened_head.argmax(s, head, x) is None
-    assert screened_head.argmax(s, head, _hidden(9, 64, 9)) is None  # beyond the screen's rows
+    assert screened_head.argmax(s, head, _hidden(17, 64, 9)) is None  # beyond the screen's rows
 
 
 def test_all_equal_logits_defer_or_pick_the_first():

@@ -83,7 +83,7 @@ def test_chained_steps_equal_the_model_forward(tiny_float_model, family, weights
     outs = engine.generate(prompts(4), GREEDY)
     # (quantized: rebuilt after the in-place quantization)
     assert engine.runner.chained.chain._keep[0].qkv.struct.kind == KINDS[weights]
-    bf16_fn = kernel_chain._entry(kernel_chain.f32_dot.library(), "lowbit_bf16xw_matmul")
+    bf16_fn = kernel_chain.entry(kernel_chain.f32_dot.library(), "lowbit_bf16xw_matmul")
     assert (engine.runner.chained.chain._keep[0].qkv.struct.fn == bf16_fn) == (weights == "bf16-a16")
     assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
     assert rows and max(rows) > 1  # batched decode rows went through the chain, each checked
