@@ -558,7 +558,7 @@ done:
    worth far less than rescoring those). */
 
 #define SCREEN_BLOCK 16        /* head rows a record covers (one tile of the copy's logits) */
-#define SCREEN_MAX_BLOCKS 2048 /* tiles recorded per row and thread beyond which the step reads the whole head */
+#define SCREEN_MAX_BLOCKS 2048 /* tiles recorded per row and thread; of candidates per row, 16 times that, beyond which the step reads the whole head */
 /* Rows up to which a step screens: the head alone (C calls, real hidden states, 2 Zen 4 cores,
    alternated) took SmolLM2 0.67x, 0.57x and 0.80x the whole head's time at 1, 8 and 16 rows,
    Gemma-3 0.73x, 0.62x, 0.71x (at 16 rows both kernels are compute-bound; the copy's runs at about
@@ -623,12 +623,12 @@ typedef struct {
 } RescoreArgs;
 
 /* A buffer of this thread's that only grows (slot 0: gathered head rows, 1: recorded tiles, 2: their
-   upper bounds, 3: candidates), so a
+   upper bounds, 3: candidates, 4: every tile's largest upper bound), so a
    step neither maps fresh pages for it (glibc maps blocks past 128 KB anew, each page then faulting
    in) nor frees it; NULL when it cannot grow. */
 static void *grown(int slot, size_t bytes) {
-    static __thread void *buf[4];
-    static __thread size_t cap[4];
+    static __thread void *buf[5];
+    static __thread size_t cap[5];
     if (bytes > cap[slot]) {
         void *p = malloc(bytes);
         if (!p) return NULL;
@@ -699,22 +699,26 @@ static int screened_argmax(const ChainLinear *head, const ChainScreen *s, const 
     float *x2f = rowv, *cf = rowv + M, *tiny = rowv + 2 * M;
     for (int64_t r = 0; r < M; r++)
         if (screen_row(s, x + r * K, K, &x2f[r], &cf[r], &tiny[r])) return 1;
-    /* per part and row: lo, count; the records (grown: kept between steps, never mapped afresh) */
+    /* per part and row: lo, count, over; the records and the tiles' upper bounds (grown: kept
+       between steps, never mapped afresh) */
     float lo[SCREEN_MAX_PARTS * SCREEN_MAX_ROWS];
     int64_t count[SCREEN_MAX_PARTS * SCREEN_MAX_ROWS];
-    int32_t fail[SCREEN_MAX_PARTS];
+    int32_t over[SCREEN_MAX_PARTS * SCREEN_MAX_ROWS], fail[SCREEN_MAX_PARTS];
     const int parts = threads < SCREEN_MAX_PARTS ? threads : SCREEN_MAX_PARTS;
+    const int64_t tiles = (V + SCREEN_BLOCK - 1) / SCREEN_BLOCK;
     int32_t *blocks = grown(1, (size_t)(parts * M * cap) * sizeof(int32_t));
     float *upper = grown(2, (size_t)(parts * M * cap * SCREEN_BLOCK) * sizeof(float));
-    if (!blocks || !upper) return -2;
-    LowbitScreen scr = {s->err2, s->norm2, x2f, cf, tiny, M, cap, lo, blocks, upper, count, fail, 0};
+    float *tile_up = grown(4, (size_t)(M * tiles) * sizeof(float));
+    if (!blocks || !upper || !tile_up) return -2;
+    LowbitScreen scr = {s->err2, s->norm2, x2f, cf, tiny, M, cap, lo, blocks, upper, count, over, tile_up, fail, 0};
     int rc = ((screen_matmul_fn)s->screen_fn)(s->approx.w, x, M, &scr, parts);
     if (rc) return rc == -2 ? -2 : 1;
     for (int p = 0; p < scr.parts; p++)
         if (fail[p]) return 1;
-    /* each row's candidates: the entries of its records whose upper bounds reach its final lower
-       bound, in order (parts hold ascending runs of tiles) */
-    const int64_t stride = scr.parts * cap * SCREEN_BLOCK;
+    /* each row's candidates, in order (parts hold ascending runs of tiles): the entries of its records
+       whose upper bounds reach its final lower bound, or where a part ran out of records, every entry
+       of the part's tiles whose largest upper bound does; past `stride` of them, the whole head */
+    const int64_t stride = SCREEN_MAX_BLOCKS * SCREEN_BLOCK;
     int32_t *ids = grown(3, (size_t)(M * stride) * sizeof(int32_t));
     if (!ids) return -2;
     int64_t n_ids[SCREEN_MAX_ROWS];
@@ -723,15 +727,26 @@ static int screened_argmax(const ChainLinear *head, const ChainScreen *s, const 
         for (int p = 0; p < scr.parts; p++) thr = lo[p * M + r] > thr ? lo[p * M + r] : thr;
         thr -= tiny[r];
         if (!(thr > -INFINITY)) return 1; /* no finite bound (a weight's table not finite) */
-        n_ids[r] = 0;
+        int32_t *out = ids + r * stride;
+        int64_t n = 0;
         for (int p = 0; p < scr.parts; p++) {
             const int64_t pr = p * M + r;
+            if (over[pr]) { /* the part's tiles as lowbit_thread_share gave them to it */
+                for (int64_t t = tiles * p / scr.parts; t < tiles * (p + 1) / scr.parts; t++) {
+                    if (!(tile_up[r * tiles + t] >= thr)) continue;
+                    if (n + SCREEN_BLOCK > stride) return 1;
+                    for (int64_t v = t * SCREEN_BLOCK; v < (t + 1) * SCREEN_BLOCK && v < V; v++) out[n++] = (int32_t)v;
+                }
+                continue;
+            }
             for (int64_t i = 0; i < count[pr]; i++) {
                 const float *u = upper + (pr * cap + i) * SCREEN_BLOCK;
+                if (n + SCREEN_BLOCK > stride) return 1;
                 for (int l = 0; l < SCREEN_BLOCK; l++)
-                    if (u[l] >= thr) ids[r * stride + n_ids[r]++] = blocks[pr * cap + i] * SCREEN_BLOCK + l;
+                    if (u[l] >= thr) out[n++] = blocks[pr * cap + i] * SCREEN_BLOCK + l;
             }
         }
+        n_ids[r] = n;
     }
     /* the exact logits of each row's candidates, and the first largest */
     const RescoreArgs args = {head, s, x, K, ids, stride, n_ids, tokens};

@@ -327,10 +327,11 @@ static inline void vstore_tile(const float *v, void *y, int y_bf16, int64_t ldy,
     }
 }
 
-/* Tile t's logits v of row m screened (LowbitScreen, lowbit_native.h) for part p: lo raised, the
-   tile recorded where an entry's upper bound reaches lo - tiny. */
+/* Tile t's logits v of row m screened (LowbitScreen, lowbit_native.h) for part p: its lower bound
+   raised, its tile_up set, the tile recorded where an entry's upper bound reaches the parts' best
+   lower bound - tiny. The parts' lo are read and written relaxed: any value read is a lower bound. */
 static void vscreen_tile(const LowbitScreen *s, int p, const float *v, int64_t m, int64_t t, int64_t N) {
-    const int64_t n0 = t * ROWS, pm = p * s->M + m;
+    const int64_t n0 = t * ROWS, pm = p * s->M + m, tiles = (N + ROWS - 1) / ROWS;
     const __mmask16 live = lowbit_lanes(N - n0);
     const __m512 a = _mm512_loadu_ps(v);
     const __m512 b = _mm512_mul_ps(_mm512_fmadd_ps(_mm512_set1_ps(s->x2f[m]), _mm512_maskz_loadu_ps(live, s->err2 + n0),
@@ -343,11 +344,21 @@ static void vscreen_tile(const LowbitScreen *s, int p, const float *v, int64_t m
         return;
     }
     const float low = _mm512_mask_reduce_max_ps(live, _mm512_sub_ps(_mm512_sub_ps(a, b), slack));
-    if (low > s->lo[pm]) s->lo[pm] = low;
+    float own;
+    __atomic_load(&s->lo[pm], &own, __ATOMIC_RELAXED);
+    if (low > own) __atomic_store(&s->lo[pm], &low, __ATOMIC_RELAXED), own = low;
+    float bound = own;
+    for (int q = 0; q < s->parts; q++) {
+        float o;
+        __atomic_load(&s->lo[q * s->M + m], &o, __ATOMIC_RELAXED);
+        bound = o > bound ? o : bound;
+    }
     const __m512 up = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, _mm512_add_ps(_mm512_add_ps(a, b), slack));
-    if (!_mm512_cmp_ps_mask(up, _mm512_set1_ps(s->lo[pm] - s->tiny[m]), _CMP_GE_OQ)) return;
+    const float top = _mm512_reduce_max_ps(up);
+    s->tile_up[m * tiles + t] = top;
+    if (!(top >= bound - s->tiny[m]) || s->over[pm]) return;
     if (s->count[pm] == s->cap) {
-        s->fail[p] = 1;
+        s->over[pm] = 1;
         return;
     }
     const int64_t i = pm * s->cap + s->count[pm]++;
@@ -618,23 +629,23 @@ int lowbit_i4v_screen_matmul(const I4VWeight *w, const float *x, int64_t M, Lowb
 #else
     if (threads < 1 || M != s->M) return -1;
     const int64_t n_tiles = (w->N + ROWS - 1) / ROWS;
-    for (int64_t i = 0; i < threads * M; i++) s->lo[i] = -INFINITY, s->count[i] = 0;
+    for (int64_t i = 0; i < threads * M; i++) s->lo[i] = -INFINITY, s->count[i] = 0, s->over[i] = 0;
     for (int p = 0; p < threads; p++) s->fail[p] = 0;
-    s->parts = 1;
-    int failed = 0;
+    s->parts = threads; /* the parts' lo read (all -inf until written) until the team's size is known */
+    int failed = 0, team = 1;
 #pragma omp parallel num_threads(threads)
     {
         int64_t lo, hi;
         lowbit_thread_share(n_tiles, &lo, &hi);
 #ifdef _OPENMP
         const int p = omp_get_thread_num();
-#pragma omp single nowait
-        s->parts = omp_get_num_threads();
+        if (p == 0) team = omp_get_num_threads();
 #else
         const int p = 0;
 #endif
         if (vshare(w, x, 0, w->K, M, NULL, 0, 0, lo, hi, s, p) != 0) failed = 1;
     }
+    s->parts = team;
     return failed ? -2 : 0;
 #endif
 }

@@ -249,12 +249,15 @@ typedef struct {
 
 /* A dense head's argmax screened inside its int8 copy's matmul (int4_vnni.c lowbit_i4v_screen_matmul,
    decode_layers.c screened_argmax): each 16-entry tile's logits a of each row m are set against the
-   bound B = (X2_m err2_v + C_m norm2_v)(1 + 2^-16), never stored. Per part p (a thread's contiguous
-   share of the tiles) and row m: lo = the largest a - B - slack seen (slack = (|a| + B) 2^-20 covers
-   the float32 rounding of a +- B: a lower bound of max_v (e_v) over the part's entries), and the tiles
-   with an entry whose upper bound a + B + slack reaches lo - tiny_m at the time are recorded, with
-   those 16 upper bounds (-inf past N), in ascending order. A tile holding an entry whose exact logit
-   is the largest is then among the records, whatever came after it. */
+   bound B = (X2_m err2_v + C_m norm2_v)(1 + 2^-16), never stored. Each entry's lower bound a - B -
+   slack and upper bound a + B + slack (slack = (|a| + B) 2^-20 covers the float32 rounding of a +- B)
+   bracket its exact logit e_v, so any lower bound seen is one of max_v e_v. Per part p (a thread's
+   contiguous share of the tiles, lowbit_thread_share's) and row m: lo = the largest lower bound seen
+   (each part reads the others' too); every tile's largest upper bound into tile_up; and the tiles
+   whose largest upper bound reaches (the largest lo) - tiny_m at the time are recorded with their 16
+   upper bounds (-inf past N), in ascending order, up to cap (then `over` is set and the tile_up of
+   the part's tiles stands in for its records). The bounds only rise, so a tile holding an entry
+   whose exact logit is the largest is among the records (or the tile_up) whatever came after it. */
 typedef struct {
     const float *err2, *norm2;   /* [N] */
     const float *x2f, *cf, *tiny; /* [M] */
@@ -263,7 +266,9 @@ typedef struct {
     int32_t *tiles;              /* [parts, M, cap] */
     float *upper;                /* [parts, M, cap, 16] */
     int64_t *count;              /* [parts, M] */
-    int32_t *fail;               /* [parts]: 1 where a logit was not finite or a row had more than cap records */
+    int32_t *over;               /* [parts, M]: 1 where a row had more than cap tiles to record */
+    float *tile_up;              /* [M, ceil(N / 16)] */
+    int32_t *fail;               /* [parts]: 1 where a logit was not finite */
     int32_t parts;               /* set by the call: its team's size */
 } LowbitScreen;
 

@@ -150,3 +150,29 @@ def test_build_declines_what_it_cannot_screen():
     assert screened_head.build(torch.zeros(64, 48), False) is None  # K not a multiple of 32
     assert screened_head.build(torch.zeros(64, 64, dtype=torch.float16), False) is None
     assert screened_head.build(torch.zeros(64, 128)[:, :64], False) is None  # not contiguous
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_run_of_near_equal_rows_past_the_records_falls_back_to_the_tiles_bounds(threads):
+    """40000 equal rows first (every tile of them reaches the running bound, so a thread's records
+    run out: 2048 tiles) and the winner near the end: the token still comes out of the screen,
+    from the tiles' upper bounds, and matches the whole head."""
+    v, k = 70000, 64
+    w = _head(v, k, 11)
+    x = _hidden(2, k, 12)
+    w[:40000] = (x[0] * 0.001).bfloat16()
+    w[69990] = (x[0] * 0.02).bfloat16()  # row 0's clear winner
+    w[65000] = (x[1] * 0.02).bfloat16()  # row 1's
+    s, head = _screen(w, True)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = screened_head.argmax(s, head, x)
+        assert got is not None and got.tolist() == [69990, 65000]
+        assert torch.equal(got, _kernel_logits(w, x, True).argmax(dim=1))
+        w2 = w.clone()
+        w2[:] = w[0]  # all equal: every row a candidate, more than the screen rescores
+        s2, head2 = _screen(w2, True)
+        assert screened_head.argmax(s2, head2, x) is None
+    finally:
+        torch.set_num_threads(old)
