@@ -8,8 +8,10 @@ peak RSS, VmHWM); with --url it drives a server that is already running (--pid f
 Each client loops: one streaming /v1/completions request (greedy, ignore_eos, --max-tokens
 tokens, its own prompt) after another until the time is up; requests still open then are
 finished, not counted in the time. Reports per N: requests/s, aggregate output tok/s, p50/p99
-time to first token and inter-token latency (gap between streamed chunks, divided by the
-tokens they carry), errors (must be 0).
+time to first token, inter-token latency (per request, guidellm's: the time from its first token to
+its last over the tokens after the first) and the gap between streamed chunks (a chunk carries
+every token a step or a several-step call made for the request, so several at once when the
+server batches steps), errors (must be 0).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class ClientStats:
     errors: int = 0
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)
     messages: list[str] = field(default_factory=list)
 
 
@@ -63,7 +66,8 @@ def one_request(host: str, port: int, model: str, prompt: str, max_tokens: int, 
         response = conn.getresponse()
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
-        last, tokens, done = None, 0, False
+        first = last = None
+        tokens, done = 0, False
         for raw in response:
             line = raw.decode().strip()
             if not line.startswith("data: "):
@@ -81,11 +85,14 @@ def one_request(host: str, port: int, model: str, prompt: str, max_tokens: int, 
                 now = time.perf_counter()
                 if last is None:
                     stats.ttft.append(now - start)
+                    first = now
                 else:
-                    stats.itl.append(now - last)
+                    stats.gaps.append(now - last)
                 last = now
         if not done or tokens != max_tokens:
             raise RuntimeError(f"stream ended early ({tokens} of {max_tokens} tokens)")
+        if tokens > 1 and first is not None:
+            stats.itl.append((last - first) / (tokens - 1))
         stats.requests += 1
         stats.tokens += tokens
     except Exception as exc:  # noqa: BLE001 - every failure is counted and shown
@@ -115,6 +122,7 @@ def run_level(host: str, port: int, model: str, clients: int, seconds: float, ma
     elapsed = time.perf_counter() - start
     ttft = sorted(x for s in stats for x in s.ttft)
     itl = sorted(x for s in stats for x in s.itl)
+    gaps = sorted(x for s in stats for x in s.gaps)
     requests = sum(s.requests for s in stats)
     tokens = sum(s.tokens for s in stats)
     return {
@@ -122,6 +130,7 @@ def run_level(host: str, port: int, model: str, clients: int, seconds: float, ma
         "requests_per_s": requests / elapsed, "output_tok_per_s": tokens / elapsed,
         "ttft_p50_ms": 1000 * pct(ttft, 50), "ttft_p99_ms": 1000 * pct(ttft, 99),
         "itl_p50_ms": 1000 * pct(itl, 50), "itl_p99_ms": 1000 * pct(itl, 99),
+        "chunk_gap_p50_ms": 1000 * pct(gaps, 50), "chunk_gap_p99_ms": 1000 * pct(gaps, 99),
         "errors": sum(s.errors for s in stats), "error_messages": [m for s in stats for m in s.messages][:5],
     }
 
@@ -185,6 +194,7 @@ def main() -> None:
                 print(f"{n:>3} clients: {level['requests_per_s']:.2f} req/s, {level['output_tok_per_s']:.1f} tok/s, "
                       f"TTFT p50 {level['ttft_p50_ms']:.0f} ms p99 {level['ttft_p99_ms']:.0f} ms, "
                       f"ITL p50 {level['itl_p50_ms']:.1f} ms p99 {level['itl_p99_ms']:.1f} ms, "
+                      f"chunk gap p50 {level['chunk_gap_p50_ms']:.1f} ms p99 {level['chunk_gap_p99_ms']:.1f} ms, "
                       f"errors {level['errors']}", file=sys.stderr, flush=True)
         result = {"url": url, "model": model, "max_tokens": args.max_tokens, "seconds_per_level": args.seconds,
                   "levels": levels, "server_peak_rss_mib": peak_rss_mib(pid),
@@ -200,11 +210,13 @@ def main() -> None:
 
 
 def print_table(result: dict) -> None:
-    print("| clients | req/s | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | errors |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| clients | req/s | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | chunk gap p50 ms "
+          "| chunk gap p99 ms | errors |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for lv in result["levels"]:
         print(f"| {lv['clients']} | {lv['requests_per_s']:.2f} | {lv['output_tok_per_s']:.1f} | {lv['ttft_p50_ms']:.0f} "
-              f"| {lv['ttft_p99_ms']:.0f} | {lv['itl_p50_ms']:.1f} | {lv['itl_p99_ms']:.1f} | {lv['errors']} |")
+              f"| {lv['ttft_p99_ms']:.0f} | {lv['itl_p50_ms']:.1f} | {lv['itl_p99_ms']:.1f} | {lv['chunk_gap_p50_ms']:.1f} "
+              f"| {lv['chunk_gap_p99_ms']:.1f} | {lv['errors']} |")
     rss = result["server_peak_rss_mib"]
     print(f"\nserver peak RSS: {f'{rss:.0f} MiB' if rss else 'unknown'}; "
           f"load average {', '.join(f'{x:.1f}' for x in result['load_average'])}")
