@@ -553,8 +553,9 @@ static void vtile_runs2(int64_t ta, int64_t tb, LowbitTileCall *call) {
 #endif
 
 #if HAVE_I4VNNI || HAVE_I4AVX2
-/* Tiles ta..tb-1 of y on this thread (one thread's share of a call, or a part call's): x quantized
-   for itself (see int4_dot.c: cheaper than sharing across cores). 0, or -2 when out of memory. */
+/* Tiles ta..tb-1 of y on this thread (one thread's share of a call, or a part call's), or with
+   `screen` those tiles screened as part `part` (lowbit_i4v_screen_matmul): x quantized for itself
+   (see int4_dot.c: cheaper than sharing across cores). 0, or -2 when out of memory. */
 static int vshare(const I4VWeight *w, const void *x, int x_bf16, int64_t ldx_in, int64_t M, void *y, int y_bf16, int64_t ldy,
                   int64_t ta, int64_t tb, const LowbitScreen *screen, int part) {
     if (ta >= tb) return 0;
@@ -619,8 +620,8 @@ int lowbit_i4v_matmul(const I4VWeight *w, const void *x, int x_bf16, int64_t ldx
 }
 
 /* The copy w (8-bit codes: lowbit_i4v_screen8) at x [M, K] float32, its logits screened tile by tile
-   into s (LowbitScreen, lowbit_native.h) instead of stored: s->lo set to -inf and s->count and
-   s->fail to 0 here, for parts up to `threads`; s->parts gets the team's size. Returns 0, -1 without
+   into s (LowbitScreen, lowbit_native.h) instead of stored: s->lo set to -inf and s->count, s->over
+   and s->fail to 0 here, for parts up to `threads`; s->parts gets the team's size. Returns 0, -1 without
    AVX512-VNNI or in a part call, -2 when out of memory. */
 int lowbit_i4v_screen_matmul(const I4VWeight *w, const float *x, int64_t M, LowbitScreen *s, int threads) {
 #if !HAVE_I4VNNI
