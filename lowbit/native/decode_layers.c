@@ -558,7 +558,9 @@ done:
    worth far less than rescoring those). */
 
 #define SCREEN_BLOCK 16        /* head rows a record covers (one tile of the copy's logits) */
-#define SCREEN_MAX_BLOCKS 2048 /* tiles recorded per row and thread; of candidates per row, 16 times that, beyond which the step reads the whole head */
+/* tiles recorded per row and thread; candidates per row: 16 times that, beyond which the step reads
+   the whole head */
+#define SCREEN_MAX_BLOCKS 2048
 /* Rows up to which a step screens: the head alone (C calls, real hidden states, 2 Zen 4 cores,
    alternated) took SmolLM2 0.67x, 0.57x and 0.80x the whole head's time at 1, 8 and 16 rows,
    Gemma-3 0.73x, 0.62x, 0.71x (at 16 rows both kernels are compute-bound; the copy's runs at about
@@ -567,7 +569,7 @@ done:
 #define SCREEN_MAX_PARTS 64 /* threads the screen's matmul runs on (more: the first 64) */
 
 typedef struct {
-    ChainLinear approx;        /* the int8 copy (LINEAR_INT4: lowbit_i4v_matmul, 8-bit codes) */
+    ChainLinear approx;        /* the int8 copy (8-bit codes; its w, an I4VWeight, is what screen_fn reads) */
     const float *err2, *norm2; /* [V] */
     int32_t x_bf16;            /* the head's kernel rounds x to bf16 first (lowbit_bf16xw / bf16pxw) */
     int32_t w_bytes;           /* bytes of one head weight: 2 (bf16) or 4 (float32) */
@@ -706,11 +708,11 @@ static int screened_argmax(const ChainLinear *head, const ChainScreen *s, const 
     int32_t over[SCREEN_MAX_PARTS * SCREEN_MAX_ROWS], fail[SCREEN_MAX_PARTS];
     const int parts = threads < SCREEN_MAX_PARTS ? threads : SCREEN_MAX_PARTS;
     const int64_t tiles = (V + SCREEN_BLOCK - 1) / SCREEN_BLOCK;
-    int32_t *blocks = grown(1, (size_t)(parts * M * cap) * sizeof(int32_t));
+    int32_t *recorded = grown(1, (size_t)(parts * M * cap) * sizeof(int32_t));
     float *upper = grown(2, (size_t)(parts * M * cap * SCREEN_BLOCK) * sizeof(float));
     float *tile_up = grown(4, (size_t)(M * tiles) * sizeof(float));
-    if (!blocks || !upper || !tile_up) return -2;
-    LowbitScreen scr = {s->err2, s->norm2, x2f, cf, tiny, M, cap, lo, blocks, upper, count, over, tile_up, fail, 0};
+    if (!recorded || !upper || !tile_up) return -2;
+    LowbitScreen scr = {s->err2, s->norm2, x2f, cf, tiny, M, cap, lo, recorded, upper, count, over, tile_up, fail, 0};
     int rc = ((screen_matmul_fn)s->screen_fn)(s->approx.w, x, M, &scr, parts);
     if (rc) return rc == -2 ? -2 : 1;
     for (int p = 0; p < scr.parts; p++)
@@ -731,8 +733,10 @@ static int screened_argmax(const ChainLinear *head, const ChainScreen *s, const 
         int64_t n = 0;
         for (int p = 0; p < scr.parts; p++) {
             const int64_t pr = p * M + r;
-            if (over[pr]) { /* the part's tiles as lowbit_thread_share gave them to it */
-                for (int64_t t = tiles * p / scr.parts; t < tiles * (p + 1) / scr.parts; t++) {
+            if (over[pr]) { /* the part's tiles, as lowbit_thread_share gave them to it */
+                int64_t t0, t1;
+                lowbit_share(tiles, p, scr.parts, &t0, &t1);
+                for (int64_t t = t0; t < t1; t++) {
                     if (!(tile_up[r * tiles + t] >= thr)) continue;
                     if (n + SCREEN_BLOCK > stride) return 1;
                     for (int64_t v = t * SCREEN_BLOCK; v < (t + 1) * SCREEN_BLOCK && v < V; v++) out[n++] = (int32_t)v;
@@ -743,7 +747,7 @@ static int screened_argmax(const ChainLinear *head, const ChainScreen *s, const 
                 const float *u = upper + (pr * cap + i) * SCREEN_BLOCK;
                 if (n + SCREEN_BLOCK > stride) return 1;
                 for (int l = 0; l < SCREEN_BLOCK; l++)
-                    if (u[l] >= thr) out[n++] = blocks[pr * cap + i] * SCREEN_BLOCK + l;
+                    if (u[l] >= thr) out[n++] = recorded[pr * cap + i] * SCREEN_BLOCK + l;
             }
         }
         n_ids[r] = n;

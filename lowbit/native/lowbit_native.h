@@ -181,22 +181,25 @@ static inline __attribute__((unused)) int lowbit_team(int threads) {
 
 /* In a part call (noted by lowbit_team on this thread): its share [*lo, *hi) of total items, and 1;
    else 0. */
+/* Share `id` of `n`, contiguous, of total items: [*lo, *hi). Every split below is this one. */
+static inline void lowbit_share(int64_t total, int64_t id, int64_t n, int64_t *lo, int64_t *hi) {
+    *lo = total * id / n;
+    *hi = total * (id + 1) / n;
+}
+
 static inline int lowbit_part_share(int64_t total, int64_t *lo, int64_t *hi) {
     if (!lowbit_part_count) return 0;
-    *lo = total * lowbit_part_id / lowbit_part_count;
-    *hi = total * (lowbit_part_id + 1) / lowbit_part_count;
+    lowbit_share(total, lowbit_part_id, lowbit_part_count, lo, hi);
     return 1;
 }
 
 /* Inside an OpenMP parallel region: this thread's contiguous share [*lo, *hi) of total items. */
 static inline void lowbit_thread_share(int64_t total, int64_t *lo, int64_t *hi) {
 #ifdef _OPENMP
-    const int64_t nth = omp_get_num_threads(), id = omp_get_thread_num();
+    lowbit_share(total, omp_get_thread_num(), omp_get_num_threads(), lo, hi);
 #else
-    const int64_t nth = 1, id = 0;
+    lowbit_share(total, 0, 1, lo, hi);
 #endif
-    *lo = total * id / nth;
-    *hi = total * (id + 1) / nth;
 }
 
 /* fn(args, lo, hi) computes items lo..hi-1, each alone (its result does not depend on the others). */
