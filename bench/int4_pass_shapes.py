@@ -10,7 +10,7 @@ the engine's part calls and barriers) compiled both ways with the machine's own 
 builds alternated `--rounds` times, at each row count from cache (one layer) and from memory (30
 layers), best of each round's repetitions. A ratio above 1 favours the default.
 
-    python bench/int4_pass_shapes.py [--rows 8,16,64] [--group 32] [--rounds 3] [--json]
+    python bench/int4_pass_shapes.py [--rows 8,16,64] [--groups 32,64] [--rounds 3] [--json]
 
 Needs gcc and a CPU with AVX512-VNNI (elsewhere the kernel takes its AVX2 section, which has its
 own pass sizes).
@@ -57,11 +57,14 @@ def run(binary: Path, rows: int, layers: int, group: int) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="8,16,64", help="comma-separated row counts (8 or more: the shapes differ there)")
-    ap.add_argument("--group", type=int, default=32, choices=(32, 64, 128))
+    ap.add_argument("--groups", default="32", help="comma-separated weight group sizes (32, 64, 128)")
     ap.add_argument("--rounds", type=int, default=3, help="alternations of the two builds")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
+    groups = [int(g) for g in args.groups.split(",")]
+    if any(g not in (32, 64, 128) for g in groups):
+        raise SystemExit("--groups: each one of 32, 64, 128")
     if any(r < 8 for r in rows):
         raise SystemExit("--rows: 8 or more (below 8 both builds run the same passes)")
     if shutil.which("gcc") is None:
@@ -70,28 +73,30 @@ def main() -> int:
         raise SystemExit("this CPU has no AVX512-VNNI: the int4 kernel takes its AVX2 section, whose passes differ")
     with tempfile.TemporaryDirectory() as tmp:
         binaries = {p: build(p, Path(tmp)) for p in SHAPES}
-        best: dict[tuple[int, int, int], float] = {}
+        best: dict[tuple[int, int, int, int], float] = {}
         for _ in range(args.rounds):
-            for r in rows:
-                for layers in (1, 30):
-                    for p, binary in binaries.items():
-                        t = run(binary, r, layers, args.group)
-                        best[(p, r, layers)] = min(t, best.get((p, r, layers), float("inf")))
+            for g in groups:
+                for r in rows:
+                    for layers in (1, 30):
+                        for p, binary in binaries.items():
+                            t = run(binary, r, layers, g)
+                            best[(p, g, r, layers)] = min(t, best.get((p, g, r, layers), float("inf")))
     table = []
-    for r in rows:
-        for layers in (1, 30):
-            new, old = best[(4, r, layers)], best[(8, r, layers)]
-            table.append({"rows": r, "layers": layers, "from": "cache" if layers == 1 else "memory",
-                          "ms_4x2": round(new, 4), "ms_8x1": round(old, 4), "ratio": round(old / new, 3),
-                          "gmac_s_4x2": round(WORK_MACS * layers * r / new / 1e6, 1)})
+    for g in groups:
+        for r in rows:
+            for layers in (1, 30):
+                new, old = best[(4, g, r, layers)], best[(8, g, r, layers)]
+                table.append({"group": g, "rows": r, "layers": layers, "from": "cache" if layers == 1 else "memory",
+                              "ms_4x2": round(new, 4), "ms_8x1": round(old, 4), "ratio": round(old / new, 3),
+                              "gmac_s_4x2": round(WORK_MACS * layers * r / new / 1e6, 1)})
     result = {"script": "bench/int4_pass_shapes.py", "date": time.strftime("%Y-%m-%d %H:%M"), "machine": describe(),
-              "group": args.group, "rounds": args.rounds, "rows": table}
+              "groups": groups, "rounds": args.rounds, "rows": table}
     path = results_file("int4_pass_shapes")
     if save_results(path, result, args.json):
         return 0
-    print(f"{result['machine']}, int4 g{args.group}, best of {args.rounds} alternated rounds ({path.name})")
-    print_table(["rows", "layers from", "4 rows x 2 tiles ms", "8 rows x 1 tile ms", "8x1 ÷ 4x2", "G multiply-adds/s (4x2)"],
-                [[str(r["rows"]), r["from"], f"{r['ms_4x2']:.3f}", f"{r['ms_8x1']:.3f}", f"{r['ratio']:.2f}×", str(r["gmac_s_4x2"])]
+    print(f"{result['machine']}, int4, best of {args.rounds} alternated rounds ({path.name})")
+    print_table(["group", "rows", "layers from", "4 rows x 2 tiles ms", "8 rows x 1 tile ms", "8x1 ÷ 4x2", "G multiply-adds/s (4x2)"],
+                [[str(r["group"]), str(r["rows"]), r["from"], f"{r['ms_4x2']:.3f}", f"{r['ms_8x1']:.3f}", f"{r['ratio']:.2f}×", str(r["gmac_s_4x2"])]
                  for r in table])
     return 0
 

@@ -29,3 +29,10 @@ def test_rows_below_eight_are_refused(monkeypatch, capsys):
     monkeypatch.setattr("sys.argv", ["int4_pass_shapes.py", "--rows", "4,16"])
     with pytest.raises(SystemExit, match="8 or more"):
         script.main()
+
+
+def test_groups_other_than_32_64_128_are_refused(monkeypatch):
+    script = load_bench("int4_pass_shapes")
+    monkeypatch.setattr("sys.argv", ["int4_pass_shapes.py", "--rows", "8", "--groups", "32,48"])
+    with pytest.raises(SystemExit, match="--groups"):
+        script.main()
