@@ -6,8 +6,9 @@ not the logits. The copy (8-bit codes in groups of 32, float16 scales: int4_vnni
 in one C pass by lowbit_i4v_screen8) gives every logit to within a bound the C side computes per
 row and vocabulary entry, screened inside the copy's matmul (int4_vnni.c lowbit_i4v_screen_matmul);
 only the head rows whose bound reaches the best go through the head's own kernel, so the chosen
-token is the one the whole head would give, ties included. Up to 16 rows; where the screen cannot
-decide (x not finite, too many candidates) the step reads the whole head.
+token is the one the whole head would give, ties included. Any number of rows, in passes of up to
+64; where the screen cannot decide (x not finite, too many candidates) the step reads the whole
+head.
 
 `build(weight, x_bf16)` makes the copy of a dense head weight as InvariantLinear runs it (x_bf16:
 its rows of x rounded to bf16 first), or returns None where the screen does not apply (no

@@ -561,11 +561,14 @@ done:
 /* tiles recorded per row and thread; candidates per row: 16 times that, beyond which the step reads
    the whole head */
 #define SCREEN_MAX_BLOCKS 2048
-/* Rows up to which a step screens: the head alone (C calls, real hidden states, 2 Zen 4 cores,
-   alternated) took SmolLM2 0.67x, 0.57x and 0.80x the whole head's time at 1, 8 and 16 rows,
-   Gemma-3 0.73x, 0.62x, 0.71x (at 16 rows both kernels are compute-bound; the copy's runs at about
-   half of `vpdpbusd`'s peak). Beyond 16 the step buffers above would grow. */
-#define SCREEN_MAX_ROWS 16
+/* Rows one screen pass takes; a step of more screens them in passes of this many (each pass reads
+   the copy again: compute-bound from 16 rows on, so that costs little). The head alone (C calls,
+   real hidden states, 2 Zen 4 cores, alternated) took SmolLM2 0.67x, 0.57x and 0.80x the whole
+   head's time at 1, 8 and 16 rows, Gemma-3 0.73x, 0.62x, 0.71x; at 16 / 32 / 64 rows (2026-12-06,
+   the same tokens at every position) SmolLM2 0.72x / 0.72x / 0.68x, Gemma-3 0.68x / 0.49x / 0.51x
+   (its whole head at 64 rows 99.5 ms, screened 51.1: the bf16 kernel's 64 rows read the weight
+   more than once). Where the screen had stopped at 16 rows, 17 or more read the whole head. */
+#define SCREEN_MAX_ROWS 64
 #define SCREEN_MAX_PARTS 64 /* threads the screen's matmul runs on (more: the first 64) */
 
 typedef struct {
@@ -685,18 +688,15 @@ static int rescore_row(const RescoreArgs *a, int64_t r) {
     return 0;
 }
 
-/* Each row's greedy argmax of `head` (dense, no bias) at x [M, K] into tokens, through screen `s`:
+/* Each row's greedy argmax of `head` (dense, no bias) at x [M, K], M <= SCREEN_MAX_ROWS, into tokens, through screen `s`:
    the copy's matmul screens its logits as it makes them (lowbit_i4v_screen_matmul: each part's
    lower bound of the best logit and its recorded tiles), the records below the rows' final bounds
    are dropped, and the rest go through the head's own kernel. 0; 1 where the screen cannot decide (x
    or the copy's logits not finite, too many candidates: the caller runs the whole head); else a
    kernel's code. */
-static int screened_argmax(const ChainLinear *head, const ChainScreen *s, const float *x, int64_t M, int64_t *tokens,
-                           int threads) {
+static int screen_pass(const ChainLinear *head, const ChainScreen *s, const float *x, int64_t M, int64_t *tokens,
+                       int threads) {
     const int64_t V = head->n, K = head->k, cap = SCREEN_MAX_BLOCKS;
-    if (head->kind != LINEAR_DENSE || head->bias || s->approx.n != V || s->approx.k != K || M <= 0 || M > SCREEN_MAX_ROWS ||
-        !s->screen_fn || threads < 1)
-        return 1;
     float rowv[3 * SCREEN_MAX_ROWS];
     float *x2f = rowv, *cf = rowv + M, *tiny = rowv + 2 * M;
     for (int64_t r = 0; r < M; r++)
@@ -758,6 +758,21 @@ static int screened_argmax(const ChainLinear *head, const ChainScreen *s, const 
 #pragma omp parallel for num_threads(threads) schedule(dynamic) if (M > 1 && threads > 1) reduction(| : failed)
     for (int64_t r = 0; r < M; r++) failed |= rescore_row(&args, r);
     return failed;
+}
+
+/* screen_pass over M rows in passes of up to SCREEN_MAX_ROWS; 1 as soon as one pass cannot decide
+   (the caller reads the whole head for every row). */
+static int screened_argmax(const ChainLinear *head, const ChainScreen *s, const float *x, int64_t M, int64_t *tokens,
+                           int threads) {
+    if (head->kind != LINEAR_DENSE || head->bias || s->approx.n != head->n || s->approx.k != head->k || M <= 0 ||
+        !s->screen_fn || threads < 1)
+        return 1;
+    for (int64_t r0 = 0; r0 < M; r0 += SCREEN_MAX_ROWS) {
+        const int64_t rows = M - r0 < SCREEN_MAX_ROWS ? M - r0 : SCREEN_MAX_ROWS;
+        const int rc = screen_pass(head, s, x + r0 * head->k, rows, tokens + r0, threads);
+        if (rc) return rc;
+    }
+    return 0;
 }
 
 /* screen_row's three numbers for row x [K] into out (tests hold them against the formula); -1 for x

@@ -95,7 +95,7 @@ def test_the_bound_holds_between_the_copy_and_the_head_kernel(dtype, bf16_x):
 
 @pytest.mark.parametrize("dtype, bf16_x, packed", [(torch.bfloat16, True, True), (torch.bfloat16, True, False),
                                                    (torch.bfloat16, False, False), (torch.float32, False, False)])
-@pytest.mark.parametrize("m", [1, 3, 8, 16])
+@pytest.mark.parametrize("m", [1, 3, 8, 16, 64, 70])  # 70: a pass of 64 rows, then one of 6
 def test_tokens_are_the_whole_heads_argmax(dtype, bf16_x, packed, m):
     if packed and not cpu_bf16pack.enabled():
         pytest.skip("no packed bf16 kernel here")
@@ -127,7 +127,7 @@ def test_ties_and_near_ties_pick_the_first_index():
     assert int(got[0]) in (700, 1200)  # whichever of the two near-equal rows the kernel ranks first
 
 
-def test_x_that_is_not_finite_or_too_many_rows_defer_to_the_whole_head():
+def test_x_that_is_not_finite_defers_to_the_whole_head():
     w = _head(512, 64, 7)
     s, head = _screen(w, True)
     x = _hidden(2, 64, 8)
@@ -135,7 +135,10 @@ def test_x_that_is_not_finite_or_too_many_rows_defer_to_the_whole_head():
     assert screened_head.argmax(s, head, x) is None
     x[1, 5] = float("inf")
     assert screened_head.argmax(s, head, x) is None
-    assert screened_head.argmax(s, head, _hidden(17, 64, 9)) is None  # beyond the screen's rows
+    # in a later pass of rows (the first 64 screen, row 100 is not finite): the whole head for all
+    x = _hidden(130, 64, 9)
+    x[100, 3] = float("nan")
+    assert screened_head.argmax(s, head, x) is None
 
 
 def test_all_equal_logits_defer_or_pick_the_first():
