@@ -117,7 +117,9 @@ int lowbit_i4v_available(void) { return HAVE_I4VNNI ? 1 : HAVE_I4AVX2 ? 2 : 0; }
    rows 4.3 -> 3.2-3.3 ms, at 16 rows 9.2 -> 7.5-7.8; int8-g32 at 5 rows 5.9-6.2 -> 5.1-5.3, at 16 rows
    9.9-10.4 -> 8.8-9.3. (Prefetching the current group's four lines ahead in the first pass alone, the
    whole group's read in an eighth of the time at 16 rows, had got int4 to 7.1-8.3 ms at 16 rows and did
-   not add to this.) */
+   not add to this.) Those weights were not on huge pages (bench/int4_pass_shapes.c); measured again on
+   them (2026-12-06, two alternations): at 16 rows int4 7.1-7.2 -> 6.0-6.1 ms, int8 8.9 -> 6.9; at 5
+   rows int4 3.1-3.9 -> 2.0-3.4, int8 5.0-7.2 -> 3.8-4.8. */
 #ifndef NEXT_GROUP
 #define NEXT_GROUP 1
 #endif
