@@ -446,6 +446,39 @@ def test_multi_step_argmax_through_the_heads_int8_copy_gives_the_same_tokens(tin
     assert runs[0] == runs[1] == [o.token_ids for o in _engine(path).generate(prompts(3), params)]
 
 
+def test_multi_step_argmax_of_more_rows_than_a_screen_pass_gives_the_same_tokens(tiny_float_model, monkeypatch):
+    """70 sequences in one several-step call: the head's screen runs a pass of 64 rows and one of 6
+    (decode_layers.c screened_argmax), and the tokens are those of the copy turned off and of one
+    step at a time."""
+    from lowbit.kernels import screened_head
+
+    if screened_head.build(torch.zeros(16, 32), False) is None:
+        pytest.skip("no AVX512-VNNI here")
+    path = _setup(tiny_float_model, "llama", "bf16-stored", monkeypatch)
+    monkeypatch.setenv(screened_head.AFTER_ENV, "0")  # the copy from the first greedy token
+    gen = torch.Generator().manual_seed(3)
+    seventy = [torch.randint(3, 256, (3 + i % 9,), generator=gen).tolist() for i in range(70)]
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    runs = []
+    for screen in ("1", "0"):
+        monkeypatch.setenv(screened_head.ENV, screen)
+        multi = Engine(path, kv_memory=64 << 20, decode_steps=8, max_num_seqs=80)  # room for all 70 at once
+        rows = []
+        real = multi.runner.decode_steps
+
+        def decode_steps(works, steps, head, real=real, rows=rows):
+            rows.append(len(works))
+            return real(works, steps, head)
+
+        multi.runner.decode_steps = decode_steps
+        runs.append([o.token_ids for o in multi.generate(seventy, params)])
+        assert 70 in rows
+        assert (multi.runner.chained.head_screen() is not None) == (screen == "1")
+    one_at_a_time = Engine(path, kv_memory=64 << 20, decode_steps=1, max_num_seqs=80)
+    assert runs[0] == runs[1] == [o.token_ids for o in one_at_a_time.generate(seventy, params)]
+    assert len({tuple(r) for r in runs[0]}) > 60  # rows that differ, so a row given another's x would show
+
+
 def test_greedy_verifies_and_steps_take_their_tokens_through_the_heads_int8_copy(tiny_float_model, monkeypatch):
     """One step a call with n-gram drafts: the verifies' rows and the plain rows want only their
     argmax, which comes through the head's int8 copy (runner.forward(argmax=True)); the tokens are
