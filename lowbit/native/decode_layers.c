@@ -566,8 +566,8 @@ done:
    real hidden states, 2 Zen 4 cores, alternated) took SmolLM2 0.67x, 0.57x and 0.80x the whole
    head's time at 1, 8 and 16 rows, Gemma-3 0.73x, 0.62x, 0.71x; at 16 / 32 / 64 rows (2026-12-06,
    the same tokens at every position) SmolLM2 0.72x / 0.72x / 0.68x, Gemma-3 0.68x / 0.49x / 0.51x
-   (its whole head at 64 rows 99.5 ms, screened 51.1: the bf16 kernel's 64 rows read the weight
-   more than once). Where the screen had stopped at 16 rows, 17 or more read the whole head. */
+   (its whole head at 64 rows 99.5 ms, screened 51.1). Where the screen had stopped at 16 rows, 17
+   or more read the whole head. */
 #define SCREEN_MAX_ROWS 64
 #define SCREEN_MAX_PARTS 64 /* threads the screen's matmul runs on (more: the first 64) */
 

@@ -179,14 +179,14 @@ static inline __attribute__((unused)) int lowbit_team(int threads) {
     return threads;
 }
 
-/* In a part call (noted by lowbit_team on this thread): its share [*lo, *hi) of total items, and 1;
-   else 0. */
 /* Share `id` of `n`, contiguous, of total items: [*lo, *hi). Every split below is this one. */
 static inline void lowbit_share(int64_t total, int64_t id, int64_t n, int64_t *lo, int64_t *hi) {
     *lo = total * id / n;
     *hi = total * (id + 1) / n;
 }
 
+/* In a part call (noted by lowbit_team on this thread): its share [*lo, *hi) of total items, and 1;
+   else 0. */
 static inline int lowbit_part_share(int64_t total, int64_t *lo, int64_t *hi) {
     if (!lowbit_part_count) return 0;
     lowbit_share(total, lowbit_part_id, lowbit_part_count, lo, hi);
