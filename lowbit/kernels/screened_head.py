@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lowbit.errors import UsageError
 from lowbit.kernels import cpu_int4dot, hugepages
 from lowbit.kernels.decode_chain import ChainLinear, Linear, entry, int4_linear
 from lowbit.kernels.prepared import PreparedWeight
@@ -67,8 +68,12 @@ def enabled() -> bool:
 
 def after_tokens() -> int:
     """Greedy tokens through the whole head before the copy is made (LOWBIT_HEAD_SCREEN_AFTER)."""
-    raw = os.environ.get(AFTER_ENV, "")
-    return int(raw) if raw.strip().isdigit() else AFTER_TOKENS
+    raw = os.environ.get(AFTER_ENV, "").strip()
+    if raw == "":
+        return AFTER_TOKENS
+    if not (raw.isascii() and raw.isdigit()):  # 0 is allowed: the copy at the first greedy token
+        raise UsageError(f"{AFTER_ENV} must be a whole number >= 0, got {raw!r}")
+    return int(raw)
 
 
 def build(weight: torch.Tensor, x_bf16: bool) -> HeadScreen | None:

@@ -26,7 +26,7 @@ import torch
 
 from lowbit.errors import LowbitError, UsageError
 from lowbit.quant.dtypes import parse_dtype
-from lowbit.kernels import hugepages
+from lowbit.kernels import hugepages, screened_head
 from lowbit.kernels.cpu_f32 import bf16_available
 from lowbit.runtime.cascade import CascadeSettings, CascadeStats
 from lowbit.runtime.engine.block_manager import BlockManager
@@ -236,6 +236,7 @@ class Engine:
         if decode_steps is not None and decode_steps < 1:
             raise UsageError(f"decode_steps must be >= 1, got {decode_steps}")
         self.decode_steps = decode_steps or multi_step.steps_from_env()  # greedy steps one C call may take
+        screened_head.after_tokens()  # a bad LOWBIT_HEAD_SCREEN_AFTER stops here, not mid-decode
         several = self.decode_steps > 1  # a greedy draft's steps after its first in one C call
         if draft_kind == "ngram":
             self.drafter = NgramDrafter()

@@ -605,6 +605,26 @@ def test_decode_steps_setting(monkeypatch):
     assert multi_step.steps_for(seqs[:1], 8, 100) == 8
 
 
+def test_head_screen_after_setting(tiny_float_model, monkeypatch):
+    """LOWBIT_HEAD_SCREEN_AFTER takes a whole number >= 0; anything else stops the engine's
+    construction with a one-line error (not a silent default, not a failure mid-decode)."""
+    from lowbit.errors import UsageError
+    from lowbit.kernels import screened_head
+
+    monkeypatch.delenv(screened_head.AFTER_ENV, raising=False)
+    assert screened_head.after_tokens() == screened_head.AFTER_TOKENS
+    for raw, want in (("0", 0), (" 12 ", 12)):
+        monkeypatch.setenv(screened_head.AFTER_ENV, raw)
+        assert screened_head.after_tokens() == want
+    path = tiny_float_model(family="llama", dtype=torch.bfloat16, layers=1)
+    for bad in ("-1", "many", "2.5", "\u00b2"):
+        monkeypatch.setenv(screened_head.AFTER_ENV, bad)
+        with pytest.raises(UsageError, match=screened_head.AFTER_ENV):
+            screened_head.after_tokens()
+        with pytest.raises(UsageError, match=screened_head.AFTER_ENV):
+            _engine(path)
+
+
 def test_bench_latency_counts_each_token_of_a_call(tiny_float_model):
     from lowbit.runtime.engine.benchmark import run_requests
 
