@@ -425,16 +425,23 @@ def test_multi_step_decode_gives_the_single_steps_tokens(tiny_float_model, famil
     assert [len(t) for t in got] == [5, 13, 21, 30]
 
 
-@pytest.mark.parametrize("weights", ["bf16-stored", "float32", "bf16-a16"])
-def test_multi_step_argmax_through_the_heads_int8_copy_gives_the_same_tokens(tiny_float_model, weights, monkeypatch):
-    """A dense head's several-step argmax goes through its int8 copy (kernels/screened_head.py) where
-    the CPU has AVX512-VNNI: the tokens of one step at a time, and of the copy turned off."""
+@pytest.fixture
+def screened_head(monkeypatch):
+    """kernels/screened_head.py, with the head's int8 copy made from the first greedy token; skips
+    where the CPU has no AVX512-VNNI (the copy's kernel). Tests turn the copy on or off themselves."""
     from lowbit.kernels import screened_head
 
     if screened_head.build(torch.zeros(16, 32), False) is None:
         pytest.skip("no AVX512-VNNI here")
+    monkeypatch.setenv(screened_head.AFTER_ENV, "0")
+    return screened_head
+
+
+@pytest.mark.parametrize("weights", ["bf16-stored", "float32", "bf16-a16"])
+def test_multi_step_argmax_through_the_heads_int8_copy_gives_the_same_tokens(tiny_float_model, weights, monkeypatch, screened_head):
+    """A dense head's several-step argmax goes through its int8 copy (kernels/screened_head.py) where
+    the CPU has AVX512-VNNI: the tokens of one step at a time, and of the copy turned off."""
     path = _setup(tiny_float_model, "llama", weights, monkeypatch)
-    monkeypatch.setenv(screened_head.AFTER_ENV, "0")  # the copy from the first greedy token
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (7, 19, 26)]
     runs = []
     for screen in ("1", "0"):
@@ -446,16 +453,11 @@ def test_multi_step_argmax_through_the_heads_int8_copy_gives_the_same_tokens(tin
     assert runs[0] == runs[1] == [o.token_ids for o in _engine(path).generate(prompts(3), params)]
 
 
-def test_multi_step_argmax_of_more_rows_than_a_screen_pass_gives_the_same_tokens(tiny_float_model, monkeypatch):
+def test_multi_step_argmax_of_more_rows_than_a_screen_pass_gives_the_same_tokens(tiny_float_model, monkeypatch, screened_head):
     """70 sequences in one several-step call: the head's screen runs a pass of 64 rows and one of 6
     (decode_layers.c screened_argmax), and the tokens are those of the copy turned off and of one
     step at a time."""
-    from lowbit.kernels import screened_head
-
-    if screened_head.build(torch.zeros(16, 32), False) is None:
-        pytest.skip("no AVX512-VNNI here")
     path = _setup(tiny_float_model, "llama", "bf16-stored", monkeypatch)
-    monkeypatch.setenv(screened_head.AFTER_ENV, "0")  # the copy from the first greedy token
     gen = torch.Generator().manual_seed(3)
     seventy = [torch.randint(3, 256, (3 + i % 9,), generator=gen).tolist() for i in range(70)]
     params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
@@ -479,16 +481,11 @@ def test_multi_step_argmax_of_more_rows_than_a_screen_pass_gives_the_same_tokens
     assert len({tuple(r) for r in runs[0]}) > 60  # rows that differ, so a row given another's x would show
 
 
-def test_greedy_verifies_and_steps_take_their_tokens_through_the_heads_int8_copy(tiny_float_model, monkeypatch):
+def test_greedy_verifies_and_steps_take_their_tokens_through_the_heads_int8_copy(tiny_float_model, monkeypatch, screened_head):
     """One step a call with n-gram drafts: the verifies' rows and the plain rows want only their
     argmax, which comes through the head's int8 copy (runner.forward(argmax=True)); the tokens are
     those of the whole head, with drafts or without."""
-    from lowbit.kernels import screened_head
-
-    if screened_head.build(torch.zeros(16, 32), False) is None:
-        pytest.skip("no AVX512-VNNI here")
     path = tiny_float_model(family="llama", dtype=torch.bfloat16, layers=3)
-    monkeypatch.setenv(screened_head.AFTER_ENV, "0")  # the copy from the first greedy token
     repetitive = [[5, 6, 7, 8, 9] * 6, [40, 41, 42] * 9]  # the n-gram drafter finds its drafts in these
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     runs = []
@@ -511,13 +508,9 @@ def test_greedy_verifies_and_steps_take_their_tokens_through_the_heads_int8_copy
     assert runs[0] == runs[1] == [o.token_ids for o in _engine(path).generate(repetitive, params)]
 
 
-def test_the_heads_int8_copy_is_made_after_its_first_greedy_tokens(tiny_float_model, monkeypatch):
+def test_the_heads_int8_copy_is_made_after_its_first_greedy_tokens(tiny_float_model, monkeypatch, screened_head):
     """A decoder makes the copy once it has taken LOWBIT_HEAD_SCREEN_AFTER greedy tokens through the
     whole head (a short run never pays for it); make_head_copies makes it at once; the tokens stay."""
-    from lowbit.kernels import screened_head
-
-    if screened_head.build(torch.zeros(16, 32), False) is None:
-        pytest.skip("no AVX512-VNNI here")
     path = tiny_float_model(family="llama", dtype=torch.bfloat16, layers=2)
     monkeypatch.setenv(screened_head.AFTER_ENV, "40")
     short = [SamplingParams(temperature=0, max_tokens=15, ignore_eos=True)] * 2
