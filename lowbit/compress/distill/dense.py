@@ -26,7 +26,7 @@ from lowbit.compress.distill import train
 from lowbit.compress.distill.placement import make_placement
 from lowbit.compress.distill.shrink import cut_teacher, layers_to_drop, parse_layer_list
 from lowbit.compress.distill.state import load_state, restore
-from lowbit.compress.distill.windows import Windows, make_windows
+from lowbit.compress.distill.windows import Windows
 from lowbit.compress.stats import config_hash
 from lowbit.compress.workdir import WorkDir, work_dir_for
 from lowbit.data.text import load_text
@@ -42,20 +42,12 @@ from lowbit.runtime.tokenizer import load_tokenizer
 
 
 @dataclass(slots=True)
-class DenseOptions:
+class DenseOptions(train.TrainOptions):
     steps: int = 200
     lr: float = 1e-4
-    samples: int = 32
-    seqlen: int = 512
-    batch: int = 1
-    seed: int = 0
-    save_every: int = 25
-    eval_chunks: int = 4
-    eval_data: str | None = None
     student_layers: int | None = None
     drop_layers: str | None = None
     bf16: bool = False  # bf16 mixed precision of the student's matmuls (placement.py)
-    device: str = "auto"  # where it trains (placement.py)
 
     def __post_init__(self) -> None:
         train.check_options(self)
@@ -98,16 +90,12 @@ def prepare_dense(teacher: str, data: str, output: str | Path, options: DenseOpt
         parse_layer_list(options.drop_layers, layers)
     if options.student_layers is not None:
         layers_to_drop([0.0] * layers, options.student_layers)  # the range check, before any work
-    eval_text = load_text(options.eval_data) if options.eval_data is not None else None
-    windows = make_windows(tokenizer, text, samples=options.samples, seqlen=options.seqlen, seed=options.seed,
-                           eval_chunks=options.eval_chunks, eval_text=eval_text, what=f"--data '{data}'")
+    windows = train.training_windows(tokenizer, text, data, options)
     fingerprint = {
         "job": "distill-dense", "teacher": config_hash(teacher_config),
         "student": None if student_dir is None else _files_digest(student_dir),
         "student_layers": options.student_layers, "drop_layers": options.drop_layers,
-        "data_sha256": hashlib.sha256(text.encode()).hexdigest()[:16], "samples": options.samples,
-        "seqlen": options.seqlen, "seed": options.seed, "batch": options.batch, "threads": torch.get_num_threads(),
-        "bf16": options.bf16, **train.device_fingerprint(options.device),
+        "bf16": options.bf16, **train.data_fingerprint(text, options),
     }
     work = WorkDir(work_dir_for(output), fingerprint)
     model = load_model(teacher_dir, dtype=torch.float32)

@@ -17,7 +17,6 @@ the other distillations (state.py, train.py).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import sys
@@ -33,7 +32,7 @@ from lowbit.compress.distill.layers import embed, head_logits, head_only, propag
 from lowbit.compress.distill.losses import kl_divergence
 from lowbit.compress.distill.placement import make_placement
 from lowbit.compress.distill.state import load_state, restore
-from lowbit.compress.distill.windows import Windows, make_windows
+from lowbit.compress.distill.windows import Windows
 from lowbit.compress.stats import config_hash
 from lowbit.compress.workdir import WorkDir, work_dir_for
 from lowbit.data.text import load_text
@@ -48,20 +47,12 @@ from lowbit.runtime.loader import load_model
 from lowbit.runtime.tokenizer import load_tokenizer
 
 
-@dataclass(slots=True)
-class ExitOptions:
+@dataclass(slots=True, kw_only=True)
+class ExitOptions(train.TrainOptions):
     layers: str
     rank: int = 64
     steps: int = 200
     lr: float = 1e-3
-    samples: int = 32
-    seqlen: int = 512
-    batch: int = 1
-    seed: int = 0
-    save_every: int = 25
-    eval_chunks: int = 4
-    eval_data: str | None = None
-    device: str = "auto"  # where the adapters train (placement.py)
 
     def __post_init__(self) -> None:
         if self.rank < 1:
@@ -97,14 +88,10 @@ def prepare_exits(teacher: str, data: str, output: str | Path, options: ExitOpti
         raise UsageError(f"--exit-rank {options.rank} is more than the hidden size {rank_limit}")
     tokenizer = load_tokenizer(teacher_dir)
     text = load_text(data)
-    eval_text = load_text(options.eval_data) if options.eval_data is not None else None
-    windows = make_windows(tokenizer, text, samples=options.samples, seqlen=options.seqlen, seed=options.seed,
-                           eval_chunks=options.eval_chunks, eval_text=eval_text, what=f"--data '{data}'")
+    windows = train.training_windows(tokenizer, text, data, options)
     fingerprint = {
         "job": "distill-exits", "teacher": config_hash(config), "layers": list(layers), "rank": options.rank,
-        "data_sha256": hashlib.sha256(text.encode()).hexdigest()[:16], "samples": options.samples,
-        "seqlen": options.seqlen, "seed": options.seed, "batch": options.batch, "threads": torch.get_num_threads(),
-        **train.device_fingerprint(options.device),
+        **train.data_fingerprint(text, options),
     }
     work = WorkDir(work_dir_for(output), fingerprint)
     model = load_model(teacher_dir, dtype=torch.float32).requires_grad_(False).eval()

@@ -42,7 +42,7 @@ from lowbit.compress.distill.placement import Placement, make_placement
 from lowbit.compress.distill.state import load_state, restore, save_state
 from lowbit.compress.distill.train import NanLoss, make_optimizer, trainable
 from lowbit.compress.distill.student import QuantStudent, open_student, write_student
-from lowbit.compress.distill.windows import Windows, make_windows, step_indices
+from lowbit.compress.distill.windows import Windows, step_indices
 from lowbit.compress.stats import config_hash
 from lowbit.compress.workdir import WorkDir, work_dir_for
 from lowbit.data.text import load_text
@@ -59,20 +59,12 @@ ProgressFn = train.ProgressFn
 
 
 @dataclass(slots=True)
-class RecoverOptions:
+class RecoverOptions(train.TrainOptions):
     steps: int = 100
-    block_steps: int = 20
     lr: float = 2e-4  # SmolLM2 int4, 40 steps: held-out KLD 0.0735 → 0.0691 at 2e-4, → 0.0707 at 1e-3
+    block_steps: int = 20
     block_lr: float | None = None  # None: lr
-    samples: int = 32
-    seqlen: int = 512
-    batch: int = 1
-    seed: int = 0
-    save_every: int = 25
-    eval_chunks: int = 4
-    eval_data: str | None = None
     bf16: bool = False  # bf16 mixed precision of the student's matmuls (placement.py)
-    device: str = "auto"  # where it trains (placement.py)
 
     def __post_init__(self) -> None:
         if self.block_steps < 0:
@@ -109,18 +101,14 @@ def prepare_recover(teacher: str, data: str, student: str, output: str | Path, o
     tokenizer = load_tokenizer(teacher_dir)
     text = load_text(data)
     _check_tokenizers(tokenizer, qstudent, text)
-    eval_text = load_text(options.eval_data) if options.eval_data is not None else None
-    windows = make_windows(tokenizer, text, samples=options.samples, seqlen=options.seqlen, seed=options.seed,
-                           eval_chunks=options.eval_chunks, eval_text=eval_text, what=f"--data '{data}'")
+    windows = train.training_windows(tokenizer, text, data, options)
     max_pos = qstudent.model.config.max_position_embeddings
     if max_pos and options.seqlen > max_pos:
         raise UsageError(f"--seqlen {options.seqlen} exceeds the model's {max_pos} positions")
     fingerprint = {
         "job": "distill-recover", "teacher": config_hash(teacher_config), "student": _student_digest(qstudent),
-        "data_sha256": hashlib.sha256(text.encode()).hexdigest()[:16], "samples": options.samples,
-        "seqlen": options.seqlen, "seed": options.seed, "batch": options.batch, "block_steps": options.block_steps,
-        "block_lr": options.block_lr or options.lr, "threads": torch.get_num_threads(), "bf16": options.bf16,
-        **train.device_fingerprint(options.device),
+        "block_steps": options.block_steps, "block_lr": options.block_lr or options.lr, "bf16": options.bf16,
+        **train.data_fingerprint(text, options),
     }
     work = WorkDir(work_dir_for(output), fingerprint)
     model = load_model(teacher_dir, dtype=torch.float32)

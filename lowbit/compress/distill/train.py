@@ -3,8 +3,10 @@ loop on KL(teacher || student), the optimizer, the held-out score, and the NaN p
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -12,7 +14,8 @@ from lowbit.compress.distill.layers import embed, head_logits, propagate
 from lowbit.compress.distill.losses import kl_divergence
 from lowbit.compress.distill.placement import Placement
 from lowbit.compress.distill.state import restore_optimizer, save_state
-from lowbit.compress.distill.windows import Windows, step_indices
+from lowbit.compress.distill.windows import Windows, make_windows, step_indices
+from lowbit.data.text import load_text
 from lowbit.errors import LowbitError, UsageError
 from lowbit.runtime.evaluate import chunk_windows, evaluate_tokens
 
@@ -29,7 +32,26 @@ class NanLoss(LowbitError):
     pass
 
 
-def check_options(opts) -> None:
+@dataclass(slots=True)
+class TrainOptions:
+    """What every distillation's options share: the loop's length and rate (each kind has its own
+    defaults for these two), the training windows, the held-out score, where it trains."""
+    steps: int = 200
+    lr: float = 1e-4
+    samples: int = 32
+    seqlen: int = 512
+    batch: int = 1
+    seed: int = 0
+    save_every: int = 25
+    eval_chunks: int = 4
+    eval_data: str | None = None
+    device: str = "auto"  # where it trains (placement.py)
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+
+def check_options(opts: TrainOptions) -> None:
     """The checks every distillation's options share (steps, windows, held-out chunks, lr, batch)."""
     if opts.steps < 0:
         raise UsageError(f"--steps must be >= 0, got {opts.steps}")
@@ -42,6 +64,21 @@ def check_options(opts) -> None:
         raise UsageError(f"--lr must be a positive number, got {opts.lr}")
     if opts.batch > opts.samples:
         raise UsageError(f"--batch {opts.batch} is more than --samples {opts.samples}")
+
+
+def training_windows(tokenizer, text: str, data: str, opts: TrainOptions) -> Windows:
+    """The training and held-out windows the options ask for (held-out from --eval-data when given)."""
+    eval_text = load_text(opts.eval_data) if opts.eval_data is not None else None
+    return make_windows(tokenizer, text, samples=opts.samples, seqlen=opts.seqlen, seed=opts.seed,
+                        eval_chunks=opts.eval_chunks, eval_text=eval_text, what=f"--data '{data}'")
+
+
+def data_fingerprint(text: str, opts: TrainOptions) -> dict:
+    """What a work folder's fingerprint holds of the data and the windows (and the threads, whose
+    sums round differently)."""
+    return {"data_sha256": hashlib.sha256(text.encode()).hexdigest()[:16], "samples": opts.samples,
+            "seqlen": opts.seqlen, "seed": opts.seed, "batch": opts.batch, "threads": torch.get_num_threads(),
+            **device_fingerprint(opts.device)}
 
 
 def device_fingerprint(device: str) -> dict:
