@@ -86,8 +86,18 @@ def convert_command(
         )
     for note in result.notes:
         console.print(f"note: {note}")
-    exactness = "exact" if result.exact else f"{len(result.changes)} weight(s) requantized"
+    exactness = "exact" if result.exact else ", ".join(_inexact(result))
     console.print(
         f"wrote {result.output} ({result.target}, {exactness}; {summary['bytes'] / 1e6:.1f} MB) "
         f"from {result.input_format} in {result.seconds:.1f} s"
     )
+
+
+def _inexact(result) -> list[str]:
+    """What made a conversion inexact, for its summary line."""
+    parts = [f"{len(result.changes)} weight(s) requantized"] if result.changes else []
+    if result.rounded and result.rounded.tensors:
+        rounded = result.rounded
+        parts.append(f"{rounded.tensors} tensor(s) rounded to {rounded.to_dict()['dtype']}, relative error up to "
+                     f"{rounded.max_rel_error:.2e}; --dtype f32 keeps them exact")
+    return parts

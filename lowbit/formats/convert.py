@@ -28,6 +28,7 @@ from lowbit.formats import awq, gptq
 from lowbit.formats import compressed_tensors as ct
 from lowbit.formats.atomic import atomic_dir, atomic_file, check_output_path
 from lowbit.formats.checkpoint import Checkpoint, copy_side_files, write_config
+from lowbit.formats.dense_cast import RoundingTally, cast_dense
 from lowbit.formats.foreign import detect_checkpoint_kind, read_checkpoint
 from lowbit.formats.gguf_export import write_gguf
 from lowbit.formats.gguf_import import convert_gguf
@@ -62,10 +63,11 @@ class ConvertResult:
     changes: list[LayerChange] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    rounded: RoundingTally | None = None  # --to hf: what its dtype rounded
 
     @property
     def exact(self) -> bool:
-        return not self.changes
+        return not self.changes and not (self.rounded and self.rounded.tensors)
 
     def to_dict(self) -> dict:
         out = self.output
@@ -73,7 +75,8 @@ class ConvertResult:
         size = sum(p.stat().st_size for p in out.iterdir()) if out.is_dir() else out.stat().st_size
         return {
             "input": str(self.input), "input_format": self.input_format, "output": str(out), "target": self.target,
-            "exact": self.exact, "requantized": [c.to_dict() for c in self.changes], "notes": self.notes,
+            "exact": self.exact, "requantized": [c.to_dict() for c in self.changes],
+            "rounded": self.rounded.to_dict() if self.rounded else None, "notes": self.notes,
             "files": files, "bytes": size, "seconds": round(self.seconds, 3),
         }
 
@@ -104,8 +107,10 @@ def convert(
     kind = detect_checkpoint_kind(source)
     started = time.perf_counter()
     result = ConvertResult(input=source, input_format=kind, output=output, target=target)
+    if target == "hf":
+        result.rounded = RoundingTally(parse_dtype(dtype))
     if kind == "gguf" and target == "hf":
-        convert_gguf(source, output, dtype=dtype, overwrite=overwrite, progress=progress)
+        convert_gguf(source, output, dtype=dtype, overwrite=overwrite, progress=progress, tally=result.rounded)
     else:
         ckpt = read_checkpoint(source, kind)
         _dense_routers(ckpt, target)
@@ -326,7 +331,7 @@ def _write_hf(ckpt: Checkpoint, tmp: Path, allow: bool, result: ConvertResult, d
     torch_dtype = parse_dtype(dtype)
     out = {}
     for name, value in ckpt.tensors().items():
-        out[name] = dequantized(value).to(torch_dtype) if isinstance(value, QTensor) or value.is_floating_point() else value
+        out[name] = cast_dense(name, dequantized(value) if isinstance(value, QTensor) else value, torch_dtype, result.rounded)
     _save(tmp, out)
     config = dict(ckpt.config)
     config["torch_dtype"] = str(torch_dtype).removeprefix("torch.")

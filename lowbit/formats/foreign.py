@@ -114,7 +114,8 @@ def load_foreign(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor 
 
 
 def read_gguf(path: Path) -> Checkpoint:
-    """A GGUF file: Q4_0 / Q8_0 / MXFP4 projections become QTensors, everything else float32.
+    """A GGUF file: Q4_0 / Q8_0 / MXFP4 projections become QTensors, BF16 and F16 tensors stay in
+    their dtype (where the values allow), everything else float32.
 
     A stacked expert tensor (`blk.L.ffn_up_exps` [experts, rows, columns]) splits into one
     projection per expert (`model.layers.L.mlp.experts.E.up_proj`): expert E's blocks are the E-th
@@ -152,10 +153,23 @@ def read_gguf(path: Path) -> Checkpoint:
                 ckpt.qtensors[piece_name[: -len(".weight")]] = qt
             continue
         for piece_name, tensor in hf_tensors(gguf, spec, config, name, hf_name):
-            ckpt.dense[piece_name] = tensor
+            ckpt.dense[piece_name] = _in_stored_dtype(tensor, info.type_name)
             if is_projection and info.type_name not in ("F32", "F16", "BF16", "F64"):
                 ckpt.unexpressed[piece_name[: -len(".weight")]] = (info.type_name, f"GGUF {info.type_name} blocks have no lowbit format")
     return ckpt
+
+
+_STORED_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def _in_stored_dtype(tensor: torch.Tensor, type_name: str) -> torch.Tensor:
+    """A BF16 or F16 tensor back in its own dtype where its values allow (a Gemma norm less its
+    offset may not): a re-export then writes the file's bytes, not twice as many in float32."""
+    dtype = _STORED_DTYPES.get(type_name)
+    if dtype is None:
+        return tensor
+    narrow = tensor.to(dtype)
+    return narrow if torch.equal(narrow.float(), tensor.float()) else tensor
 
 
 _READERS = {"native": read_native, "hf": read_hf, "compressed-tensors": read_compressed_tensors, "gptq": read_gptq,

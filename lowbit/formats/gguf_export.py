@@ -294,6 +294,8 @@ def _write_metadata(writer, ckpt: Checkpoint, arch: str, plan: dict) -> list[str
     heads = int(config["num_attention_heads"])
     head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
     default_name = ckpt.source_dir.name if ckpt.source_dir is not None else "lowbit export"
+    if ckpt.gguf is not None and ckpt.gguf.has("general.name"):  # a GGUF re-exported keeps its name
+        default_name = str(ckpt.gguf.get("general.name"))
     writer.add_name(str(config.get("_name_or_path") or default_name))
     writer.add_context_length(int(config.get("max_position_embeddings", 2048)))
     writer.add_embedding_length(int(config["hidden_size"]))

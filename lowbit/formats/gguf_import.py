@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from lowbit.errors import LowbitError
+from lowbit.formats.dense_cast import RoundingTally, cast_dense
 from lowbit.quant.dtypes import parse_dtype
 from lowbit.formats.atomic import atomic_dir, check_output_path
 from lowbit.formats.gguf_arch import ArchSpec, arch_spec, expert_names, hf_tensor_name, is_stacked, model_identity, unpermute_qk
@@ -39,8 +40,10 @@ def convert_gguf(
     dtype: str = "bfloat16",
     overwrite: bool = False,
     progress: ProgressFn | None = None,
+    tally: RoundingTally | None = None,
 ) -> Path:
-    """Convert a GGUF file into a Hugging Face-style checkpoint directory and return its path."""
+    """Convert a GGUF file into a Hugging Face-style checkpoint directory and return its path;
+    `tally` counts the tensors that `dtype` rounds (a Q4_0 block's values in bf16)."""
     torch_dtype = parse_dtype(dtype)
     out_dir = Path(out_dir)
     check_output_path(out_dir, overwrite)  # fail before spending minutes on the weights
@@ -51,7 +54,7 @@ def convert_gguf(
     config["tie_word_embeddings"] = tied
     names = _plan_tensors(gguf, spec, tied, config)
     with atomic_dir(out_dir, overwrite=overwrite) as tmp:
-        _write_weights(gguf, spec, config, names, torch_dtype, tmp, progress)
+        _write_weights(gguf, spec, config, names, torch_dtype, tmp, progress, tally)
         _write_config(model_identity(spec, gguf), config, torch_dtype, tmp)
         write_tokenizer_files(gguf, tmp)
         _write_generation_config(gguf, config, tmp)
@@ -170,6 +173,7 @@ def _write_weights(
     dtype: torch.dtype,
     out: Path,
     progress: ProgressFn | None,
+    tally: RoundingTally | None,
 ) -> None:
     # Shards are written as they fill (memory stays at one shard) and named once their count is known.
     written: list[tuple[Path, list[str]]] = []
@@ -183,7 +187,7 @@ def _write_weights(
 
     for done, (name, plan_name) in enumerate(plan, start=1):
         for hf_name, tensor in hf_tensors(gguf, spec, config, name, plan_name):
-            tensor = tensor.to(dtype).contiguous()
+            tensor = cast_dense(hf_name, tensor, dtype, tally).contiguous()
             size = tensor.numel() * tensor.element_size()
             if current and current_bytes + size > SHARD_BYTES:
                 flush()

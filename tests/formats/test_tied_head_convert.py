@@ -37,7 +37,10 @@ def test_tied_quantized_head_converts_and_runs_the_same(target, tied_quantized, 
     monkeypatch.setenv("LOWBIT_KERNEL", "reference")
     out = tied_quantized / (f"out-{target}" + (".gguf" if target == "gguf" else ""))
     result = convert(tied_quantized / "q", out, target)
-    assert result.exact
+    # hf holds the dequantized values in bf16 (its default --dtype): int4 code x scale is not always
+    # a bf16 number, and the result says so rather than calling it exact
+    assert result.exact == (target != "hf")
+    assert target != "hf" or result.rounded.tensors > 0
     if target == "gguf":
         tensors = {t.name: t for t in gguf.GGUFReader(str(out)).tensors}
         assert tensors["token_embd.weight"].tensor_type == gguf.GGMLQuantizationType.Q4_0
@@ -47,6 +50,5 @@ def test_tied_quantized_head_converts_and_runs_the_same(target, tied_quantized, 
     with torch.no_grad():
         want = load_model(tied_quantized / "q")(IDS)
         got = load_model(out)(IDS)
-    # hf holds the dequantized values in bf16: int4 code x bf16 scale is not always a bf16 number
     tol = 2e-2 if target == "hf" else 1e-5
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
