@@ -32,17 +32,20 @@ def cast_dense(name: str, tensor: torch.Tensor, dtype: torch.dtype, tally: Round
     if not tensor.is_floating_point() or tensor.dtype == dtype:
         return tensor
     cast = tensor.to(dtype)
-    back = cast.to(torch.float64)
-    source = tensor.to(torch.float64)
-    overflow = torch.isinf(back) & torch.isfinite(source)
-    if bool(overflow.any()):
-        largest = float(source[overflow].abs().max())
-        raise LowbitError(f"{name}: a value of magnitude {largest:.4g} overflows {str(dtype).removeprefix('torch.')}; "
-                          "use --dtype bf16 or f32")
-    if tally is not None and not torch.equal(back, source):
-        finite = torch.isfinite(source)
-        norm = float(source[finite].norm())
-        error = float((back - source)[finite].norm()) / norm if norm > 0 else 0.0
-        tally.tensors += 1
-        tally.max_rel_error = max(tally.max_rel_error, error)
+    if torch.finfo(dtype).max < torch.finfo(tensor.dtype).max:  # float16's range (bf16 has float32's)
+        overflow = torch.isinf(cast) & torch.isfinite(tensor)
+        if bool(overflow.any()):
+            largest = float(tensor[overflow].abs().max())
+            raise LowbitError(f"{name}: a value of magnitude {largest:.4g} overflows "
+                              f"{str(dtype).removeprefix('torch.')}; use --dtype bf16 or f32")
+    if tally is not None:
+        # float32 holds every bf16, f16 and f32 value exactly: no float64 copies of a large table
+        wide = torch.float64 if torch.float64 in (tensor.dtype, dtype) else torch.float32
+        source, back = tensor.to(wide), cast.to(wide)
+        if not torch.equal(back, source):
+            finite = torch.isfinite(source)
+            norm = float(torch.linalg.vector_norm(source[finite], dtype=torch.float64))
+            diff = float(torch.linalg.vector_norm((back - source)[finite], dtype=torch.float64))
+            tally.tensors += 1
+            tally.max_rel_error = max(tally.max_rel_error, diff / norm if norm > 0 else 0.0)
     return cast
