@@ -127,6 +127,9 @@ def read_gguf(path: Path) -> Checkpoint:
     config["tie_word_embeddings"] = tied
     model_type, hf_class = model_identity(spec, gguf)
     config = {"architectures": [hf_class], "model_type": model_type, **config}
+    saved = _saved_dtype(gguf)
+    if saved is not None and "torch_dtype" not in config:
+        config["torch_dtype"] = saved
     ckpt = Checkpoint(config=config, gguf=gguf, kind="gguf")
     for name, hf_name in _plan_tensors(gguf, spec, tied, config):
         info = gguf.info(name)
@@ -160,6 +163,16 @@ def read_gguf(path: Path) -> Checkpoint:
 
 
 _STORED_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def _saved_dtype(gguf) -> str | None:
+    """The dtype the model was saved in, as config.json's torch_dtype says it, where the file's
+    float tensors tell (a BF16 or F16 embedding): the same weights then run the same way from a GGUF
+    as from a Hugging Face directory (`--kv-dtype auto` keeps a bf16 model's cache in bf16)."""
+    types = {gguf.info(name).type_name for name in gguf.tensor_names()}
+    if "BF16" in types:
+        return "bfloat16"
+    return "float16" if "F16" in types else None
 
 
 def _in_stored_dtype(tensor: torch.Tensor, type_name: str) -> torch.Tensor:

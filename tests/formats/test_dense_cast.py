@@ -1,5 +1,5 @@
 """What `--to hf` says about its dtype's rounding, and a GGUF's bf16 tensors kept in bf16 (a GGUF
-re-exported is the same file)."""
+re-exported is the same file; it runs with the same default KV cache as its source directory)."""
 
 import json
 
@@ -82,3 +82,26 @@ def test_gguf_reexport_is_the_same_file_and_keeps_bf16(add_tiny_tokenizer, tmp_p
     native = convert(first, tmp_path / "n", "native")
     assert native.exact
     assert read_checkpoint(tmp_path / "n").dense["model.embed_tokens.weight"].dtype == torch.bfloat16
+
+
+def test_gguf_says_the_dtype_its_float_tensors_were_saved_in(add_tiny_tokenizer, tmp_path):
+    import torch as _torch
+
+    from lowbit.runtime.config import ModelConfig
+    from lowbit.runtime.engine.paged_cache import resolve_kv_dtype
+
+    weights, dense = tiny_weights()
+    qtensors = {m: quantize_rtn(t, "int4-g32") for m, t in weights.items()}
+    bf16 = {**dense, "model.embed_tokens.weight": dense["model.embed_tokens.weight"].to(torch.bfloat16)}
+    for name, tensors, config, want in (("bf16", bf16, {**TINY_CONFIG, "torch_dtype": "bfloat16"}, "bfloat16"),
+                                        ("f32", dense, TINY_CONFIG, None)):
+        src = tmp_path / name
+        save_native(src, qtensors, tensors, config=config)
+        add_tiny_tokenizer(src)
+        convert(src, tmp_path / f"{name}.gguf", "gguf")
+        got = read_checkpoint(tmp_path / f"{name}.gguf").config.get("torch_dtype")
+        assert got == want, name
+        # --kv-dtype auto: the GGUF's cache is the one its source directory gets
+        kv = [resolve_kv_dtype(None, _torch.float32, _torch.device("cpu"), ModelConfig.from_dict(c))
+              for c in (read_checkpoint(src).config, read_checkpoint(tmp_path / f"{name}.gguf").config)]
+        assert kv[0] == kv[1] == ("bf16" if want else None), name
