@@ -200,6 +200,13 @@ def test_logprobs_abort_and_limits(llama_engine):
     assert llama_engine.stats().kv_blocks_used == 0 and not llama_engine.has_unfinished_requests()
     with pytest.raises(UsageError, match="maximum model length"):
         llama_engine.add_request("y", p, SamplingParams(max_tokens=llama_engine.max_model_len))
+    vocab = llama_engine.config.vocab_size
+    for bad in ([*p, vocab], [-1, *p]):  # an id the embedding has no row for: refused, nothing queued
+        with pytest.raises(UsageError, match=rf"prompt token ids must be in \[0, {vocab}\)"):
+            llama_engine.add_request("z", bad, SamplingParams(max_tokens=2))
+    assert not llama_engine.has_unfinished_requests()
+    llama_engine.add_request("z", [*p, vocab - 1], SamplingParams(max_tokens=1))  # the last id is fine
+    assert [o.request_id for o in llama_engine.step() if o.finished] == ["z"]
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
