@@ -114,8 +114,9 @@ def load_foreign(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor 
 
 
 def read_gguf(path: Path) -> Checkpoint:
-    """A GGUF file: Q4_0 / Q8_0 / MXFP4 projections become QTensors, BF16 and F16 tensors stay in
-    their dtype (where the values allow), everything else float32.
+    """A GGUF file: Q4_0 / Q8_0 / MXFP4 projections become QTensors, and so does a head in those
+    types (a tied token_embd is then the quantized lm_head, as `quantize --quantize-head` stores it);
+    BF16 and F16 tensors stay in their dtype (where the values allow), everything else float32.
 
     A stacked expert tensor (`blk.L.ffn_up_exps` [experts, rows, columns]) splits into one
     projection per expert (`model.layers.L.mlp.experts.E.up_proj`): expert E's blocks are the E-th
@@ -136,7 +137,11 @@ def read_gguf(path: Path) -> Checkpoint:
         part = name.split(".")[-2] if name.startswith("blk.") else ""
         stacked = is_stacked(hf_name)
         is_projection = stacked or (hf_name.endswith("_proj.weight") and len(info.shape) == 2)
-        if is_projection and info.type_name in ("Q4_0", "Q8_0", "MXFP4") and info.shape[-1] % BLOCK == 0:
+        # the head (output.weight, or token_embd where it is tied) in a block type lowbit runs is the
+        # quantized lm_head `quantize --quantize-head` writes: the kernels read its blocks, and a tied
+        # embedding reads its rows from them (runtime/quant_embedding.py), not a float32 table
+        is_head = hf_name == "lm_head.weight" or (tied and hf_name == "model.embed_tokens.weight")
+        if (is_projection or is_head) and info.type_name in ("Q4_0", "Q8_0", "MXFP4") and info.shape[-1] % BLOCK == 0:
             raw = gguf.raw_bytes(name)
             if stacked:
                 rows, cols = info.shape[1:]
@@ -144,7 +149,7 @@ def read_gguf(path: Path) -> Checkpoint:
                 pieces = [(e_name, raw[e * size:(e + 1) * size]) for e, e_name in enumerate(expert_names(hf_name, info.shape[0]))]
             else:
                 rows, cols = info.shape
-                pieces = [(hf_name, raw)]
+                pieces = [("lm_head.weight" if is_head else hf_name, raw)]
             for piece_name, piece in pieces:
                 qt = from_gguf_bytes(piece, info.type_name, (rows, cols))
                 for part_name, part_tensor in qt.to_tensors().items():

@@ -196,6 +196,10 @@ def _load_foreign(path: str | Path, dtype: torch.dtype, device: str | torch.devi
     with torch.device("meta"):
         model = build_model(config)
     attach_quantized(model, list(ckpt.qtensors), ckpt.qtensors.__getitem__, device)
+    if config.tie_word_embeddings and "lm_head" in ckpt.qtensors:  # a GGUF's quantized tied token_embd
+        from lowbit.runtime.quant_embedding import QuantEmbedding
+
+        model.model.embed_tokens = QuantEmbedding(ckpt.qtensors["lm_head"], dtype, device)
     expected = dict(model.state_dict(keep_vars=True))
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)

@@ -128,6 +128,12 @@ def test_smollm2_transformers_tokenizer_from_converted_dir(smollm2_f32):
     assert generation["eos_token_id"][0] == 2
 
 
+def file_bytes(path, name: str) -> int:
+    from lowbit.formats.gguf_reader import open_gguf
+
+    return open_gguf(path).info(name).n_bytes
+
+
 def test_inspect_reads_the_demo_ggufs(smollm2_gguf, gemma3_gguf):
     """`lowbit inspect` on llama.cpp's own files: every projection under its GGUF type with its
     bits per weight (Q4_1 5.0, Q4_K 4.5, Q5_0 5.5, Q6_K 6.5625, Q8_0 8.5 — the blocks' bytes), the
@@ -138,7 +144,11 @@ def test_inspect_reads_the_demo_ggufs(smollm2_gguf, gemma3_gguf):
     bits = {"Q4_0": 4.5, "Q4_1": 5.0, "Q5_0": 5.5, "Q5_1": 6.0, "Q8_0": 8.5, "Q4_K": 4.5, "Q5_K": 5.5, "Q6_K": 6.5625}
     for path, layers in ((smollm2_gguf, 30), (gemma3_gguf, 18)):
         report = inspect_checkpoint(path)
-        assert report.kind == "gguf" and len(report.rows) == 7 * layers
+        # every projection, and the tied head: both files store token_embd as Q8_0, which lowbit
+        # reads as its quantized lm_head
+        assert report.kind == "gguf" and len(report.rows) == 7 * layers + 1
+        head = next(r for r in report.rows if r.name == "lm_head")
+        assert head.format == "Q8_0" and head.bytes == file_bytes(path, "token_embd.weight")
         for row in report.rows:
             assert row.bits_per_weight == pytest.approx(bits[row.format]), (row.name, row.format)
             assert row.group == ("sb256" if row.format.endswith("_K") else "g32")

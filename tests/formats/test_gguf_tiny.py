@@ -72,7 +72,8 @@ def _llama_permute(x: np.ndarray, n_head: int) -> np.ndarray:
     return x.reshape(n_head, 2, x.shape[0] // n_head // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
 
 
-def write_tiny(path: Path, arch: str = "llama", *, tied: bool = True, rope_freqs: np.ndarray | None = None) -> dict:
+def write_tiny(path: Path, arch: str = "llama", *, tied: bool = True, rope_freqs: np.ndarray | None = None,
+               output_type: T = T.Q4_1) -> dict:
     """Write a tiny model; return the HF-side weights the converter should reproduce."""
     rng = np.random.default_rng(0)
     w = gguf.GGUFWriter(str(path), arch)
@@ -113,7 +114,7 @@ def write_tiny(path: Path, arch: str = "llama", *, tied: bool = True, rope_freqs
     out_norm = normal(HIDDEN) + (1 - norm_shift)
     add("output_norm.weight", "model.norm.weight", out_norm, stored=out_norm + norm_shift)
     if not tied:
-        add("output.weight", "lm_head.weight", normal(vocab, HIDDEN), T.Q4_1)
+        add("output.weight", "lm_head.weight", normal(vocab, HIDDEN), output_type)
     for i in range(LAYERS):
         p, h = f"blk.{i}.", f"model.layers.{i}."
         q, k = normal(HEADS * HEAD_DIM, HIDDEN), normal(KV_HEADS * HEAD_DIM, HIDDEN)
