@@ -97,7 +97,8 @@ def _print_plan(plan) -> None:
     if windows:
         attention += f", {windows} sliding-window layers ({max(w for w in s.layer_windows if w)} tokens)"
     out = _wide(console)
-    out.print(f"[bold]{s.name}[/bold] ({plan.source}): {params}; {attention}")
+    where = "" if plan.source == s.name else f" ({plan.source})"  # a file named as itself: once
+    out.print(f"[bold]{s.name}[/bold]{where}: {params}; {attention}")
     out.print(
         f"[bold]{hw.name}[/bold]: {hw.memory_gib:.1f} GiB, {hw.bandwidth_gbs:,.0f} GB/s, {hw.tflops_bf16:,.1f} TFLOP/s bf16"
         + (f", {hw.tflops_fp8:,.0f} fp8" if hw.tflops_fp8 else "")

@@ -113,6 +113,20 @@ def load_foreign(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor 
     return ckpt.config, ckpt.tensors()
 
 
+def gguf_config(gguf) -> dict:
+    """The config.json a GGUF file's metadata describes (architecture, sizes, tied head, and the
+    dtype its float tensors show it was saved in): what the runtime builds, and `lowbit plan` reads."""
+    spec = arch_spec(gguf)
+    config = spec.build_config(gguf)
+    config["tie_word_embeddings"] = _embeddings_tied(gguf)
+    model_type, hf_class = model_identity(spec, gguf)
+    config = {"architectures": [hf_class], "model_type": model_type, **config}
+    saved = _saved_dtype(gguf)
+    if saved is not None and "torch_dtype" not in config:
+        config["torch_dtype"] = saved
+    return config
+
+
 def read_gguf(path: Path) -> Checkpoint:
     """A GGUF file: Q4_0 / Q8_0 / MXFP4 projections become QTensors, and so does a head in those
     types (a tied token_embd is then the quantized lm_head, as `quantize --quantize-head` stores it);
@@ -123,14 +137,8 @@ def read_gguf(path: Path) -> Checkpoint:
     run of rows × blocks, so each expert's QTensor holds its exact codes and scales."""
     gguf = open_gguf(path)
     spec = arch_spec(gguf)
-    config = spec.build_config(gguf)
-    tied = _embeddings_tied(gguf)
-    config["tie_word_embeddings"] = tied
-    model_type, hf_class = model_identity(spec, gguf)
-    config = {"architectures": [hf_class], "model_type": model_type, **config}
-    saved = _saved_dtype(gguf)
-    if saved is not None and "torch_dtype" not in config:
-        config["torch_dtype"] = saved
+    config = gguf_config(gguf)
+    tied = config["tie_word_embeddings"]
     ckpt = Checkpoint(config=config, gguf=gguf, kind="gguf")
     for name, hf_name in _plan_tensors(gguf, spec, tied, config):
         info = gguf.info(name)

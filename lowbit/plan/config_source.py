@@ -2,8 +2,8 @@
 
 Order: an installed demo model (`smollm2-135m`, `gemma3-270m`, through lowbit.formats.resolve),
 a bundled config of a well-known model (so plan works offline and before `lowbit assets`),
-a local checkpoint directory or config.json file, and last a hub id, for which only config.json
-is downloaded.
+a local checkpoint directory, config.json file or GGUF file (its metadata), and last a hub id, for
+which only config.json is downloaded.
 """
 
 from __future__ import annotations
@@ -46,12 +46,22 @@ def load_config(arg: str) -> tuple[dict[str, Any], str]:
             raise LowbitError(f"{path} has no config.json")
         return read_json(config), str(config)
     if path.is_file():
+        if _is_gguf(path):
+            from lowbit.formats.foreign import gguf_config  # here: only a GGUF needs torch
+            from lowbit.formats.gguf_reader import open_gguf
+
+            return gguf_config(open_gguf(path)), str(path)
         return read_json(path), str(path)
     if _HUB_ID.match(text):
         return read_json(_download_config(text)), f"hub:{text}"
     raise LowbitError(
         f"model not found: {text} (not a bundled name [{', '.join(bundled_names())}], a directory with config.json, or a hub id)"
     )
+
+
+def _is_gguf(path: Path) -> bool:
+    with path.open("rb") as fh:
+        return fh.read(4) == b"GGUF"
 
 
 def _installed_demo(name: str) -> Path | None:

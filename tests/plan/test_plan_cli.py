@@ -57,6 +57,30 @@ def test_checkpoint_directory(tmp_path, capsys):
     assert code == 0 and json.loads(out)["model"]["head_dim"] == 128
 
 
+def test_gguf_file_plans_as_its_config(tmp_path, capsys):
+    """A GGUF file's metadata is its config: the same plan as the directory it converts to, its
+    name said once in the header, and a damaged file one line."""
+    from lowbit.formats.gguf_import import convert_gguf
+    from tests.formats.test_gguf_tiny import write_tiny
+
+    write_tiny(tmp_path / "tiny.gguf", tied=False)
+    convert_gguf(tmp_path / "tiny.gguf", tmp_path / "hf", dtype="bf16")
+    plans = []
+    for model in (tmp_path / "tiny.gguf", tmp_path / "hf"):
+        code, out, _ = run([str(model), "-f", "int4-g32", "--json"], capsys)
+        assert code == 0
+        plans.append(json.loads(out))
+    shape = {k: v for k, v in plans[0]["model"].items() if k not in ("name", "source")}
+    assert shape == {k: v for k, v in plans[1]["model"].items() if k not in ("name", "source")}
+    assert shape["layers"] == 2 and shape["tied_embeddings"] is False
+    assert plans[0]["formats"] == plans[1]["formats"]
+    code, _, err = run([str(tmp_path / "tiny.gguf"), "-f", "int4-g32"], capsys)
+    assert code == 0 and f"{tmp_path / 'tiny.gguf'}: " in err and f"({tmp_path / 'tiny.gguf'})" not in err
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")
+    code, out, err = run([str(tmp_path / "bad.gguf")], capsys)
+    assert code == 1 and out == "" and err.count("\n") == 1 and "truncated" in err
+
+
 @pytest.mark.parametrize(
     "args, needle",
     [
