@@ -34,12 +34,23 @@ def read_json(path: str | Path, missing: Any = _REQUIRED) -> dict[str, Any]:
     return data
 
 
+def _starts_with(path: Path, magic: bytes) -> bool:
+    try:
+        with path.open("rb") as fh:
+            return fh.read(len(magic)) == magic
+    except OSError:
+        return False
+
+
 def model_dir(path: str | Path) -> Path:
     """The path as a model directory, or a clear error saying why it is not one."""
     path = Path(path).expanduser()
     if not path.exists():
         raise LowbitError(f"model not found: {path}")
     if not path.is_dir():
+        if _starts_with(path, b"GGUF"):
+            raise LowbitError(f"{path} is a GGUF file; this command reads a Hugging Face model directory "
+                              f"(convert it first: lowbit convert {path} -o DIR)")
         raise LowbitError(f"{path} is not a model directory (expected a folder with config.json and *.safetensors)")
     if not (path / "config.json").is_file():
         raise LowbitError(f"{path} is not a model directory: it has no config.json")
