@@ -152,7 +152,12 @@ def _inspect_gguf(path, base) -> InspectReport:
     rows = []
     for module, qt in ckpt.qtensors.items():
         row = _row(module, qt, None, source)
-        row.format = exact_gguf_type(qt.spec, qt.shape[1], qt.scales) or qt.spec.label
+        stored = ckpt.stored_as.get(module)  # a Q5_0 tensor runs as int8-g32: the row says what the file holds
+        if stored is not None:
+            row.format, row.bits_per_weight = stored, bits_of[stored]
+            row.bytes = round(bits_of[stored] * qt.shape[0] * qt.shape[1] / 8)
+        else:
+            row.format = exact_gguf_type(qt.spec, qt.shape[1], qt.scales) or qt.spec.label
         rows.append(row)
     for module, (gtype, _) in ckpt.unexpressed.items():
         w = ckpt.dense[f"{module}.weight"]

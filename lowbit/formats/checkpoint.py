@@ -48,6 +48,9 @@ class Checkpoint:
     outliers: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     source_dir: Path | None = None  # where tokenizer files come from (None: see `gguf`)
     gguf: object | None = None  # the GGUFFile a GGUF source was read from
+    # module name -> the GGUF block type a QTensor was read from where it holds it in a wider
+    # lowbit format (Q5_0 as int8-g32: gguf_blocks.READ_AS); inspect reports the file's type
+    stored_as: dict[str, str] = field(default_factory=dict)
     kind: str = "hf"
 
     def tensors(self) -> dict[str, torch.Tensor | QTensor]:

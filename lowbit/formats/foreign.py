@@ -20,7 +20,7 @@ from lowbit.formats.awq import read_awq
 from lowbit.formats.checkpoint import Checkpoint, read_hf, read_native
 from lowbit.formats.compressed_tensors import read_compressed_tensors
 from lowbit.formats.gguf_arch import arch_spec, expert_names, is_stacked, model_identity, unpermute_qk
-from lowbit.formats.gguf_blocks import BLOCK, BLOCK_BYTES, from_gguf_bytes, permute_rows
+from lowbit.formats.gguf_blocks import BLOCK, BLOCK_BYTES, READ_AS, from_gguf_bytes, permute_rows
 from lowbit.formats.gguf_import import _embeddings_tied, _plan_tensors, hf_tensors
 from lowbit.formats.gguf_reader import check_finite_tensor, open_gguf
 from lowbit.formats.gptq import read_gptq
@@ -149,7 +149,7 @@ def read_gguf(path: Path) -> Checkpoint:
         # quantized lm_head `quantize --quantize-head` writes: the kernels read its blocks, and a tied
         # embedding reads its rows from them (runtime/quant_embedding.py), not a float32 table
         is_head = hf_name == "lm_head.weight" or (tied and hf_name == "model.embed_tokens.weight")
-        if (is_projection or is_head) and info.type_name in ("Q4_0", "Q8_0", "MXFP4") and info.shape[-1] % BLOCK == 0:
+        if (is_projection or is_head) and info.type_name in BLOCK_BYTES and info.shape[-1] % BLOCK == 0:
             raw = gguf.raw_bytes(name)
             if stacked:
                 rows, cols = info.shape[1:]
@@ -167,6 +167,8 @@ def read_gguf(path: Path) -> Checkpoint:
                     heads = config["num_attention_heads"] if part == "attn_q" else config["num_key_value_heads"]
                     qt = permute_rows(qt, unpermute_qk(torch.arange(rows), heads))
                 ckpt.qtensors[piece_name[: -len(".weight")]] = qt
+                if info.type_name in READ_AS:
+                    ckpt.stored_as[piece_name[: -len(".weight")]] = info.type_name
             continue
         for piece_name, tensor in hf_tensors(gguf, spec, config, name, hf_name):
             ckpt.dense[piece_name] = _in_stored_dtype(tensor, info.type_name)

@@ -25,7 +25,11 @@ from lowbit.quant.qtensor import QTensor
 from lowbit.quant.spec import FormatSpec, parse_spec
 
 BLOCK = 32
-BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "MXFP4": 17}
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "MXFP4": 17, "Q5_0": 22}
+# Read only: a Q5_0 block is d × (q − 16), q in 0..31 — an 8-bit code with Q8_0's float16 scale,
+# so lowbit holds it exactly as int8-g32 (8.5 bits a weight where the file has 5.5; the int8
+# kernel runs it, where a float32 copy read 32)
+READ_AS = {"Q5_0": "Q8_0"}
 
 
 def exact_gguf_type(spec: FormatSpec, in_features: int, scales: torch.Tensor | None = None) -> str | None:
@@ -91,12 +95,19 @@ def _with_scales(qt: QTensor, scales: torch.Tensor) -> QTensor:
 
 
 def from_gguf_bytes(raw: np.ndarray | bytes, type_name: str, shape: tuple[int, int]) -> QTensor:
-    """The QTensor a Q8_0 / Q4_0 / MXFP4 tensor of HF shape (N, K) stands for, exactly."""
+    """The QTensor a Q8_0 / Q4_0 / MXFP4 / Q5_0 tensor of HF shape (N, K) stands for, exactly (Q5_0
+    as int8-g32: READ_AS)."""
     n, k = shape
     nb = k // BLOCK
     blocks = torch.from_numpy(np.frombuffer(bytes(raw), dtype=np.uint8).copy()).reshape(n, nb, BLOCK_BYTES[type_name])
-    spec = gguf_spec(type_name)
-    if type_name == "Q8_0":
+    spec = gguf_spec(READ_AS.get(type_name, type_name))
+    if type_name == "Q5_0":
+        scales = blocks[:, :, :2].contiguous().view(torch.float16).reshape(n, nb)
+        high = blocks[:, :, 2:6].contiguous().view(torch.int32).reshape(n, nb, 1)  # bit j: element j's fifth bit
+        high = (high >> torch.arange(32, dtype=torch.int32)) & 1
+        codes = _nibbles_from_gguf(blocks[:, :, 6:]).reshape(n, nb, 32).to(torch.int32) | (high << 4)
+        parts = {"qweight": (codes - 16).to(torch.int8).reshape(n, k), "scales": scales}
+    elif type_name == "Q8_0":
         scales = blocks[:, :, :2].contiguous().view(torch.float16).reshape(n, nb)
         qweight = blocks[:, :, 2:].contiguous().view(torch.int8).reshape(n, k)
         parts = {"qweight": qweight, "scales": scales}

@@ -67,3 +67,23 @@ def test_reexport_writes_the_tied_head_blocks_back(tmp_path):
     again = {t.name: t for t in gguf.GGUFReader(str(out)).tensors}
     assert "output.weight" not in again and again["token_embd.weight"].tensor_type == T.Q8_0
     assert np.array_equal(np.asarray(again["token_embd.weight"].data), np.asarray(source["token_embd.weight"].data))
+
+
+def test_q5_0_blocks_are_read_exactly_as_int8_codes(tmp_path, monkeypatch):
+    """Q5_0 is d x (q - 16): an 8-bit code with Q8_0's float16 scale, so it runs on the int8 kernel
+    from its exact values; inspect still reports the file's Q5_0 bytes."""
+    from lowbit.compress.checkpoint_report import inspect_checkpoint
+
+    record = write_tiny(tmp_path / "q.gguf", arch="qwen2", tied=False, output_type=T.Q5_0)
+    ckpt = read_checkpoint(tmp_path / "q.gguf")
+    for module, hf in (("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.q_proj.weight"),
+                       ("lm_head", "lm_head.weight")):
+        qt = ckpt.qtensors[module]
+        assert qt.spec.label.startswith("int8-g32") and ckpt.stored_as[module] == "Q5_0"
+        assert np.array_equal(qt.dequantize().numpy(), _reference(record["expected"][hf], T.Q5_0)), module
+    rows = {r.name: r for r in inspect_checkpoint(tmp_path / "q.gguf").rows}
+    q = rows["model.layers.0.self_attn.q_proj"]
+    assert (q.format, q.bits_per_weight) == ("Q5_0", 5.5) and q.bytes == 64 * 64 * 22 // 32
+    convert_gguf(tmp_path / "q.gguf", tmp_path / "hf", dtype="f32")
+    torch.testing.assert_close(_logits(tmp_path / "q.gguf", monkeypatch), _logits(tmp_path / "hf", monkeypatch),
+                               rtol=1e-5, atol=1e-5)
