@@ -98,7 +98,11 @@ def convert(
     gguf_type: str | None = None,
     dtype: str = "bfloat16",
     progress: ProgressFn | None = None,
+    stored_as: dict[str, str] | None = None,
 ) -> ConvertResult:
+    """stored_as: the GGUF block types the source's modules were first read from (a distilled GGUF
+    student goes through a native checkpoint, which does not keep them): `--to gguf` writes each
+    back in its own type where its codes still fit."""
     source, output = Path(source).expanduser(), Path(output).expanduser()
     target = parse_target(to)
     if gguf_type is not None and target != "gguf":
@@ -113,6 +117,7 @@ def convert(
         convert_gguf(source, output, dtype=dtype, overwrite=overwrite, progress=progress, tally=result.rounded)
     else:
         ckpt = read_checkpoint(source, kind)
+        ckpt.stored_as.update(stored_as or {})
         _dense_routers(ckpt, target)
         _fold_outliers(ckpt, target, allow_requant, result)
         _place_tied_head(ckpt, target, result)

@@ -98,7 +98,7 @@ def _lowbit_expert_names(ckpt: Checkpoint) -> Checkpoint:
                 raise LowbitError(f"checkpoint holds weight {piece_name} twice (e.g. fused and per expert)")
             dense[piece_name] = take_piece(tensor, piece)
     ckpt.dense = dense
-    for table in (ckpt.qtensors, ckpt.unexpressed, ckpt.outliers):
+    for table in (ckpt.qtensors, ckpt.unexpressed, ckpt.outliers, ckpt.stored_as):
         renamed = {to_lowbit(name): value for name, value in table.items()}
         if len(renamed) != len(table):
             raise LowbitError("checkpoint names one expert weight twice (Mixtral's and lowbit's spelling)")

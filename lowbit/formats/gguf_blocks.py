@@ -32,6 +32,14 @@ BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "MXFP4": 17, "Q5_0": 22}
 READ_AS = {"Q5_0": "Q8_0"}
 
 
+def fits_read_as(qt, stored: str | None) -> bool:
+    """Whether `qt`, read from a `stored` block type (READ_AS), still fits that type: a Q5_0 weight's
+    int8-g32 codes in -16..15 with float16 scales (training its scales keeps them so)."""
+    if stored != "Q5_0" or not isinstance(qt, QTensor) or exact_gguf_type(qt.spec, qt.shape[1], qt.scales) != "Q8_0":
+        return False
+    return qt.spec.group_size == BLOCK and int(qt.qweight.min()) >= -16 and int(qt.qweight.max()) <= 15
+
+
 def exact_gguf_type(spec: FormatSpec, in_features: int, scales: torch.Tensor | None = None) -> str | None:
     """The GGUF block type that holds this spec exactly, or None. Q4_0 and Q8_0 store float16
     scales: a spec with bf16 or float32 ones (llm-compressor's checkpoints keep the model's bf16)
@@ -78,6 +86,13 @@ def to_gguf_bytes(qt: QTensor, type_name: str) -> np.ndarray:
     elif type_name == "Q4_0":
         d = qt.scales.to(torch.float16).contiguous().view(torch.uint8).reshape(n, nb, 2)
         blocks = torch.cat([d, _nibbles_to_gguf(unpack_bits(qt.qweight, 4, k))], dim=2)
+    elif type_name == "Q5_0":  # int8-g32 codes in -16..15 (fits_read_as): q = code + 16, its fifth bit in qh
+        d = qt.scales.to(torch.float16).contiguous().view(torch.uint8).reshape(n, nb, 2)
+        q = (qt.qweight.to(torch.int32) + 16).reshape(n, nb, 32)
+        qh = ((q >> 4) << torch.arange(32, dtype=torch.int32)).sum(dim=2, dtype=torch.int64).to(torch.int32)
+        qh = qh.reshape(n, nb, 1).contiguous().view(torch.uint8).reshape(n, nb, 4)
+        low = _nibbles_to_gguf((q & 0xF).to(torch.uint8).reshape(n, k))
+        blocks = torch.cat([d, qh, low], dim=2)
     elif type_name == "MXFP4":
         e = qt.scales.reshape(n, nb, 1)
         blocks = torch.cat([e, _nibbles_to_gguf(unpack_bits(qt.qweight, 4, k))], dim=2)

@@ -29,7 +29,7 @@ import torch
 from lowbit.errors import LowbitError, UsageError
 from lowbit.formats.checkpoint import Checkpoint
 from lowbit.formats.gguf_arch import _GLOBAL, ARCHITECTURES, gguf_block_name, llama3_rope_divisors, permute_qk
-from lowbit.formats.gguf_blocks import exact_gguf_type, gguf_spec, to_gguf_bytes
+from lowbit.formats.gguf_blocks import exact_gguf_type, fits_read_as, gguf_spec, to_gguf_bytes
 from lowbit.formats.gguf_export_gemma3 import check_llama_cpp_gemma3, write_gemma3_metadata
 from lowbit.formats.gguf_export_vocab import write_vocabulary
 from lowbit.formats.gguf_q4k import QK_K, dequantize_q4_k, quantize_q4_k
@@ -45,7 +45,7 @@ _MOE_ARCHS = ("qwen2moe", "qwen3moe", "olmoe")
 # blk.L.ffn_{gate,up,down}_exps [experts, rows, columns].
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 _DENSE_MLP = re.compile(r"^model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight$")
-_FILE_TYPE = {"BF16": 32, "Q8_0": 7, "Q4_0": 2, "Q4_K": 15, "MXFP4": 38}  # llama_ftype (MOSTLY_*)
+_FILE_TYPE = {"BF16": 32, "Q8_0": 7, "Q4_0": 2, "Q5_0": 8, "Q4_K": 15, "MXFP4": 38}  # llama_ftype (MOSTLY_*)
 
 
 def parse_gguf_type(name: str | None) -> str | None:
@@ -140,6 +140,8 @@ def write_gguf(
     for module in sorted(projections):
         value = tensors[f"{module}.weight"]
         gtype, reason = _choose(value, forced)
+        if forced is None and reason is None and fits_read_as(value, ckpt.stored_as.get(module)):
+            gtype = ckpt.stored_as[module]  # read from Q5_0 as int8 codes: written back as Q5_0
         if module in ckpt.unexpressed:
             reason = reason or ckpt.unexpressed[module][1]
         plan[module] = (gtype, reason)

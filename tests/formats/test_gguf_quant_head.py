@@ -87,3 +87,22 @@ def test_q5_0_blocks_are_read_exactly_as_int8_codes(tmp_path, monkeypatch):
     convert_gguf(tmp_path / "q.gguf", tmp_path / "hf", dtype="f32")
     torch.testing.assert_close(_logits(tmp_path / "q.gguf", monkeypatch), _logits(tmp_path / "hf", monkeypatch),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_q5_0_is_written_back_as_the_same_blocks(tmp_path):
+    write_tiny(tmp_path / "q.gguf", arch="qwen2", tied=False, output_type=T.Q5_0)
+    out = tmp_path / "again.gguf"
+    convert(tmp_path / "q.gguf", out, "gguf", allow_requant=True)  # its Q4_1/Q5_1 layers requantize
+    source = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "q.gguf")).tensors}
+    again = {t.name: t for t in gguf.GGUFReader(str(out)).tensors}
+    for name in ("blk.0.attn_q.weight", "blk.1.attn_q.weight", "output.weight"):
+        assert again[name].tensor_type == T.Q5_0, name
+        assert np.array_equal(np.asarray(again[name].data), np.asarray(source[name].data)), name
+    # through a native checkpoint (as a distilled student is written) the type travels in stored_as
+    convert(tmp_path / "q.gguf", tmp_path / "n", "native", allow_requant=True)
+    stored = read_checkpoint(tmp_path / "q.gguf").stored_as
+    for keep, want in ((stored, T.Q5_0), (None, T.Q8_0)):
+        path = tmp_path / f"n-{want.name}.gguf"
+        convert(tmp_path / "n", path, "gguf", allow_requant=True, stored_as=keep)
+        tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+        assert tensors["blk.0.attn_q.weight"].tensor_type == want

@@ -149,7 +149,7 @@ def write_student(student: QuantStudent, output: str | Path, overwrite: bool = F
         native = Path(tmp) / "native"
         native.mkdir()
         _write_native(student, native)
-        convert(native, output, to=ckpt.kind, overwrite=overwrite)
+        convert(native, output, to=ckpt.kind, overwrite=overwrite, stored_as=ckpt.stored_as)
     return output
 
 
