@@ -26,9 +26,10 @@ from lowbit.quant.spec import FormatSpec, parse_spec
 
 BLOCK = 32
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "MXFP4": 17, "Q5_0": 22}
-# Read only: a Q5_0 block is d × (q − 16), q in 0..31 — an 8-bit code with Q8_0's float16 scale,
-# so lowbit holds it exactly as int8-g32 (8.5 bits a weight where the file has 5.5; the int8
-# kernel runs it, where a float32 copy read 32)
+# A Q5_0 block is d × (q − 16), q in 0..31: an 8-bit code with Q8_0's float16 scale, so lowbit
+# holds it exactly as int8-g32 (8.5 bits a weight in memory where the file has 5.5; the int8 kernel
+# runs it, where a float32 copy read 32), and writes it back as Q5_0 (Checkpoint.stored_as,
+# fits_read_as)
 READ_AS = {"Q5_0": "Q8_0"}
 
 
@@ -89,7 +90,8 @@ def to_gguf_bytes(qt: QTensor, type_name: str) -> np.ndarray:
     elif type_name == "Q5_0":  # int8-g32 codes in -16..15 (fits_read_as): q = code + 16, its fifth bit in qh
         d = qt.scales.to(torch.float16).contiguous().view(torch.uint8).reshape(n, nb, 2)
         q = (qt.qweight.to(torch.int32) + 16).reshape(n, nb, 32)
-        qh = ((q >> 4) << torch.arange(32, dtype=torch.int32)).sum(dim=2, dtype=torch.int64).to(torch.int32)
+        qh = ((q.long() >> 4) << torch.arange(32)).sum(dim=2)  # 0 .. 2^32 - 1
+        qh = torch.where(qh >= 1 << 31, qh - (1 << 32), qh).to(torch.int32)  # the same 32 bits, as int32
         qh = qh.reshape(n, nb, 1).contiguous().view(torch.uint8).reshape(n, nb, 4)
         low = _nibbles_to_gguf((q & 0xF).to(torch.uint8).reshape(n, k))
         blocks = torch.cat([d, qh, low], dim=2)

@@ -106,3 +106,19 @@ def test_q5_0_is_written_back_as_the_same_blocks(tmp_path):
         convert(tmp_path / "n", path, "gguf", allow_requant=True, stored_as=keep)
         tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
         assert tensors["blk.0.attn_q.weight"].tensor_type == want
+
+
+def test_q5_0_blocks_round_trip_every_high_bit():
+    """Each element's fifth bit lives in the block's 32-bit qh; element 31's is its sign bit."""
+    from gguf.quants import quantize
+
+    from lowbit.formats.gguf_blocks import from_gguf_bytes, to_gguf_bytes
+
+    rng = np.random.default_rng(1)
+    w = (rng.standard_normal((8, 128)) * 0.1).astype(np.float32)
+    w[:, 31::32] = 5.0  # the top code at element 31 of every block
+    w[0, :32] = 0.0  # a zero block (d = 0)
+    raw = quantize(w, T.Q5_0)
+    qt = from_gguf_bytes(raw.tobytes(), "Q5_0", (8, 128))
+    assert int(qt.qweight[:, 31::32].min()) == 15
+    assert np.array_equal(to_gguf_bytes(qt, "Q5_0").reshape(-1), np.frombuffer(raw.tobytes(), np.uint8))
