@@ -116,9 +116,11 @@ def test_q5_0_blocks_round_trip_every_high_bit():
 
     rng = np.random.default_rng(1)
     w = (rng.standard_normal((8, 128)) * 0.1).astype(np.float32)
-    w[:, 31::32] = 5.0  # the top code at element 31 of every block
+    # the block's extreme at element 0 takes code -16 (d = extreme / -16, as Q4_0); -15/16 of it at
+    # element 31 takes the top code, 15 (q = 31: its fifth bit is qh's bit 31)
+    w[:, 0::32], w[:, 31::32] = 5.0, -4.6875
     w[0, :32] = 0.0  # a zero block (d = 0)
     raw = quantize(w, T.Q5_0)
     qt = from_gguf_bytes(raw.tobytes(), "Q5_0", (8, 128))
-    assert int(qt.qweight[:, 31::32].min()) == 15
+    assert (qt.qweight[1:, 31::32] == 15).all() and (qt.qweight[1:, 0::32] == -16).all()
     assert np.array_equal(to_gguf_bytes(qt, "Q5_0").reshape(-1), np.frombuffer(raw.tobytes(), np.uint8))
