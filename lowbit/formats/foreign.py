@@ -24,6 +24,7 @@ from lowbit.formats.gguf_blocks import BLOCK, BLOCK_BYTES, READ_AS, from_gguf_by
 from lowbit.formats.gguf_import import _embeddings_tied, _plan_tensors, hf_tensors
 from lowbit.formats.gguf_reader import check_finite_tensor, open_gguf
 from lowbit.formats.gptq import read_gptq
+from lowbit.formats.hf_files import is_gguf_file
 from lowbit.formats.moe_names import expert_pieces, take_piece, to_lowbit
 from lowbit.formats.native import check_finite_part
 from lowbit.quant.qtensor import QTensor
@@ -36,9 +37,8 @@ def detect_checkpoint_kind(path: str | os.PathLike) -> str:
     if not path.exists():
         raise LowbitError(f"checkpoint not found: {path}")
     if path.is_file():
-        with path.open("rb") as fh:
-            if fh.read(4) == b"GGUF" or path.suffix.lower() == ".gguf":
-                return "gguf"  # a damaged *.gguf gets the GGUF reader's precise error
+        if is_gguf_file(path) or path.suffix.lower() == ".gguf":
+            return "gguf"  # a damaged *.gguf gets the GGUF reader's precise error
         raise LowbitError(f"{path} is a file but not GGUF; lowbit reads checkpoint directories or *.gguf files")
     config_path = path / "config.json"
     qc = None

@@ -34,12 +34,10 @@ def read_json(path: str | Path, missing: Any = _REQUIRED) -> dict[str, Any]:
     return data
 
 
-def _starts_with(path: Path, magic: bytes) -> bool:
-    try:
-        with path.open("rb") as fh:
-            return fh.read(len(magic)) == magic
-    except OSError:
-        return False
+def is_gguf_file(path: str | Path) -> bool:
+    """Whether the file at `path` starts with GGUF's magic (torch-free: plan/ asks too)."""
+    with Path(path).open("rb") as fh:
+        return fh.read(4) == b"GGUF"
 
 
 def model_dir(path: str | Path) -> Path:
@@ -48,7 +46,11 @@ def model_dir(path: str | Path) -> Path:
     if not path.exists():
         raise LowbitError(f"model not found: {path}")
     if not path.is_dir():
-        if _starts_with(path, b"GGUF"):
+        try:
+            gguf = is_gguf_file(path)
+        except OSError:  # unreadable: the plain reason below
+            gguf = False
+        if gguf:
             raise LowbitError(f"{path} is a GGUF file; this command reads a Hugging Face model directory "
                               f"(convert it first: lowbit convert {path} -o DIR)")
         raise LowbitError(f"{path} is not a model directory (expected a folder with config.json and *.safetensors)")

@@ -15,7 +15,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from lowbit.errors import LowbitError
-from lowbit.formats.hf_files import read_json
+from lowbit.formats.hf_files import is_gguf_file, read_json
 from lowbit.paths import MODEL_NAMES
 
 BUNDLED_DIR = Path(__file__).parent / "bundled"
@@ -46,7 +46,7 @@ def load_config(arg: str) -> tuple[dict[str, Any], str]:
             raise LowbitError(f"{path} has no config.json")
         return read_json(config), str(config)
     if path.is_file():
-        if _is_gguf(path):
+        if is_gguf_file(path):
             from lowbit.formats.foreign import gguf_config  # here: only a GGUF needs torch
             from lowbit.formats.gguf_reader import open_gguf
 
@@ -57,11 +57,6 @@ def load_config(arg: str) -> tuple[dict[str, Any], str]:
     raise LowbitError(
         f"model not found: {text} (not a bundled name [{', '.join(bundled_names())}], a directory with config.json, or a hub id)"
     )
-
-
-def _is_gguf(path: Path) -> bool:
-    with path.open("rb") as fh:
-        return fh.read(4) == b"GGUF"
 
 
 def _installed_demo(name: str) -> Path | None:

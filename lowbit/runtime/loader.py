@@ -20,7 +20,7 @@ from lowbit.runtime.models import CausalLM, build_model
 from lowbit.runtime.moe_weights import expert_tensors
 from lowbit.runtime.quant_linear import attach_native
 from lowbit.formats.native import check_finite_part
-from lowbit.formats.hf_files import model_dir, one_line, read_config, weight_files
+from lowbit.formats.hf_files import is_gguf_file, model_dir, one_line, read_config, weight_files
 
 # Tensors some exporters save that carry no learned state.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -171,9 +171,8 @@ def _foreign_kind(path: str | Path) -> str | None:
 
     path = Path(path).expanduser()
     if path.is_file():
-        with path.open("rb") as fh:
-            if fh.read(4) != b"GGUF":
-                return None  # model_dir() gives the precise error
+        if not is_gguf_file(path):
+            return None  # model_dir() gives the precise error
     elif not (path / "config.json").is_file():
         return None
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from lowbit.errors import LowbitError
-from lowbit.formats.hf_files import read_json
+from lowbit.formats.hf_files import is_gguf_file, read_json
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -120,7 +120,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     from tokenizers import Tokenizer as Backend
 
     path = Path(path).expanduser()
-    if path.is_file() and _is_gguf(path):
+    if path.is_file() and is_gguf_file(path):
         return _gguf_tokenizer(path)
     file = path / "tokenizer.json"
     if not file.is_file():
@@ -145,11 +145,6 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
             raise LowbitError(f"{file}: the BOS token has id {tokenizer.bos_id}, but the model has only {vocab} "
                               "embeddings (config.json vocab_size)")
     return tokenizer
-
-
-def _is_gguf(path: Path) -> bool:
-    with path.open("rb") as fh:
-        return fh.read(4) == b"GGUF"
 
 
 def _gguf_tokenizer(path: Path) -> Tokenizer:

@@ -85,8 +85,6 @@ def test_gguf_reexport_is_the_same_file_and_keeps_bf16(add_tiny_tokenizer, tmp_p
 
 
 def test_gguf_says_the_dtype_its_float_tensors_were_saved_in(add_tiny_tokenizer, tmp_path):
-    import torch as _torch
-
     from lowbit.runtime.config import ModelConfig
     from lowbit.runtime.engine.paged_cache import resolve_kv_dtype
 
@@ -102,6 +100,6 @@ def test_gguf_says_the_dtype_its_float_tensors_were_saved_in(add_tiny_tokenizer,
         got = read_checkpoint(tmp_path / f"{name}.gguf").config.get("torch_dtype")
         assert got == want, name
         # --kv-dtype auto: the GGUF's cache is the one its source directory gets
-        kv = [resolve_kv_dtype(None, _torch.float32, _torch.device("cpu"), ModelConfig.from_dict(c))
+        kv = [resolve_kv_dtype(None, torch.float32, torch.device("cpu"), ModelConfig.from_dict(c))
               for c in (read_checkpoint(src).config, read_checkpoint(tmp_path / f"{name}.gguf").config)]
         assert kv[0] == kv[1] == ("bf16" if want else None), name
